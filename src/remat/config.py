@@ -1,0 +1,236 @@
+"""`CheckpointConfig`: what a person asks remat to do, validated the moment it is made.
+
+The config is a frozen value. A `CheckpointedModel` plans its per-layer map from it, so a config
+that could be changed in place would let the map and the config drift apart; to change what runs,
+build a new config (``config.replace(every_n_layers=2)``) and hand it to ``cm.enable(config)``.
+It round-trips through JSON with a format version, the way PEFT's adapter configs do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+logger = logging.getLogger("remat")
+
+POLICIES = ("none", "recompute", "offload")
+"""Per-layer policies: keep activations, recompute from inputs on the device, recompute from
+inputs held in host memory."""
+
+SWAP_PLACEMENTS = ("spread", "tail")
+
+CONFIG_NAME = "checkpoint_config.json"
+FORMAT_VERSION = 1
+
+
+class _ReadOnlyDict(dict):
+    """A dict that refuses changes, so `config.layer_policies[3] = "none"` cannot bypass the plan.
+
+    `__reduce__` rebuilds it from a plain dict, so copy, deepcopy and pickle keep working.
+    """
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError(
+            "CheckpointConfig is immutable: build a new one with config.replace(layer_policies=...) "
+            "and pass it to cm.enable(config)"
+        )
+
+    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+
+    def __reduce__(self):  # type: ignore[override]
+        return (type(self), (dict(self),))
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"CheckpointConfig.{name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"CheckpointConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"CheckpointConfig.{name} must be >= {minimum}, got {value}")
+
+
+def _layer_index(name: str, key: Any) -> int:
+    """Accept an int index, or its decimal string (JSON object keys are always strings)."""
+    if isinstance(key, str) and key.strip().isdigit():
+        key = int(key)
+    if isinstance(key, bool) or not isinstance(key, int):
+        raise TypeError(f"CheckpointConfig.{name}: layer indices must be ints, got {key!r} ({type(key).__name__})")
+    if key < 0:
+        raise ValueError(f"CheckpointConfig.{name}: layer indices count from 0, got {key}")
+    return key
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class CheckpointConfig:
+    """How activation memory is paid for, layer by layer.
+
+    Args:
+        every_n_layers: checkpoint layers 0, N, 2N, ... of all discovered layers, in module order
+            (transformers' rule). 1 checkpoints every layer.
+        offload: checkpointed layers keep their saved inputs in host memory.
+        offload_min_bytes: inputs smaller than this stay on the device; the copy costs more than
+            it saves.
+        swap_layers: how many layers (int) or which layers (list of indices) keep their frozen
+            weights in host memory between uses.
+        swap_placement: where a count of swapped layers goes: "spread" evenly over the stack, or
+            "tail" (the last ones). Ignored when `swap_layers` is a list.
+        layer_policies: {layer index: "none" | "recompute" | "offload"}, overrides for single layers.
+        use_reentrant: use torch's reentrant checkpoint instead of the default non-reentrant one.
+        preserve_rng_state: replay the forward's RNG state during recompute, so dropout masks match.
+    """
+
+    every_n_layers: int = 1
+    offload: bool = False
+    offload_min_bytes: int = 2 * 1024**2
+    swap_layers: int | tuple[int, ...] = 0
+    swap_placement: str = "spread"
+    layer_policies: Mapping[int, str] = field(default_factory=dict)
+    use_reentrant: bool = False
+    preserve_rng_state: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("every_n_layers", self.every_n_layers, 1)
+        _check_bool("offload", self.offload)
+        _check_int("offload_min_bytes", self.offload_min_bytes, 0)
+        _check_bool("use_reentrant", self.use_reentrant)
+        _check_bool("preserve_rng_state", self.preserve_rng_state)
+        if self.swap_placement not in SWAP_PLACEMENTS:
+            raise ValueError(
+                f"CheckpointConfig.swap_placement must be one of {SWAP_PLACEMENTS}, got {self.swap_placement!r}"
+            )
+        object.__setattr__(self, "swap_layers", self._validated_swap_layers(self.swap_layers))
+        object.__setattr__(self, "layer_policies", self._validated_layer_policies(self.layer_policies))
+
+    @staticmethod
+    def _validated_swap_layers(value: Any) -> int | tuple[int, ...]:
+        if isinstance(value, (list, tuple)):
+            indices = tuple(_layer_index("swap_layers", v) for v in value)
+            if len(set(indices)) != len(indices):
+                raise ValueError(f"CheckpointConfig.swap_layers lists a layer twice: {list(value)}")
+            return tuple(sorted(indices))
+        _check_int("swap_layers", value, 0)
+        return value
+
+    @staticmethod
+    def _validated_layer_policies(value: Any) -> Mapping[int, str]:
+        if not isinstance(value, Mapping):
+            raise TypeError(
+                f"CheckpointConfig.layer_policies must be a dict {{layer index: policy}}, got {type(value).__name__}"
+            )
+        checked: dict[int, str] = {}
+        for key, policy in value.items():
+            index = _layer_index("layer_policies", key)
+            if policy not in POLICIES:
+                raise ValueError(
+                    f"CheckpointConfig.layer_policies[{index}] must be one of {POLICIES}, got {policy!r}"
+                )
+            if index in checked:
+                raise ValueError(f"CheckpointConfig.layer_policies names layer {index} twice")
+            checked[index] = policy
+        return _ReadOnlyDict(sorted(checked.items()))
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(
+            tuple(v.items()) if isinstance(v, Mapping) else v
+            for v in (getattr(self, f.name) for f in dataclasses.fields(CheckpointConfig))
+        )
+
+    def __eq__(self, other: object) -> bool:
+        # isinstance, not class identity: `cm.config` is a view subclass that must equal the plain config.
+        if not isinstance(other, CheckpointConfig):
+            return NotImplemented
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(CheckpointConfig))
+        return f"CheckpointConfig({fields})"
+
+    # -- derived facts -------------------------------------------------------------------------
+
+    @property
+    def swaps_any(self) -> bool:
+        return bool(self.swap_layers)
+
+    @property
+    def offloads_any(self) -> bool:
+        return self.offload or "offload" in self.layer_policies.values()
+
+    def replace(self, **changes: Any) -> "CheckpointConfig":
+        """A new config with `changes` applied, validated like any other."""
+        names = [f.name for f in dataclasses.fields(CheckpointConfig)]
+        unknown = set(changes) - set(names)
+        if unknown:
+            raise TypeError(f"CheckpointConfig has no field(s) {sorted(unknown)}")
+        return CheckpointConfig(**{**{name: getattr(self, name) for name in names}, **changes})
+
+    def changed_fields(self, other: "CheckpointConfig") -> dict[str, tuple[Any, Any]]:
+        """{field: (value here, value in other)} for every field that differs."""
+        return {
+            f.name: (getattr(self, f.name), getattr(other, f.name))
+            for f in dataclasses.fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        }
+
+    # -- JSON ----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready values: lists for tuples, string keys for layer indices."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, Mapping):
+                value = {str(k): v for k, v in value.items()}
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> "CheckpointConfig":
+        """Build a config from `to_dict()` output. Keys this version does not know are ignored
+        with one warning (a newer remat may have written them); bad values raise."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        meta = {"format_version", "remat_version", "layers"}
+        unknown = sorted(set(data) - known - meta)
+        if unknown:
+            logger.warning("%s: ignoring keys this remat does not know: %s", source, unknown)
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{source}: {err}") from None
+
+    def to_json_string(self) -> str:
+        from . import __version__
+
+        payload = {"format_version": FORMAT_VERSION, "remat_version": __version__, **self.to_dict()}
+        return json.dumps(payload, indent=2, sort_keys=True) + "\n"
+
+    def save_pretrained(self, save_directory: str | os.PathLike) -> str:
+        """Write `checkpoint_config.json` into `save_directory` and return its path."""
+        from .saving import write_json_atomically
+
+        os.makedirs(save_directory, exist_ok=True)
+        path = os.path.join(save_directory, CONFIG_NAME)
+        write_json_atomically(path, self.to_json_string())
+        return path
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "CheckpointConfig":
+        """Read `checkpoint_config.json` from a folder (or the file itself)."""
+        from .saving import read_json_object
+
+        file = os.path.join(path, CONFIG_NAME) if os.path.isdir(path) else os.fspath(path)
+        return cls.from_dict(read_json_object(file), source=file)

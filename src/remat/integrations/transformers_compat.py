@@ -1,0 +1,56 @@
+"""Every difference between transformers versions that remat cares about, in one place.
+
+- 4.52+: `GradientCheckpointingLayer` exists; it checkpoints from `__call__` (module hooks run
+  inside the recompute).
+- 5.0: the default `use_reentrant` becomes False.
+- 5.16 / 5.17: `gradient_checkpointing_enable(..., every_n_layers=, offload=)`; Trainer pops
+  both keys out of `gradient_checkpointing_kwargs` and passes them explicitly.
+- 5.23: everything renamed to `activation_checkpointing_*` (the old names warn until v6);
+  `TrainingArguments(activation_checkpointing=..., activation_checkpointing_kwargs=...)`; the
+  checkpoint moved from `__call__` to `forward`.
+
+remat drives the per-layer flag and function itself, so the enable/disable routes are the only
+entry points whose names differ; this module says which ones a model has.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import transformers
+from packaging.version import Version
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+MIN_TRANSFORMERS = Version("4.57")
+
+ENABLE_ROUTES = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
+DISABLE_ROUTES = ("gradient_checkpointing_disable", "activation_checkpointing_disable")
+
+
+@lru_cache(maxsize=None)
+def gradient_checkpointing_layer_class() -> type:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return GradientCheckpointingLayer
+
+
+def pretrained_model_class() -> type:
+    return transformers.PreTrainedModel
+
+
+def has_activation_checkpointing_names() -> bool:
+    """True from 5.23 on, where the `activation_checkpointing_*` names are the main ones."""
+    return hasattr(transformers.PreTrainedModel, "activation_checkpointing_enable")
+
+
+def routes_defined_on(model: Any) -> tuple[str, ...]:
+    """The enable/disable route names that `model`'s class defines on this version."""
+    return tuple(name for name in (*ENABLE_ROUTES, *DISABLE_ROUTES) if hasattr(type(model), name))
+
+
+def trainer_checkpointing_args(enabled: bool = True, kwargs: dict | None = None) -> dict[str, Any]:
+    """The `TrainingArguments` keywords that ask Trainer for checkpointing on this version."""
+    if has_activation_checkpointing_names():
+        return {"activation_checkpointing": enabled, "activation_checkpointing_kwargs": kwargs}
+    return {"gradient_checkpointing": enabled, "gradient_checkpointing_kwargs": kwargs}

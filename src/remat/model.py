@@ -1,0 +1,344 @@
+"""`CheckpointedModel`: owns a model and keeps its per-layer checkpoint map true.
+
+The wrapper follows PEFT's `PeftModel`: an `nn.Module` that holds the model as `.model`,
+delegates unknown attributes to it (with a recursion guard) and forwards calls. What it adds is
+the map: discover the layers, plan them from the config, install exactly what the plan says,
+and route every other way of touching checkpointing (transformers' enable/disable methods,
+Trainer, PEFT) back into the plan.
+
+Installing means, per layer and on the instance only: set transformers' per-layer
+`gradient_checkpointing` flag and `_gradient_checkpointing_func` (a `RecomputeCheckpoint` for a
+checkpointed layer), plus the flag of the "holder" modules that transformers reads to turn
+`use_cache` off while training. Everything set is recorded and restored by `disable()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+from typing import Any, Mapping
+
+from torch import nn
+
+from .config import CheckpointConfig
+from .integrations.routes import RouteOverrides, config_from_route, describe_changes
+from .integrations.transformers_compat import pretrained_model_class
+from .layers import Discovery, discover_layers
+from .plan import CheckpointMap, plan_layers
+from .recompute import RecomputeCheckpoint, run_without_checkpoint
+
+logger = logging.getLogger("remat")
+
+_FLAG = "gradient_checkpointing"
+_FUNC = "_gradient_checkpointing_func"
+_MISSING = object()
+
+NOT_AVAILABLE_YET = {
+    "offload": "the 'offload' policy (offload=True or layer_policies[...] = 'offload')",
+    "swap": "block swap (swap_layers)",
+}
+
+
+def _refuse_unavailable(config: CheckpointConfig) -> None:
+    """Offload and block swap are planned but not installed yet: refuse, never ignore."""
+    asked = [text for key, text in NOT_AVAILABLE_YET.items() if (config.offloads_any if key == "offload" else config.swaps_any)]
+    if asked:
+        raise NotImplementedError(
+            f"{' and '.join(asked)} is not available yet in this version of remat; "
+            "use the 'recompute' or 'none' policies for now"
+        )
+
+
+def _check_wrappable(model: Any) -> None:
+    if isinstance(model, CheckpointedModel):
+        raise TypeError("this model is already a CheckpointedModel; wrap the original model once")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}")
+    pretrained = pretrained_model_class()
+    if not any(isinstance(m, pretrained) for m in model.modules()):
+        raise TypeError(
+            f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
+            f"{type(model).__name__} contains no PreTrainedModel"
+        )
+    owner = getattr(model, "_remat_owner", None)
+    if owner is not None:
+        raise ValueError("this model is already wrapped by another CheckpointedModel; call its disable() first")
+
+
+class _ModelAwareConfig(CheckpointConfig):
+    """What `cm.config` returns: the CheckpointConfig, answering for the wrapped model's own
+    config where the name is not a checkpointing field.
+
+    Code written for Hugging Face models reads and writes `model.config` (Trainer sets
+    `model.config.use_cache`, reads `eos_token_id`, `problem_type`, ...). The contract makes
+    `cm.config` the CheckpointConfig, so the names it does not have are looked up on, and
+    written to, `cm.model.config`. Its fields stay frozen: change them with `cm.enable(config)`.
+    """
+
+    @classmethod
+    def bind(cls, config: CheckpointConfig, model_config: Any) -> "CheckpointConfig":
+        if model_config is None:
+            return config
+        view = cls.__new__(cls)
+        object.__setattr__(view, "__dict__", dict(config.__dict__))
+        object.__setattr__(view, "_model_config", model_config)
+        return view
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "_model_config":
+            raise AttributeError(name)
+        return getattr(self.__dict__["_model_config"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in {f.name for f in dataclasses.fields(CheckpointConfig)}:
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to CheckpointConfig.{name}: build a new config with "
+                f"cm.config.replace({name}=...) and pass it to cm.enable(config)"
+            )
+        setattr(self.__dict__["_model_config"], name, value)
+
+
+class _LayerState:
+    """The instance attributes remat sets on one module, as they were before, to put them back."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.saved = {key: module.__dict__.get(key, _MISSING) for key in (_FLAG, _FUNC)}
+
+    def set(self, enabled: bool, function: Any) -> None:
+        # object.__setattr__ keeps these out of nn.Module's parameter/buffer bookkeeping.
+        object.__setattr__(self.module, _FLAG, enabled)
+        object.__setattr__(self.module, _FUNC, function)
+
+    def restore(self) -> None:
+        for key, value in self.saved.items():
+            if value is _MISSING:
+                self.module.__dict__.pop(key, None)
+            else:
+                object.__setattr__(self.module, key, value)
+
+
+class CheckpointedModel(nn.Module):
+    """A model whose activation checkpointing is decided layer by layer by `config`.
+
+    Args:
+        model: a transformers `PreTrainedModel`, or a peft `PeftModel` over one. It is kept as
+            `cm.model`, unchanged in type, parameter names and parameter objects.
+        config: the `CheckpointConfig`; the default checkpoints every layer.
+
+    Example::
+
+        cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+        print(cm.checkpoint_map)
+        loss = cm(**batch).loss
+        with cm.for_inference():
+            tokens = cm.generate(**prompt)
+    """
+
+    def __init__(self, model: nn.Module, config: CheckpointConfig | None = None):
+        _check_wrappable(model)
+        config = CheckpointConfig() if config is None else config
+        if not isinstance(config, CheckpointConfig):
+            raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
+        discovery = discover_layers(model)
+        checkpoint_map = plan_layers(config, discovery.names)
+        _refuse_unavailable(config)
+        super().__init__()
+        self.model = model
+        self._config = config
+        self._discovery: Discovery = discovery
+        self._map: CheckpointMap = checkpoint_map
+        self._off_by: str | None = None
+        self._inference = False
+        self._restore_training: bool | None = None
+        self._states: list[_LayerState] = []
+        self._routes = RouteOverrides(self._route_enable, self._route_disable)
+        self._mode_hook: Any = None
+
+        @functools.wraps(model.forward)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return self.model(*args, **kwargs)
+
+        # Trainer picks dataset columns from `inspect.signature(model.forward)`: show the wrapped one.
+        self.forward = forward
+        self._install()
+
+    # -- delegation (PEFT's pattern) -----------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "model":  # not set yet: no recursion through self.model
+                raise
+            return getattr(self.model, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # replaced per instance in __init__
+        return self.model(*args, **kwargs)
+
+    # -- public state --------------------------------------------------------------------------
+
+    @property
+    def config(self) -> CheckpointConfig:  # type: ignore[override]
+        """The current `CheckpointConfig` (the wrapped model's own config is `cm.model.config`)."""
+        return _ModelAwareConfig.bind(self._config, getattr(self.model, "config", None))
+
+    @property
+    def checkpoint_map(self) -> CheckpointMap:
+        """The per-layer plan, in layer order. It is what runs whenever the model trains."""
+        return self._map
+
+    @property
+    def is_enabled(self) -> bool:
+        """True while remat's shims are installed (between `enable()` and `disable()`)."""
+        return bool(self._states)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The discovered layers, index i being `checkpoint_map[i]`."""
+        return [layer.module for layer in self._discovery.layers]
+
+    # -- enable / disable ----------------------------------------------------------------------
+
+    def enable(self, config: CheckpointConfig | None = None) -> "CheckpointedModel":
+        """Turn checkpointing on, with `config` if given (else the current one). Returns self."""
+        config = self._config if config is None else config
+        if not isinstance(config, CheckpointConfig):
+            raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
+        self._replan(config, off_by=None, cause="enable()")
+        if not self.is_enabled:
+            self._install()
+        return self
+
+    def disable(self) -> "CheckpointedModel":
+        """Remove everything remat installed: flags, functions, routes, hooks. Returns self.
+
+        The model is left as it was before wrapping (same parameters and state_dict, no hooks);
+        `enable()` installs the shims again.
+        """
+        if not self.is_enabled:
+            return self
+        for state in reversed(self._states):
+            state.restore()
+        self._states.clear()
+        self._routes.uninstall()
+        if self._mode_hook is not None:
+            self._mode_hook.remove()
+            self._mode_hook = None
+        self.model.__dict__.pop("_remat_owner", None)
+        logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
+        return self
+
+    # -- training / inference ------------------------------------------------------------------
+
+    def for_inference(self) -> "CheckpointedModel":
+        """Eval mode with checkpointing off, so generation can use its cache. The map is kept.
+
+        Usable as a context manager: ``with cm.for_inference(): ...`` returns to the previous
+        mode (training, usually) on exit.
+        """
+        self._restore_training = self.model.training and not self._inference
+        self._inference = True
+        self.model.eval()
+        self._apply()
+        return self
+
+    def for_training(self) -> "CheckpointedModel":
+        """Training mode with the map applied exactly as it is. Returns self."""
+        self._restore_training = self.model.training and not self._inference
+        self._inference = False
+        self.model.train()
+        self._apply()
+        return self
+
+    def __enter__(self) -> "CheckpointedModel":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        restore, self._restore_training = self._restore_training, None
+        if restore:
+            self.for_training()
+        elif restore is not None:
+            self.for_inference()
+
+    # -- save / load ---------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+        """Write the adapters (when the model is a PeftModel) and `checkpoint_config.json`."""
+        from .persistence import save_checkpointed_model
+
+        save_checkpointed_model(self, save_directory, **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls, model: nn.Module, path: str | os.PathLike, is_trainable: bool = True, **kwargs: Any
+    ) -> "CheckpointedModel":
+        """Load adapters (if `path` holds any) and the checkpoint config saved at `path`."""
+        from .persistence import load_checkpointed_model
+
+        return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _replan(self, config: CheckpointConfig, off_by: str | None, cause: str) -> None:
+        """Plan first (errors leave everything as it was), then apply."""
+        new_map = plan_layers(config, self._discovery.names, checkpointing_off_by=off_by)
+        _refuse_unavailable(config)
+        changes = describe_changes(self._config, config)
+        if changes:
+            logger.info("%s changed the checkpoint config: %s", cause, changes)
+        if new_map != self._map:
+            logger.info("%s changed the checkpoint map: %r", cause, new_map)
+        self._config, self._off_by, self._map = config, off_by, new_map
+        if self.is_enabled:
+            self._apply()
+
+    def _install(self) -> None:
+        self._states = [_LayerState(d.module) for d in (*self._discovery.layers, *self._discovery.holders)]
+        took_over = [s.module for s in self._states if s.saved[_FLAG] is True]
+        if took_over:
+            logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
+        self._routes.install(self.model)
+        self._mode_hook = self.model.register_forward_pre_hook(self._check_mode)
+        object.__setattr__(self.model, "_remat_owner", True)
+        self._apply()
+
+    def _apply(self) -> None:
+        """Make the installed flags say exactly what the map says, for the current mode."""
+        if not self.is_enabled:
+            return
+        active = not self._inference
+        layer_states = self._states[: len(self._discovery.layers)]
+        holder_states = self._states[len(self._discovery.layers) :]
+        for plan, state in zip(self._map, layer_states):
+            if plan.checkpointed and active:
+                state.set(True, RecomputeCheckpoint(
+                    plan.index,
+                    use_reentrant=self._config.use_reentrant,
+                    preserve_rng_state=self._config.preserve_rng_state,
+                ))
+            else:
+                state.set(False, run_without_checkpoint)
+        any_checkpointed = active and bool(self._map.checkpointed)
+        for state in holder_states:
+            state.set(any_checkpointed, run_without_checkpoint)
+
+    def _check_mode(self, module: nn.Module, args: Any) -> None:
+        """A model put back into training by `model.train()` (Trainer does it every step) after
+        `for_inference()` must train with its map, not without checkpointing."""
+        if self._inference and module.training:
+            logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
+            self._inference = False
+            self._apply()
+
+    def _route_enable(self, route: str, kwargs_dict: Mapping[str, Any] | None, keywords: dict[str, Any]) -> None:
+        config = config_from_route(self._config, route, kwargs_dict, keywords)
+        self._replan(config, off_by=None, cause=route)
+
+    def _route_disable(self, route: str) -> None:
+        self._replan(self._config, off_by=route, cause=route)
+
+    def extra_repr(self) -> str:
+        return f"config={self._config!r}, map={self._map!r}, enabled={self.is_enabled}"

@@ -1,0 +1,77 @@
+"""The recompute shim: what a checkpointed layer calls instead of running its forward directly.
+
+transformers' `GradientCheckpointingLayer` calls ``layer._gradient_checkpointing_func(fn, *args)``
+when its `gradient_checkpointing` flag is set and it is training (from `__call__` before 5.23,
+from `forward` since). remat sets that flag and function per layer, on the instance, as its map
+says. Keyword arguments of the layer (masks, position embeddings) arrive bound into `fn`; the
+positional ones (hidden states) are what the checkpoint saves.
+
+Holders (modules that only carry the flag so transformers turns `use_cache` off) get
+`run_without_checkpoint`, so they can never add a checkpoint around a layer that has its own:
+no layer is checkpointed twice.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger("remat")
+
+
+def run_without_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The holder's function: run as is. Checkpointing is decided by each layer, not its parent."""
+    return function(*args, **kwargs)
+
+
+def _needs_grad(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+class RecomputeCheckpoint:
+    """Checkpoint one layer: keep its inputs, drop its activations, recompute them in backward.
+
+    Non-reentrant by default (torch's recommendation; it follows gradients into keyword
+    arguments and supports nested autograd). With `use_reentrant=True`, a layer whose inputs do
+    not require grad (a frozen embedding under LoRA) would produce an output with no grad_fn and
+    its LoRA weights would never learn; the first floating-point input is then detached and made
+    to require grad, which costs one extra gradient and needs no hook on the embedding.
+    """
+
+    def __init__(self, index: int, *, use_reentrant: bool, preserve_rng_state: bool):
+        self.index = index
+        self.use_reentrant = use_reentrant
+        self.preserve_rng_state = preserve_rng_state
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.use_reentrant:
+            if kwargs:
+                # torch's reentrant checkpoint takes positional inputs only.
+                bound, kwargs = function, dict(kwargs)
+                function = lambda *a: bound(*a, **kwargs)  # noqa: E731
+            if torch.is_grad_enabled() and not any(_needs_grad(a) for a in args):
+                args = self._first_float_requires_grad(args)
+            return checkpoint(
+                function, *args, use_reentrant=True, preserve_rng_state=self.preserve_rng_state
+            )
+        return checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **kwargs
+        )
+
+    @staticmethod
+    def _first_float_requires_grad(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        out = list(args)
+        for i, value in enumerate(out):
+            if isinstance(value, torch.Tensor) and value.is_floating_point():
+                out[i] = value.detach().requires_grad_(True)
+                break
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        return (
+            f"RecomputeCheckpoint(layer={self.index}, use_reentrant={self.use_reentrant}, "
+            f"preserve_rng_state={self.preserve_rng_state})"
+        )
