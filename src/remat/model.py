@@ -157,11 +157,15 @@ class CheckpointedModel(nn.Module):
         self._routes = RouteOverrides(self._route_enable, self._route_disable)
         self._mode_hook: Any = None
 
-        @functools.wraps(model.forward)
+        # Trainer picks dataset columns from `inspect.signature(model.forward)`; a PeftModel's own
+        # forward takes (*args, **kwargs), so show the transformers model's signature, as Trainer
+        # does when it unwraps a PeftModel.
+        base = model.get_base_model() if hasattr(type(model), "get_base_model") else model
+
+        @functools.wraps(base.forward)
         def forward(*args: Any, **kwargs: Any) -> Any:
             return self.model(*args, **kwargs)
 
-        # Trainer picks dataset columns from `inspect.signature(model.forward)`: show the wrapped one.
         self.forward = forward
         self._install()
 
@@ -242,7 +246,7 @@ class CheckpointedModel(nn.Module):
         self._restore_training = self.model.training and not self._inference
         self._inference = True
         self.model.eval()
-        self._apply()
+        self._apply_map()
         return self
 
     def for_training(self) -> "CheckpointedModel":
@@ -250,7 +254,7 @@ class CheckpointedModel(nn.Module):
         self._restore_training = self.model.training and not self._inference
         self._inference = False
         self.model.train()
-        self._apply()
+        self._apply_map()
         return self
 
     def __enter__(self) -> "CheckpointedModel":
@@ -293,7 +297,7 @@ class CheckpointedModel(nn.Module):
             logger.info("%s changed the checkpoint map: %r", cause, new_map)
         self._config, self._off_by, self._map = config, off_by, new_map
         if self.is_enabled:
-            self._apply()
+            self._apply_map()
 
     def _install(self) -> None:
         self._states = [_LayerState(d.module) for d in (*self._discovery.layers, *self._discovery.holders)]
@@ -303,9 +307,9 @@ class CheckpointedModel(nn.Module):
         self._routes.install(self.model)
         self._mode_hook = self.model.register_forward_pre_hook(self._check_mode)
         object.__setattr__(self.model, "_remat_owner", True)
-        self._apply()
+        self._apply_map()
 
-    def _apply(self) -> None:
+    def _apply_map(self) -> None:
         """Make the installed flags say exactly what the map says, for the current mode."""
         if not self.is_enabled:
             return
@@ -331,7 +335,7 @@ class CheckpointedModel(nn.Module):
         if self._inference and module.training:
             logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
             self._inference = False
-            self._apply()
+            self._apply_map()
 
     def _route_enable(self, route: str, kwargs_dict: Mapping[str, Any] | None, keywords: dict[str, Any]) -> None:
         config = config_from_route(self._config, route, kwargs_dict, keywords)

@@ -74,11 +74,9 @@ class CheckpointMap(Sequence[LayerPlan]):
         return [p.index for p in self._plans if p.checkpointed]
 
     def __repr__(self) -> str:
-        counts = {policy: 0 for policy in ("none", *CHECKPOINTED)}
-        for plan in self._plans:
-            counts[plan.policy] += 1
-        summary = ", ".join(f"{k}={v}" for k, v in counts.items())
-        return f"CheckpointMap({len(self)} layers: {summary}, swapped={sum(p.swapped for p in self._plans)})"
+        groups = ", ".join(f"{policy} {self.indices(policy)}" for policy in (*CHECKPOINTED, "none"))
+        swapped = [p.index for p in self._plans if p.swapped]
+        return f"CheckpointMap({len(self)} layers: {groups}, swapped {swapped})"
 
     def __str__(self) -> str:
         return render_table(

@@ -1,0 +1,170 @@
+"""Tiny models built from configs (no downloads) and the measuring tools the tests share.
+
+Checkpointing is judged by behaviour: `RecomputeCounter` counts how often each layer's first
+child starts during a step (2 means the layer was recomputed), and `step_grads` gives the
+gradients of one training step to compare against a run without checkpointing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+VOCAB = 96
+SEQ = 12
+BATCH = 2
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    attention_dropout=0.1,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def _config(arch: str, **overrides):
+    c = dict(_COMMON)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig
+    elif arch == "qwen3":
+        cfg = transformers.Qwen3Config
+        c["head_dim"] = 8
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig
+    elif arch == "phi3":
+        cfg = transformers.Phi3Config
+        c.update(resid_pdrop=0.1, embd_pdrop=0.0)
+    elif arch == "gemma":
+        cfg = transformers.GemmaConfig
+        c["head_dim"] = 8
+    elif arch == "qwen2_moe":
+        cfg = transformers.Qwen2MoeConfig
+        c.update(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            decoder_sparse_step=1,
+        )
+    else:  # pragma: no cover - a typo in a test
+        raise KeyError(arch)
+    c.update(overrides)
+    return cfg(**c)
+
+
+ARCHS = ("llama", "qwen3", "mistral", "phi3", "gemma", "qwen2_moe")
+
+
+def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> transformers.PreTrainedModel:
+    torch.manual_seed(seed)
+    config = _config(arch, **overrides)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.train()
+    return model
+
+
+def add_lora(model: nn.Module, dropout: float = 0.1):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft_model = get_peft_model(model, config)
+    # Non-zero B so LoRA contributes to the output and its gradients exercise every path.
+    torch.manual_seed(1)
+    for name, param in peft_model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.02)
+    peft_model.train()
+    return peft_model
+
+
+def batch(seed: int = 0, size: int = BATCH, seq: int = SEQ) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (size, seq), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def step_grads(call, named_params, data, seed: int = 123) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients of one training step, with the RNG seeded so dropout is reproducible."""
+    for _, p in named_params:
+        p.grad = None
+    torch.manual_seed(seed)
+    loss = call(**data).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in named_params if p.grad is not None}
+
+
+def assert_same_grads(expected: dict, actual: dict, rtol: float = 1e-5, atol: float = 1e-7) -> None:
+    assert expected.keys() == actual.keys(), "a different set of parameters received gradients"
+    assert expected, "no parameter received a gradient"
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+class RecomputeCounter:
+    """Counts how many times each layer's first child starts; 2 per step means recomputed."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.counts = [0] * len(layers)
+        self._handles = []
+        for i, layer in enumerate(layers):
+            first_child = next(iter(layer.children()))
+            self._handles.append(first_child.register_forward_pre_hook(self._bump(i)))
+
+    def _bump(self, i: int):
+        def hook(module, args):
+            self.counts[i] += 1
+
+        return hook
+
+    def reset(self) -> None:
+        self.counts = [0] * len(self.counts)
+
+    def recomputed(self) -> list[int]:
+        return [i for i, c in enumerate(self.counts) if c == 2]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def hook_snapshot(model: nn.Module) -> dict[str, tuple]:
+    """Every hook dict of every module, by module name, to prove nothing was left behind."""
+    names = (
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_state_dict_hooks",
+        "_load_state_dict_pre_hooks",
+    )
+    return {n: tuple(tuple(getattr(m, h, {}).keys()) for h in names) for n, m in model.named_modules()}
+
+
+@pytest.fixture(autouse=True)
+def _quiet_transformers():
+    transformers.logging.set_verbosity_error()
+    yield
+
+
+@pytest.fixture
+def remat_logs(caplog):
+    caplog.set_level(logging.INFO, logger="remat")
+    return caplog

@@ -1,0 +1,103 @@
+"""CheckpointConfig: each field validated at construction, immutable, JSON round trip."""
+
+import copy
+import dataclasses
+import json
+import pickle
+
+import pytest
+
+from remat import CheckpointConfig
+
+
+@pytest.mark.parametrize(
+    "field, value, error",
+    [
+        ("every_n_layers", 0, ValueError),
+        ("every_n_layers", -2, ValueError),
+        ("every_n_layers", 1.5, TypeError),
+        ("every_n_layers", "2", TypeError),
+        ("every_n_layers", True, TypeError),
+        ("offload", 1, TypeError),
+        ("offload", "yes", TypeError),
+        ("offload_min_bytes", -1, ValueError),
+        ("offload_min_bytes", 2.0, TypeError),
+        ("swap_layers", -1, ValueError),
+        ("swap_layers", 1.0, TypeError),
+        ("swap_layers", [0, 0], ValueError),
+        ("swap_layers", [-1], ValueError),
+        ("swap_layers", ["a"], TypeError),
+        ("swap_layers", {0: 1}, TypeError),
+        ("swap_placement", "middle", ValueError),
+        ("swap_placement", None, ValueError),
+        ("layer_policies", {0: "checkpoint"}, ValueError),
+        ("layer_policies", {-1: "none"}, ValueError),
+        ("layer_policies", {1.0: "none"}, TypeError),
+        ("layer_policies", [(0, "none")], TypeError),
+        ("layer_policies", {0: "none", "0": "recompute"}, ValueError),
+        ("use_reentrant", None, TypeError),
+        ("preserve_rng_state", 0, TypeError),
+    ],
+)
+def test_each_bad_value_is_an_error_naming_the_field(field, value, error):
+    with pytest.raises(error) as info:
+        CheckpointConfig(**{field: value})
+    assert field in str(info.value)
+
+
+def test_defaults_match_the_contract():
+    c = CheckpointConfig()
+    assert (c.every_n_layers, c.offload, c.offload_min_bytes, c.swap_layers, c.swap_placement) == (
+        1, False, 2 * 1024**2, 0, "spread")
+    assert (dict(c.layer_policies), c.use_reentrant, c.preserve_rng_state) == ({}, False, True)
+
+
+def test_config_is_immutable_and_replace_validates():
+    c = CheckpointConfig(layer_policies={2: "none"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.every_n_layers = 2
+    with pytest.raises(TypeError):
+        c.layer_policies[3] = "recompute"
+    assert c.replace(every_n_layers=2).every_n_layers == 2
+    with pytest.raises(ValueError):
+        c.replace(every_n_layers=0)
+    with pytest.raises(TypeError, match="no field"):
+        c.replace(every_n=2)
+
+
+def test_callers_dict_and_list_are_copied():
+    policies, swap = {1: "none"}, [3, 1]
+    c = CheckpointConfig(layer_policies=policies, swap_layers=swap)
+    policies[2] = "recompute"
+    swap.append(0)
+    assert dict(c.layer_policies) == {1: "none"} and c.swap_layers == (1, 3)
+
+
+def test_json_round_trip_with_every_option_set(tmp_path):
+    c = CheckpointConfig(
+        every_n_layers=3, offload=True, offload_min_bytes=1024, swap_layers=[4, 0], swap_placement="tail",
+        layer_policies={"2": "none", 5: "offload"}, use_reentrant=True, preserve_rng_state=False,
+    )
+    path = c.save_pretrained(tmp_path)
+    data = json.loads(open(path).read())
+    assert data["format_version"] == 1 and "remat_version" in data
+    assert list(data) == sorted(data)
+    assert CheckpointConfig.from_pretrained(tmp_path) == c
+    assert CheckpointConfig.from_dict(c.to_dict()) == c
+    assert copy.deepcopy(c) == c and pickle.loads(pickle.dumps(c)) == c
+    assert hash(copy.deepcopy(c)) == hash(c)
+
+
+@pytest.mark.parametrize("content", ["", "{", "[1, 2]", '{"every_n_layers": 0}', '{"offload": "no"}'])
+def test_bad_files_are_value_errors_naming_the_file(tmp_path, content):
+    (tmp_path / "checkpoint_config.json").write_text(content)
+    with pytest.raises(ValueError) as info:
+        CheckpointConfig.from_pretrained(tmp_path)
+    assert "checkpoint_config.json" in str(info.value)
+
+
+def test_unknown_keys_from_a_newer_remat_load_with_a_warning(tmp_path, caplog):
+    (tmp_path / "checkpoint_config.json").write_text('{"every_n_layers": 2, "planner": "auto"}')
+    with caplog.at_level("WARNING", logger="remat"):
+        c = CheckpointConfig.from_pretrained(tmp_path)
+    assert c.every_n_layers == 2 and "planner" in caplog.text

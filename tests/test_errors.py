@@ -1,0 +1,101 @@
+"""Bad input to the wrapper: a clear error, and the model left untouched."""
+
+import pytest
+import torch
+from conftest import batch, hook_snapshot, tiny_model
+from torch import nn
+from transformers import LlamaConfig, PreTrainedModel
+
+from remat import CheckpointConfig, CheckpointedModel, NoCheckpointableLayersError
+
+
+def _fingerprint(model):
+    return (
+        hook_snapshot(model),
+        {n: dict(vars(m)) .keys() for n, m in model.named_modules()},
+        [id(p) for p in model.parameters()],
+    )
+
+
+class PlainBlocksModel(PreTrainedModel):
+    """A PreTrainedModel whose blocks are plain modules: nothing remat can checkpoint yet."""
+
+    config_class = LlamaConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.blocks = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)])
+        self.post_init()
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_model_with_no_checkpointable_layers_names_what_was_searched_for():
+    model = PlainBlocksModel(LlamaConfig(hidden_size=8, num_attention_heads=1, num_hidden_layers=1))
+    before = _fingerprint(model)
+    with pytest.raises(NoCheckpointableLayersError, match="GradientCheckpointingLayer") as info:
+        CheckpointedModel(model)
+    assert "PlainBlocksModel" in str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert _fingerprint(model) == before
+
+
+@pytest.mark.parametrize("thing", [nn.Linear(2, 2), "model", None])
+def test_not_a_transformers_model_is_a_type_error(thing):
+    with pytest.raises(TypeError, match="PreTrainedModel|nn.Module"):
+        CheckpointedModel(thing)
+
+
+def test_wrong_config_type_is_a_type_error():
+    model = tiny_model()
+    before = _fingerprint(model)
+    with pytest.raises(TypeError, match="CheckpointConfig"):
+        CheckpointedModel(model, {"every_n_layers": 2})
+    assert _fingerprint(model) == before
+
+
+@pytest.mark.parametrize(
+    "config, error, message",
+    [
+        (CheckpointConfig(layer_policies={4: "none"}), ValueError, "has 4 layers"),
+        (CheckpointConfig(swap_layers=5), ValueError, "more layers"),
+        (CheckpointConfig(offload=True), NotImplementedError, "not available yet"),
+        (CheckpointConfig(layer_policies={1: "offload"}), NotImplementedError, "not available yet"),
+        (CheckpointConfig(swap_layers=1), NotImplementedError, "block swap"),
+    ],
+)
+def test_configs_the_model_cannot_take_are_refused_before_anything_changes(config, error, message):
+    model = tiny_model()
+    before = _fingerprint(model)
+    with pytest.raises(error, match=message):
+        CheckpointedModel(model, config)
+    assert _fingerprint(model) == before
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    wrapped = _fingerprint(model)
+    with pytest.raises(error, match=message):
+        cm.enable(config)
+    assert cm.config == CheckpointConfig(every_n_layers=2) and cm.checkpoint_map.checkpointed == [0, 2]
+    assert _fingerprint(model) == wrapped
+
+
+def test_wrapping_twice_is_refused():
+    model = tiny_model()
+    cm = CheckpointedModel(model)
+    with pytest.raises(ValueError, match="already wrapped"):
+        CheckpointedModel(model)
+    with pytest.raises(TypeError, match="already a CheckpointedModel"):
+        CheckpointedModel(cm)
+
+
+def test_config_fields_cannot_be_assigned_through_the_wrapper_and_model_config_passes_through():
+    model = tiny_model()
+    cm = CheckpointedModel(model)
+    with pytest.raises(Exception, match="cm.enable"):
+        cm.config.every_n_layers = 2
+    cm.config.use_cache = False  # Trainer writes this on model.config
+    assert model.config.use_cache is False and cm.config.eos_token_id == model.config.eos_token_id
+    assert cm.config == CheckpointConfig()
+    assert torch.isfinite(cm(**batch()).loss)

@@ -1,0 +1,91 @@
+"""for_inference / for_training: generation uses its cache, and round trips change nothing."""
+
+import torch
+from conftest import RecomputeCounter, add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
+
+from remat import CheckpointConfig, CheckpointedModel
+
+
+class SequenceLengths:
+    """Records the sequence length each call of layer 0 sees: 1 per new token means a cache."""
+
+    def __init__(self, layer):
+        self.lengths = []
+        self._handle = next(iter(layer.children())).register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        self.lengths.append(hidden.shape[1])
+
+    def remove(self):
+        self._handle.remove()
+
+
+def _generate(model, prompt):
+    return model.generate(
+        input_ids=prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=6,
+        do_sample=False,
+        pad_token_id=0,
+    )
+
+
+def test_generation_under_for_inference_uses_the_cache_and_matches_the_bare_model():
+    bare = tiny_model(seed=5).eval()
+    prompt = batch(seed=9)["input_ids"][:, :5]
+    with torch.no_grad():
+        expected = _generate(bare, prompt)
+
+    model = tiny_model(seed=5)
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    lengths = SequenceLengths(decoder_layers(model)[0])
+    with torch.no_grad(), cm.for_inference():
+        assert not model.training
+        got = _generate(cm, prompt)
+    lengths.remove()
+    assert model.training, "leaving the with-block restores training"
+    assert torch.equal(got, expected)
+    assert lengths.lengths == [5] + [1] * 5, "each new token must be computed from the cache"
+
+
+def test_round_trips_leave_map_config_and_behaviour_unchanged():
+    model = add_lora(tiny_model())
+    config = CheckpointConfig(every_n_layers=2, layer_policies={3: "recompute"})
+    cm = CheckpointedModel(model, config)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    before_map = cm.checkpoint_map
+    counter = RecomputeCounter(decoder_layers(model))
+    _, first = step_grads(cm, named, batch())
+    first_counts = list(counter.counts)
+    for _ in range(5):
+        assert cm.for_inference() is cm
+        assert not model.training and not model.is_gradient_checkpointing
+        assert cm.for_training() is cm
+    counter.reset()
+    _, again = step_grads(cm, named, batch())
+    assert cm.checkpoint_map == before_map and cm.config == config
+    assert counter.counts == first_counts == [2, 1, 2, 2]
+    assert_same_grads(first, again, rtol=0, atol=0)
+
+
+def test_training_mode_set_directly_after_for_inference_trains_with_the_map(remat_logs):
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    cm.for_inference()
+    model.train()  # what Trainer does at every step, bypassing for_training()
+    counter = RecomputeCounter(decoder_layers(model))
+    step_grads(cm, list(model.named_parameters()), batch())
+    assert counter.recomputed() == [0, 2]
+    assert "outside for_training" in remat_logs.text
+
+
+def test_for_inference_keeps_the_map_and_for_training_reapplies_it_after_a_route_change():
+    model = tiny_model()
+    cm = CheckpointedModel(model)
+    with cm.for_inference():
+        model.gradient_checkpointing_enable(every_n_layers=3)  # e.g. a TRL toggle during generation
+        assert not model.is_gradient_checkpointing
+    counter = RecomputeCounter(decoder_layers(model))
+    step_grads(cm, list(model.named_parameters()), batch())
+    assert counter.recomputed() == [0, 3] == cm.checkpoint_map.checkpointed

@@ -1,0 +1,191 @@
+"""Every route that turns checkpointing on or off changes the map and nothing else."""
+
+import pytest
+import torch
+from conftest import RecomputeCounter, add_lora, batch, decoder_layers, hook_snapshot, step_grads, tiny_model
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.integrations.transformers_compat import (
+    DISABLE_ROUTES,
+    ENABLE_ROUTES,
+    has_activation_checkpointing_names,
+    routes_defined_on,
+)
+
+
+def _recomputed(cm, model):
+    counter = RecomputeCounter(decoder_layers(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    step_grads(cm, named, batch())
+    counter.remove()
+    return counter.recomputed()
+
+
+def _enable_routes(model):
+    return [r for r in routes_defined_on(model) if r in ENABLE_ROUTES]
+
+
+def _disable_routes(model):
+    return [r for r in routes_defined_on(model) if r in DISABLE_ROUTES]
+
+
+def test_routes_match_this_transformers_version():
+    model = tiny_model()
+    expected = 2 if has_activation_checkpointing_names() else 1
+    assert len(_enable_routes(model)) == len(_disable_routes(model)) == expected
+
+
+@pytest.mark.parametrize("where", ["kwargs_dict", "keyword"])
+def test_enable_route_sets_every_n_layers(where):
+    model = tiny_model()
+    cm = CheckpointedModel(model)
+    for route in _enable_routes(model):
+        cm.enable(CheckpointConfig())
+        kwargs_name = route.replace("_enable", "_kwargs")
+        if where == "kwargs_dict":
+            getattr(model, route)(**{kwargs_name: {"every_n_layers": 2}})
+        else:
+            getattr(model, route)(every_n_layers=2)
+        assert cm.config.every_n_layers == 2, route
+        assert _recomputed(cm, model) == [0, 2], route
+
+
+def test_defaults_only_call_keeps_the_wrappers_config():
+    model = tiny_model()
+    config = CheckpointConfig(every_n_layers=3, layer_policies={1: "recompute"})
+    cm = CheckpointedModel(model, config)
+    for route in _enable_routes(model):
+        kwargs_name = route.replace("_enable", "_kwargs")
+        getattr(model, route)()
+        getattr(model, route)(**{kwargs_name: {}}, every_n_layers=1, offload=False)
+        getattr(model, route)(**{kwargs_name: {"use_reentrant": False, "every_n_layers": 1}})
+        assert cm.config == config
+        assert _recomputed(cm, model) == [0, 1, 3]
+
+
+def test_non_default_checkpoint_options_update_the_config(remat_logs):
+    model = tiny_model()
+    cm = CheckpointedModel(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert cm.config.use_reentrant is True
+    assert "use_reentrant False -> True" in remat_logs.text
+    assert _recomputed(cm, model) == [0, 1, 2, 3]
+
+
+def test_disable_routes_turn_every_layer_off_and_enable_brings_the_config_back():
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    for route in _disable_routes(model):
+        getattr(model, route)()
+        assert [p.policy for p in cm.checkpoint_map] == ["none"] * 4
+        assert all(route in p.reason for p in cm.checkpoint_map)
+        assert _recomputed(cm, model) == []
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+        model.gradient_checkpointing_enable()
+        assert _recomputed(cm, model) == [0, 2]
+
+
+def test_is_checkpointing_properties_follow_the_map():
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    names = ["is_gradient_checkpointing"] + (["is_activation_checkpointing"] if has_activation_checkpointing_names() else [])
+    assert all(getattr(model, n) for n in names)
+    model.gradient_checkpointing_disable()
+    assert not any(getattr(model, n) for n in names)
+    cm.enable()
+    cm.for_inference()
+    assert not any(getattr(model, n) for n in names)
+    cm.for_training()
+    assert all(getattr(model, n) for n in names)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"gradient_checkpointing_kwargs": {"determinism_check": "none"}}, ValueError),
+        ({"gradient_checkpointing_kwargs": {"every_n_layer": 2}}, ValueError),
+        ({"gradient_checkpointing_kwargs": {"every_n_layers": 0}}, ValueError),
+        ({"gradient_checkpointing_kwargs": {"every_n_layers": "2"}}, TypeError),
+        ({"gradient_checkpointing_kwargs": ["use_reentrant"]}, TypeError),
+        ({"gradient_checkpointing_kwargs": {"every_n_layers": 2}, "every_n_layers": 3}, ValueError),
+        ({"gradient_checkpointing_kwargs": {"offload": True}}, NotImplementedError),
+        ({"offload": True}, NotImplementedError),
+        ({"use_reentrant": True}, TypeError),
+    ],
+)
+def test_bad_route_calls_are_clear_errors_that_change_nothing(kwargs, error):
+    model = tiny_model()
+    config = CheckpointConfig(every_n_layers=2)
+    cm = CheckpointedModel(model, config)
+    before_map, before_hooks = cm.checkpoint_map, hook_snapshot(model)
+    with pytest.raises(error) as info:
+        model.gradient_checkpointing_enable(**kwargs)
+    assert "gradient_checkpointing_enable" in str(info.value) or error is NotImplementedError
+    assert cm.config == config and cm.checkpoint_map == before_map
+    assert hook_snapshot(model) == before_hooks
+    assert _recomputed(cm, model) == [0, 2]
+
+
+def test_repeated_route_calls_add_no_hooks():
+    model = add_lora(tiny_model())
+    cm = CheckpointedModel(model)
+    model.gradient_checkpointing_enable()
+    before = hook_snapshot(model)
+    for _ in range(5):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_disable()
+        cm.gradient_checkpointing_enable()
+    assert hook_snapshot(model) == before
+
+
+def test_routes_through_peft_model_and_wrapper_reach_the_map():
+    peft_model = add_lora(tiny_model())
+    cm = CheckpointedModel(peft_model)
+    peft_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"every_n_layers": 2})
+    assert _recomputed(cm, peft_model) == [0, 2]
+    cm.gradient_checkpointing_enable(every_n_layers=3)
+    assert _recomputed(cm, peft_model) == [0, 3]
+    peft_model.base_model.model.gradient_checkpointing_disable()
+    assert _recomputed(cm, peft_model) == []
+
+
+def test_peft_prepare_model_for_kbit_training_on_a_quantized_model():
+    """PEFT's k-bit preparation calls gradient_checkpointing_enable; on a real 8-bit model
+    (bitsandbytes runs on CPU) that call must land in the map, with the user's every_n_layers."""
+    import tempfile
+
+    import bitsandbytes  # noqa: F401  (a test dependency: the quantized model needs it)
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_model("llama", attention_dropout=0.0, hidden_size=64, intermediate_size=128).save_pretrained(folder)
+        quantized = AutoModelForCausalLM.from_pretrained(
+            folder, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu"
+        )
+    assert quantized.is_loaded_in_8bit
+    cm = CheckpointedModel(quantized, CheckpointConfig(every_n_layers=2))
+    prepare_model_for_kbit_training(quantized, gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert cm.config.every_n_layers == 2
+    peft_model = get_peft_model(quantized, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    peft_model.train()
+    counter = RecomputeCounter(decoder_layers(quantized))
+    loss = cm(**batch()).loss
+    loss.backward()
+    assert counter.recomputed() == [0, 2]
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in peft_model.named_parameters() if "lora_" in n)
+
+
+def test_prepare_model_for_kbit_training_called_on_a_peft_model():
+    """The same route, called on a PeftModel over the wrapped model (PEFT forwards the call)."""
+    from peft import prepare_model_for_kbit_training
+
+    model = tiny_model()
+    model.is_loaded_in_8bit = True  # the attribute PEFT reads; the real 8-bit model is the test above
+    peft_model = add_lora(model)
+    cm = CheckpointedModel(peft_model, CheckpointConfig(every_n_layers=3))
+    prepare_model_for_kbit_training(peft_model, gradient_checkpointing_kwargs={"every_n_layers": 2})
+    assert cm.config.every_n_layers == 2
+    counter = RecomputeCounter(decoder_layers(model))
+    cm(**batch()).loss.backward()  # PEFT made the embedding output require grad, so backward runs
+    assert counter.recomputed() == [0, 2]
