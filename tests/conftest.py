@@ -18,19 +18,19 @@ VOCAB = 96
 SEQ = 12
 BATCH = 2
 
-_COMMON = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    attention_dropout=0.1,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "attention_dropout": 0.1,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 def _config(arch: str, **overrides):
@@ -108,8 +108,8 @@ def step_grads(call, named_params, data, seed: int = 123) -> tuple[torch.Tensor,
 def assert_same_grads(expected: dict, actual: dict, rtol: float = 1e-5, atol: float = 1e-7) -> None:
     assert expected.keys() == actual.keys(), "a different set of parameters received gradients"
     assert expected, "no parameter received a gradient"
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

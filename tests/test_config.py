@@ -48,7 +48,12 @@ def test_each_bad_value_is_an_error_naming_the_field(field, value, error):
 def test_defaults_match_the_contract():
     c = CheckpointConfig()
     assert (c.every_n_layers, c.offload, c.offload_min_bytes, c.swap_layers, c.swap_placement) == (
-        1, False, 2 * 1024**2, 0, "spread")
+        1,
+        False,
+        2 * 1024**2,
+        0,
+        "spread",
+    )
     assert (dict(c.layer_policies), c.use_reentrant, c.preserve_rng_state) == ({}, False, True)
 
 
@@ -75,11 +80,18 @@ def test_callers_dict_and_list_are_copied():
 
 def test_json_round_trip_with_every_option_set(tmp_path):
     c = CheckpointConfig(
-        every_n_layers=3, offload=True, offload_min_bytes=1024, swap_layers=[4, 0], swap_placement="tail",
-        layer_policies={"2": "none", 5: "offload"}, use_reentrant=True, preserve_rng_state=False,
+        every_n_layers=3,
+        offload=True,
+        offload_min_bytes=1024,
+        swap_layers=[4, 0],
+        swap_placement="tail",
+        layer_policies={"2": "none", 5: "offload"},
+        use_reentrant=True,
+        preserve_rng_state=False,
     )
     path = c.save_pretrained(tmp_path)
-    data = json.loads(open(path).read())
+    data = json.loads(tmp_path.joinpath("checkpoint_config.json").read_text())
+    assert path == str(tmp_path / "checkpoint_config.json")
     assert data["format_version"] == 1 and "remat_version" in data
     assert list(data) == sorted(data)
     assert CheckpointConfig.from_pretrained(tmp_path) == c

@@ -12,9 +12,16 @@ def _instance_attrs(model):
 
 
 def _public_attrs(model):
-    keep = ("gradient_checkpointing", "_gradient_checkpointing_func", "gradient_checkpointing_enable",
-            "gradient_checkpointing_disable", "activation_checkpointing_enable", "activation_checkpointing_disable",
-            "_remat_owner", "forward")
+    keep = (
+        "gradient_checkpointing",
+        "_gradient_checkpointing_func",
+        "gradient_checkpointing_enable",
+        "gradient_checkpointing_disable",
+        "activation_checkpointing_enable",
+        "activation_checkpointing_disable",
+        "_remat_owner",
+        "forward",
+    )
     return {name: {k: v for k, v in vars(m).items() if k in keep} for name, m in model.named_modules()}
 
 
@@ -44,7 +51,7 @@ def test_disable_restores_parameters_state_dict_hooks_attributes_and_outputs(lor
 
     assert not cm.is_enabled
     assert {n: p for n, p in model.named_parameters()} == params  # same objects, by identity
-    assert all(a is b for a, b in zip(model.parameters(), params.values()))
+    assert all(a is b for a, b in zip(model.parameters(), params.values(), strict=True))
     after = model.state_dict()
     assert after.keys() == state.keys()
     assert all(torch.equal(after[k], state[k]) for k in state)
@@ -62,15 +69,19 @@ def test_disable_restores_parameters_state_dict_hooks_attributes_and_outputs(lor
 def test_disable_restores_checkpointing_enabled_natively_before_wrapping():
     model = tiny_model()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    before = {name: (vars(m).get("gradient_checkpointing"), vars(m).get("_gradient_checkpointing_func"))
-              for name, m in model.named_modules()}
+    before = {
+        name: (vars(m).get("gradient_checkpointing"), vars(m).get("_gradient_checkpointing_func"))
+        for name, m in model.named_modules()
+    }
     cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
     counter = RecomputeCounter(decoder_layers(model))
     step_grads(cm, list(model.named_parameters()), batch())
     assert counter.recomputed() == [0, 2], "the map, not the native every-layer setting, runs"
     cm.disable()
-    after = {name: (vars(m).get("gradient_checkpointing"), vars(m).get("_gradient_checkpointing_func"))
-             for name, m in model.named_modules()}
+    after = {
+        name: (vars(m).get("gradient_checkpointing"), vars(m).get("_gradient_checkpointing_func"))
+        for name, m in model.named_modules()
+    }
     assert after == before
     counter.reset()
     step_grads(model, list(model.named_parameters()), batch())

@@ -16,7 +16,11 @@ def tiny_llava():
         hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=4
     )
     text = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
         num_key_value_heads=2,
     )
     config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=63)
@@ -42,8 +46,11 @@ def test_vision_tower_and_text_layers_share_one_map_in_transformers_order():
         # transformers >= 5.16 counts every_n_layers over the same list: compare with its choice.
         native = tiny_llava()
         native.gradient_checkpointing_enable(every_n_layers=2)
-        natively_on = [n for n, m in native.named_modules()
-                       if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+        natively_on = [
+            n
+            for n, m in native.named_modules()
+            if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+        ]
         cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
         assert [p.name for p in cm.checkpoint_map if p.checkpointed] == natively_on
 

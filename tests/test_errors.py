@@ -12,7 +12,7 @@ from remat import CheckpointConfig, CheckpointedModel, NoCheckpointableLayersErr
 def _fingerprint(model):
     return (
         hook_snapshot(model),
-        {n: dict(vars(m)) .keys() for n, m in model.named_modules()},
+        {n: dict(vars(m)).keys() for n, m in model.named_modules()},
         [id(p) for p in model.parameters()],
     )
 
@@ -45,7 +45,7 @@ def test_model_with_no_checkpointable_layers_names_what_was_searched_for():
 
 @pytest.mark.parametrize("thing", [nn.Linear(2, 2), "model", None])
 def test_not_a_transformers_model_is_a_type_error(thing):
-    with pytest.raises(TypeError, match="PreTrainedModel|nn.Module"):
+    with pytest.raises(TypeError, match=r"PreTrainedModel|nn\.Module"):
         CheckpointedModel(thing)
 
 
@@ -93,7 +93,7 @@ def test_wrapping_twice_is_refused():
 def test_config_fields_cannot_be_assigned_through_the_wrapper_and_model_config_passes_through():
     model = tiny_model()
     cm = CheckpointedModel(model)
-    with pytest.raises(Exception, match="cm.enable"):
+    with pytest.raises(Exception, match=r"cm\.enable"):
         cm.config.every_n_layers = 2
     cm.config.use_cache = False  # Trainer writes this on model.config
     assert model.config.use_cache is False and cm.config.eos_token_id == model.config.eos_token_id

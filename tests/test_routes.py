@@ -1,7 +1,6 @@
 """Every route that turns checkpointing on or off changes the map and nothing else."""
 
 import pytest
-import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, hook_snapshot, step_grads, tiny_model
 
 from remat import CheckpointConfig, CheckpointedModel
@@ -88,7 +87,9 @@ def test_disable_routes_turn_every_layer_off_and_enable_brings_the_config_back()
 def test_is_checkpointing_properties_follow_the_map():
     model = tiny_model()
     cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
-    names = ["is_gradient_checkpointing"] + (["is_activation_checkpointing"] if has_activation_checkpointing_names() else [])
+    names = ["is_gradient_checkpointing"]
+    if has_activation_checkpointing_names():
+        names.append("is_activation_checkpointing")
     assert all(getattr(model, n) for n in names)
     model.gradient_checkpointing_disable()
     assert not any(getattr(model, n) for n in names)

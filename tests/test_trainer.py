@@ -51,7 +51,7 @@ def test_trainer_checkpointing_kwargs_reach_the_map_and_match_training_the_bare_
     assert counter.counts == [2 * STEPS, STEPS, 2 * STEPS, STEPS]
     assert len(losses_wrapped) == STEPS
     assert losses_wrapped == losses_bare
-    for (name, a), (_, b) in zip(wrapped.model.named_parameters(), bare_owner.model.named_parameters()):
+    for (name, a), (_, b) in zip(wrapped.model.named_parameters(), bare_owner.model.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     trained = [p for n, p in wrapped.model.named_parameters() if "lora_A" in n]
     assert any((p != 0).any() for p in trained)

@@ -2,9 +2,16 @@
 
 __version__ = "0.1.0"
 
-from .config import CheckpointConfig  # noqa: E402
-from .layers import NoCheckpointableLayersError  # noqa: E402
-from .model import CheckpointedModel  # noqa: E402
-from .plan import CheckpointMap, LayerPlan  # noqa: E402
+from .config import CheckpointConfig
+from .layers import NoCheckpointableLayersError
+from .model import CheckpointedModel
+from .plan import CheckpointMap, LayerPlan
 
-__all__ = ["CheckpointConfig", "CheckpointMap", "CheckpointedModel", "LayerPlan", "NoCheckpointableLayersError", "__version__"]
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointMap",
+    "CheckpointedModel",
+    "LayerPlan",
+    "NoCheckpointableLayersError",
+    "__version__",
+]

@@ -12,8 +12,9 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 logger = logging.getLogger("remat")
 
@@ -129,9 +130,7 @@ class CheckpointConfig:
         for key, policy in value.items():
             index = _layer_index("layer_policies", key)
             if policy not in POLICIES:
-                raise ValueError(
-                    f"CheckpointConfig.layer_policies[{index}] must be one of {POLICIES}, got {policy!r}"
-                )
+                raise ValueError(f"CheckpointConfig.layer_policies[{index}] must be one of {POLICIES}, got {policy!r}")
             if index in checked:
                 raise ValueError(f"CheckpointConfig.layer_policies names layer {index} twice")
             checked[index] = policy
@@ -166,7 +165,7 @@ class CheckpointConfig:
     def offloads_any(self) -> bool:
         return self.offload or "offload" in self.layer_policies.values()
 
-    def replace(self, **changes: Any) -> "CheckpointConfig":
+    def replace(self, **changes: Any) -> CheckpointConfig:
         """A new config with `changes` applied, validated like any other."""
         names = [f.name for f in dataclasses.fields(CheckpointConfig)]
         unknown = set(changes) - set(names)
@@ -174,7 +173,7 @@ class CheckpointConfig:
             raise TypeError(f"CheckpointConfig has no field(s) {sorted(unknown)}")
         return CheckpointConfig(**{**{name: getattr(self, name) for name in names}, **changes})
 
-    def changed_fields(self, other: "CheckpointConfig") -> dict[str, tuple[Any, Any]]:
+    def changed_fields(self, other: CheckpointConfig) -> dict[str, tuple[Any, Any]]:
         """{field: (value here, value in other)} for every field that differs."""
         return {
             f.name: (getattr(self, f.name), getattr(other, f.name))
@@ -197,7 +196,7 @@ class CheckpointConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> "CheckpointConfig":
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> CheckpointConfig:
         """Build a config from `to_dict()` output. Keys this version does not know are ignored
         with one warning (a newer remat may have written them); bad values raise."""
         if not isinstance(data, Mapping):
@@ -228,7 +227,7 @@ class CheckpointConfig:
         return path
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> "CheckpointConfig":
+    def from_pretrained(cls, path: str | os.PathLike) -> CheckpointConfig:
         """Read `checkpoint_config.json` from a folder (or the file itself)."""
         from .saving import read_json_object
 

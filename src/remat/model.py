@@ -18,9 +18,11 @@ import dataclasses
 import functools
 import logging
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from torch import nn
+from typing_extensions import Self
 
 from .config import CheckpointConfig
 from .integrations.routes import RouteOverrides, config_from_route, describe_changes
@@ -35,15 +37,14 @@ _FLAG = "gradient_checkpointing"
 _FUNC = "_gradient_checkpointing_func"
 _MISSING = object()
 
-NOT_AVAILABLE_YET = {
-    "offload": "the 'offload' policy (offload=True or layer_policies[...] = 'offload')",
-    "swap": "block swap (swap_layers)",
-}
-
 
 def _refuse_unavailable(config: CheckpointConfig) -> None:
     """Offload and block swap are planned but not installed yet: refuse, never ignore."""
-    asked = [text for key, text in NOT_AVAILABLE_YET.items() if (config.offloads_any if key == "offload" else config.swaps_any)]
+    asked = []
+    if config.offloads_any:
+        asked.append("the 'offload' policy (offload=True or layer_policies[...] = 'offload')")
+    if config.swaps_any:
+        asked.append("block swap (swap_layers)")
     if asked:
         raise NotImplementedError(
             f"{' and '.join(asked)} is not available yet in this version of remat; "
@@ -78,7 +79,7 @@ class _ModelAwareConfig(CheckpointConfig):
     """
 
     @classmethod
-    def bind(cls, config: CheckpointConfig, model_config: Any) -> "CheckpointConfig":
+    def bind(cls, config: CheckpointConfig, model_config: Any) -> CheckpointConfig:
         if model_config is None:
             return config
         view = cls.__new__(cls)
@@ -206,7 +207,7 @@ class CheckpointedModel(nn.Module):
 
     # -- enable / disable ----------------------------------------------------------------------
 
-    def enable(self, config: CheckpointConfig | None = None) -> "CheckpointedModel":
+    def enable(self, config: CheckpointConfig | None = None) -> CheckpointedModel:
         """Turn checkpointing on, with `config` if given (else the current one). Returns self."""
         config = self._config if config is None else config
         if not isinstance(config, CheckpointConfig):
@@ -216,7 +217,7 @@ class CheckpointedModel(nn.Module):
             self._install()
         return self
 
-    def disable(self) -> "CheckpointedModel":
+    def disable(self) -> CheckpointedModel:
         """Remove everything remat installed: flags, functions, routes, hooks. Returns self.
 
         The model is left as it was before wrapping (same parameters and state_dict, no hooks);
@@ -237,7 +238,7 @@ class CheckpointedModel(nn.Module):
 
     # -- training / inference ------------------------------------------------------------------
 
-    def for_inference(self) -> "CheckpointedModel":
+    def for_inference(self) -> CheckpointedModel:
         """Eval mode with checkpointing off, so generation can use its cache. The map is kept.
 
         Usable as a context manager: ``with cm.for_inference(): ...`` returns to the previous
@@ -249,7 +250,7 @@ class CheckpointedModel(nn.Module):
         self._apply_map()
         return self
 
-    def for_training(self) -> "CheckpointedModel":
+    def for_training(self) -> CheckpointedModel:
         """Training mode with the map applied exactly as it is. Returns self."""
         self._restore_training = self.model.training and not self._inference
         self._inference = False
@@ -257,10 +258,10 @@ class CheckpointedModel(nn.Module):
         self._apply_map()
         return self
 
-    def __enter__(self) -> "CheckpointedModel":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         restore, self._restore_training = self._restore_training, None
         if restore:
             self.for_training()
@@ -278,7 +279,7 @@ class CheckpointedModel(nn.Module):
     @classmethod
     def from_pretrained(
         cls, model: nn.Module, path: str | os.PathLike, is_trainable: bool = True, **kwargs: Any
-    ) -> "CheckpointedModel":
+    ) -> CheckpointedModel:
         """Load adapters (if `path` holds any) and the checkpoint config saved at `path`."""
         from .persistence import load_checkpointed_model
 
@@ -316,13 +317,14 @@ class CheckpointedModel(nn.Module):
         active = not self._inference
         layer_states = self._states[: len(self._discovery.layers)]
         holder_states = self._states[len(self._discovery.layers) :]
-        for plan, state in zip(self._map, layer_states):
+        for plan, state in zip(self._map, layer_states, strict=True):
             if plan.checkpointed and active:
-                state.set(True, RecomputeCheckpoint(
+                shim = RecomputeCheckpoint(
                     plan.index,
                     use_reentrant=self._config.use_reentrant,
                     preserve_rng_state=self._config.preserve_rng_state,
-                ))
+                )
+                state.set(True, shim)
             else:
                 state.set(False, run_without_checkpoint)
         any_checkpointed = active and bool(self._map.checkpointed)

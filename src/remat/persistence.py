@@ -24,18 +24,19 @@ def _is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
-def save_checkpointed_model(cm: "CheckpointedModel", save_directory: str | os.PathLike, **kwargs: Any) -> None:
+def save_checkpointed_model(cm: CheckpointedModel, save_directory: str | os.PathLike, **kwargs: Any) -> None:
     os.makedirs(save_directory, exist_ok=True)
     if _is_peft_model(cm.model):
         cm.model.save_pretrained(save_directory, **kwargs)
     payload = json.loads(cm._config.to_json_string())
     payload["layers"] = [plan.name for plan in cm.checkpoint_map]
-    write_json_atomically(os.path.join(save_directory, CONFIG_NAME), json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    text = json.dumps(payload, indent=2, sort_keys=True) + "\n"
+    write_json_atomically(os.path.join(save_directory, CONFIG_NAME), text)
 
 
 def load_checkpointed_model(
-    cls: type["CheckpointedModel"], model: "nn.Module", path: str | os.PathLike, *, is_trainable: bool, **kwargs: Any
-) -> "CheckpointedModel":
+    cls: type[CheckpointedModel], model: nn.Module, path: str | os.PathLike, *, is_trainable: bool, **kwargs: Any
+) -> CheckpointedModel:
     file = os.path.join(path, CONFIG_NAME)
     data = read_json_object(file)
     config = CheckpointConfig.from_dict(data, source=file)

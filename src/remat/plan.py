@@ -12,8 +12,9 @@ Every invariant of the contract lives here, so it can be tested with no model at
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence, overload
+from typing import overload
 
 from .config import CheckpointConfig
 
@@ -90,7 +91,7 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
     lines = []
     for row in (header, tuple("-" * w for w in widths), *rows):
-        cells = [str(cell).ljust(width) for cell, width in zip(row, widths)]
+        cells = [str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
 
@@ -105,7 +106,9 @@ def swapped_indices(config: CheckpointConfig, num_layers: int) -> list[int]:
     if isinstance(config.swap_layers, tuple):
         bad = [i for i in config.swap_layers if i >= num_layers]
         if bad:
-            raise ValueError(f"swap_layers names layer(s) {bad}, but the model has {num_layers} layers (0..{num_layers - 1})")
+            raise ValueError(
+                f"swap_layers names layer(s) {bad}, but the model has {num_layers} layers (0..{num_layers - 1})"
+            )
         return list(config.swap_layers)
     count = config.swap_layers
     if count > num_layers:

@@ -14,7 +14,8 @@ no layer is checkpointed twice.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -51,15 +52,11 @@ class RecomputeCheckpoint:
             if kwargs:
                 # torch's reentrant checkpoint takes positional inputs only.
                 bound, kwargs = function, dict(kwargs)
-                function = lambda *a: bound(*a, **kwargs)  # noqa: E731
+                function = lambda *a: bound(*a, **kwargs)
             if torch.is_grad_enabled() and not any(_needs_grad(a) for a in args):
                 args = self._first_float_requires_grad(args)
-            return checkpoint(
-                function, *args, use_reentrant=True, preserve_rng_state=self.preserve_rng_state
-            )
-        return checkpoint(
-            function, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **kwargs
-        )
+            return checkpoint(function, *args, use_reentrant=True, preserve_rng_state=self.preserve_rng_state)
+        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **kwargs)
 
     @staticmethod
     def _first_float_requires_grad(args: tuple[Any, ...]) -> tuple[Any, ...]:

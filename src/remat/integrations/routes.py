@@ -17,7 +17,8 @@ What a route call means:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..config import CheckpointConfig
 from .transformers_compat import ENABLE_ROUTES, pretrained_model_class, routes_defined_on
@@ -81,7 +82,7 @@ class RouteOverrides:
         self._on_disable = on_disable
         self._saved: list[tuple[Any, str, Any]] = []  # (module, attribute, previous instance value or _MISSING)
 
-    def install(self, model: "nn.Module") -> None:
+    def install(self, model: nn.Module) -> None:
         pretrained = pretrained_model_class()
         targets = [m for m in model.modules() if isinstance(m, pretrained)]
         for module in targets:
@@ -146,4 +147,3 @@ def _enable_signature(kwargs_name: str):  # type: ignore[no-untyped-def]
             P("offload", P.KEYWORD_ONLY, default=False),
         ]
     )
-

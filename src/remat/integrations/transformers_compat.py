@@ -15,7 +15,7 @@ entry points whose names differ; this module says which ones a model has.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import transformers
@@ -28,7 +28,7 @@ ENABLE_ROUTES = ("gradient_checkpointing_enable", "activation_checkpointing_enab
 DISABLE_ROUTES = ("gradient_checkpointing_disable", "activation_checkpointing_disable")
 
 
-@lru_cache(maxsize=None)
+@cache
 def gradient_checkpointing_layer_class() -> type:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
