@@ -1,0 +1,51 @@
+# remat: `make demo` runs the demo, `make test` the tests, `make compat` the tests on each
+# supported transformers release. Each target sets up its own virtual environment first.
+#
+# torch is installed by exact version first: 2.13.0 is the CPU wheel this project's machines
+# carry, and asking for it by name keeps pip from pulling a multi-GB CUDA build.
+
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+NEWEST_TRANSFORMERS ?= 5.24.0
+OLDER_TRANSFORMERS ?= 4.57.6 5.17.0
+PINS = peft==0.21.2 accelerate==1.15.0 safetensors==0.8.0 pytest==9.2.0 bitsandbytes==0.50.2
+VENV = .venv
+
+.PHONY: demo test compat lint clean
+
+$(VENV)/.installed-$(NEWEST_TRANSFORMERS): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --upgrade pip
+	$(VENV)/bin/pip install --quiet "$(TORCH)"
+	$(VENV)/bin/pip install --quiet "transformers==$(NEWEST_TRANSFORMERS)" $(PINS) ruff
+	$(VENV)/bin/pip install --quiet --no-deps -e .
+	rm -f $(VENV)/.installed-* && touch $@
+
+demo: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
+	$(VENV)/bin/python -m remat.demo
+
+test: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
+	$(VENV)/bin/python -m pytest
+
+.venvs/tf-%/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv .venvs/tf-$*
+	.venvs/tf-$*/bin/pip install --quiet --upgrade pip
+	.venvs/tf-$*/bin/pip install --quiet "$(TORCH)"
+	.venvs/tf-$*/bin/pip install --quiet "transformers==$*" $(PINS)
+	.venvs/tf-$*/bin/pip install --quiet --no-deps -e .
+	touch $@
+
+# The whole suite once per transformers release, each in its own environment
+# (the newest release is the one in $(VENV)).
+compat: $(VENV)/.installed-$(NEWEST_TRANSFORMERS) $(foreach v,$(OLDER_TRANSFORMERS),.venvs/tf-$(v)/.installed)
+	@set -e; for env in $(VENV) $(foreach v,$(OLDER_TRANSFORMERS),.venvs/tf-$(v)); do \
+		echo "== $$env: transformers $$($$env/bin/python -c 'import transformers; print(transformers.__version__)')"; \
+		$$env/bin/python -m pytest; \
+	done
+
+lint: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+clean:
+	rm -rf $(VENV) .venvs build *.egg-info src/*.egg-info

@@ -1,0 +1,136 @@
+"""`python -m remat.demo`: a LoRA fine-tune of a tiny model on CPU, with its checkpoint map.
+
+Everything it needs ships with remat (a model config and a short text, read one byte at a
+time), so it runs on a fresh machine with no downloads. It prints the checkpoint map, the loss
+falling, and a table measured in this run: median step time and activation bytes held for
+backward, for no checkpointing, every layer and every second layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import warnings
+from importlib import resources
+
+import torch
+import transformers
+
+from . import CheckpointConfig, CheckpointedModel
+from .measure import measure_step
+from .plan import render_table
+
+
+def load_assets() -> tuple[dict, bytes]:
+    folder = resources.files("remat") / "assets"
+    config = json.loads((folder / "tiny_llama_config.json").read_text())
+    text = (folder / "demo_text.txt").read_bytes()
+    return config, text
+
+
+def build_model(config: dict, seed: int = 0):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    model_config = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    return AutoModelForCausalLM.from_config(model_config, attn_implementation="eager")
+
+
+def add_lora(model):
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=16,
+        lora_alpha=32,
+        lora_dropout=0.05,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
+    return get_peft_model(model, lora)
+
+
+def batches(text: bytes, seq: int, size: int, seed: int):
+    data = torch.tensor(list(text), dtype=torch.long)
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(data) - seq, (size,), generator=generator)
+        ids = torch.stack([data[s : s + seq] for s in starts])
+        yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def compare_policies(cm: CheckpointedModel, batch: dict, repeats: int) -> list[tuple[str, float, int]]:
+    """Median step time and activation bytes for each setting, alternated over `repeats`."""
+    settings = {
+        "no checkpointing": None,
+        "every layer": CheckpointConfig(every_n_layers=1),
+        "every second layer": CheckpointConfig(every_n_layers=2),
+    }
+
+    def select(config):
+        if config is None:
+            cm.disable()
+        else:
+            cm.enable(config)
+
+    memory, times = {}, {name: [] for name in settings}
+    for name, config in settings.items():
+        select(config)
+        memory[name] = measure_step(cm, batch, track_memory=True).activation_bytes
+    cm.zero_grad(set_to_none=True)
+    for _ in range(repeats):
+        for name, config in settings.items():
+            select(config)
+            times[name].append(measure_step(cm, batch, track_memory=False).seconds)
+            cm.zero_grad(set_to_none=True)
+    cm.enable(settings["every second layer"])
+    return [(name, statistics.median(times[name]), memory[name]) for name in settings]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5, help="timed steps per setting in the comparison")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+    transformers.logging.set_verbosity_error()  # its use_cache notice would repeat what the map says
+    config, text = load_assets()
+    model = add_lora(build_model(config, args.seed))
+    model.train()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    print("remat demo: LoRA fine-tune of a tiny Llama (from remat/assets) on CPU\n")
+    print(cm.checkpoint_map, "\n")
+
+    optimizer = torch.optim.AdamW([p for p in cm.parameters() if p.requires_grad], lr=args.lr)
+    data = batches(text, args.seq, args.batch_size, args.seed)
+    for step in range(1, args.steps + 1):
+        loss = cm(**next(data)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == 1 or step % 10 == 0:
+            print(f"step {step:3d}  loss {loss.item():.3f}")
+
+    with cm.for_inference():
+        prompt = torch.tensor([list(b"The map is ")])
+        out = cm.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
+        sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
+        print(f"\nsample: {sample!r}\n")
+
+    rows = compare_policies(cm, next(data), args.repeats)
+    base_time = rows[0][1]
+    print(f"Measured here: batch {args.batch_size} x {args.seq} tokens, median of {args.repeats} steps each")
+    print(
+        render_table(
+            ("setting", "step ms", "vs none", "activation MiB held"),
+            [(name, f"{t * 1e3:.0f}", f"{t / base_time:.2f}x", f"{b / 2**20:.2f}") for name, t, b in rows],
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
