@@ -8,7 +8,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 NEWEST_TRANSFORMERS ?= 5.24.0
 OLDER_TRANSFORMERS ?= 4.57.6 5.17.0
-PINS = peft==0.21.2 accelerate==1.15.0 safetensors==0.8.0 pytest==9.2.0 bitsandbytes==0.50.2
+PINS = peft==0.21.2 accelerate==1.15.0 safetensors==0.8.0 pytest==9.2.0 bitsandbytes==0.50.2 matplotlib==3.11.2
 VENV = .venv
 
 .PHONY: demo test compat lint clean
@@ -44,8 +44,8 @@ compat: $(VENV)/.installed-$(NEWEST_TRANSFORMERS) $(foreach v,$(OLDER_TRANSFORME
 	done
 
 lint: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 clean:
 	rm -rf $(VENV) .venvs build *.egg-info src/*.egg-info

@@ -16,7 +16,8 @@ from __future__ import annotations
 import gc
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,23 +27,42 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-class _OutputTracker(TorchDispatchMode):
-    def __init__(self) -> None:
+class OutputTracker(TorchDispatchMode):
+    """Records a weak reference to every tensor an op produces, with the scope it ran in."""
+
+    def __init__(self, scope: Callable[[], Any] | None = None) -> None:
         super().__init__()
-        self.outputs: list[weakref.ref[torch.Tensor]] = []
+        self._scope = scope or (lambda: None)
+        self.outputs: list[tuple[weakref.ref[torch.Tensor], Any]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
+        scope = self._scope()
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
-                self.outputs.append(weakref.ref(value))
+                self.outputs.append((weakref.ref(value), scope))
         return out
 
+    def alive(self) -> Iterator[tuple[torch.Tensor, Any]]:
+        """The recorded tensors that still exist, with their scopes."""
+        for ref, scope in self.outputs:
+            tensor = ref()
+            if tensor is not None:
+                yield tensor, scope
 
-def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
+
+@contextmanager
+def track_outputs(scope: Callable[[], Any] | None = None) -> Iterator[OutputTracker]:
+    tracker = OutputTracker(scope)
+    with tracker:
+        yield tracker
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(data pointer, bytes) of the tensor's storage, or None for tensors without one."""
     try:
         storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # tensors without storage (meta, some wrappers)
+    except (RuntimeError, NotImplementedError):  # meta tensors, some wrapper subclasses
         return None
     return storage.data_ptr(), storage.nbytes()
 
@@ -50,7 +70,7 @@ def _storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
 def weight_storages(model: nn.Module) -> set[int]:
     keys = set()
     for tensor in (*model.parameters(), *model.buffers()):
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key is not None:
             keys.add(key[0])
     return keys
@@ -59,16 +79,12 @@ def weight_storages(model: nn.Module) -> set[int]:
 def held_bytes_after(forward: Callable[[], Any], exclude: set[int]) -> tuple[Any, int]:
     """Run `forward()`, return its result and the bytes of op outputs still alive afterwards,
     one count per storage, ignoring storages whose data pointer is in `exclude`."""
-    tracker = _OutputTracker()
-    with tracker:
+    with track_outputs() as tracker:
         result = forward()
     gc.collect()
     seen: dict[int, int] = {}
-    for ref in tracker.outputs:
-        tensor = ref()
-        if tensor is None:
-            continue
-        key = _storage_key(tensor)
+    for tensor, _ in tracker.alive():
+        key = storage_key(tensor)
         if key is None or key[0] in exclude or key[0] == 0:
             continue
         seen[key[0]] = max(seen.get(key[0], 0), key[1])

@@ -19,10 +19,9 @@ import functools
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
-from typing_extensions import Self
 
 from .config import CheckpointConfig
 from .integrations.routes import RouteOverrides, config_from_route, describe_changes
@@ -30,6 +29,9 @@ from .integrations.transformers_compat import pretrained_model_class
 from .layers import Discovery, discover_layers
 from .plan import CheckpointMap, plan_layers
 from .recompute import RecomputeCheckpoint, run_without_checkpoint
+
+if TYPE_CHECKING:
+    from .report import MemoryReport
 
 logger = logging.getLogger("remat")
 
@@ -258,7 +260,7 @@ class CheckpointedModel(nn.Module):
         self._apply_map()
         return self
 
-    def __enter__(self) -> Self:
+    def __enter__(self) -> CheckpointedModel:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -267,6 +269,18 @@ class CheckpointedModel(nn.Module):
             self.for_training()
         elif restore is not None:
             self.for_inference()
+
+    # -- measurement ---------------------------------------------------------------------------
+
+    def memory_report(self, batch: Mapping[str, Any]) -> MemoryReport:
+        """Run one training step on `batch` and measure, per layer: bytes held for backward after
+        forward (device / host), resident weight bytes, and how often the layer ran (2 means
+        recomputed). Gradients are left in place; no optimizer step is taken."""
+        from .report import memory_report
+
+        if self._inference or not self.model.training:
+            raise RuntimeError("memory_report measures a training step: call cm.for_training() first")
+        return memory_report(self, dict(batch))
 
     # -- save / load ---------------------------------------------------------------------------
 

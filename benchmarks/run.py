@@ -1,0 +1,352 @@
+"""remat against no checkpointing and transformers' native checkpointing, side by side.
+
+    python benchmarks/run.py --preset small            # the CPU figures in RESULTS.md
+    python benchmarks/run.py --preset 1b --device cuda --dtype bfloat16
+
+One model and one batch; every configuration runs in the same process, alternated over the
+repeats so that drift in the machine's speed hits all of them alike. Reported per configuration:
+median step time (forward + backward of a LoRA fine-tune), its ratio to no checkpointing and to
+native checkpointing of the same layers, the activation bytes held for backward after forward
+(measured by `remat.measure`, the same way for every configuration), and peak memory during the
+step (RSS above the pre-step level on CPU, peak allocated on CUDA). A sweep over depth and
+sequence length shows how held bytes and time grow with the work. Writes JSON and a PNG plot.
+
+Native checkpointing runs on a second copy of the model with the same weights, so enabling and
+disabling it never touches the copy remat wraps. The native enable call also registers an
+input-embedding hook on every call (a known transformers defect); the benchmark removes it after
+each call so repeated toggling does not pile hooks onto the native runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+import remat
+from remat import CheckpointConfig, CheckpointedModel
+from remat.measure import held_bytes_after, weight_storages
+
+PRESETS = {
+    "tiny": dict(hidden=64, layers=4, intermediate=176, heads=4, kv_heads=2, vocab=512, batch=2, seq=64),
+    "small": dict(hidden=256, layers=8, intermediate=688, heads=8, kv_heads=4, vocab=2048, batch=4, seq=256),
+    "1b": dict(hidden=2048, layers=16, intermediate=8192, heads=32, kv_heads=8, vocab=32000, batch=1, seq=4096),
+}
+
+
+def build(preset: dict, layers: int, dtype: torch.dtype, device: str, seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.LlamaConfig(
+        vocab_size=preset["vocab"],
+        hidden_size=preset["hidden"],
+        intermediate_size=preset["intermediate"],
+        num_hidden_layers=layers,
+        num_attention_heads=preset["heads"],
+        num_key_value_heads=preset["kv_heads"],
+        max_position_embeddings=max(preset["seq"], 8192),
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
+    lora = LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])
+    model = get_peft_model(model, lora).to(device)
+    model.train()
+    return model
+
+
+def make_batch(preset: dict, seq: int, device: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, preset["vocab"], (preset["batch"], seq), generator=g).to(device)
+    return {"input_ids": ids, "labels": ids}
+
+
+class PeakMemory:
+    """Peak memory during one step: CUDA's peak allocated, or sampled RSS above the start."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __enter__(self):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+            return self
+        self.start = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(0.0005)
+
+    def __exit__(self, *exc):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.bytes = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.bytes = max(self.peak, _rss()) - self.start
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Setting:
+    name: str
+    family: str  # "none", "native" or "remat"
+    same_layers_as: str | None  # the native setting that checkpoints the same layers
+    apply: object = None
+    error: str | None = None
+
+
+def native_supports(model, option: str) -> bool:
+    base = model.get_base_model()
+    return option in inspect.signature(type(base).gradient_checkpointing_enable).parameters
+
+
+def settings_for(native_model, cm: CheckpointedModel) -> list[Setting]:
+    base = native_model.get_base_model()
+
+    def native(**kwargs):
+        def apply():
+            base.gradient_checkpointing_disable()
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **kwargs)
+            base.disable_input_require_grads()
+            return native_model
+
+        return apply
+
+    def native_off():
+        base.gradient_checkpointing_disable()
+        return native_model
+
+    def with_remat(config):
+        def apply():
+            cm.enable(config)
+            return cm
+
+        return apply
+
+    out = [
+        Setting("no checkpointing", "none", None, native_off),
+        Setting("native every layer", "native", None, native()),
+        Setting("remat every layer", "remat", "native every layer", with_remat(CheckpointConfig())),
+    ]
+    if native_supports(native_model, "every_n_layers"):
+        out.append(Setting("native every_n_layers=2", "native", None, native(every_n_layers=2)))
+    out.append(
+        Setting(
+            "remat every_n_layers=2", "remat", "native every_n_layers=2", with_remat(CheckpointConfig(every_n_layers=2))
+        )
+    )
+    if native_supports(native_model, "offload"):
+        out.append(Setting("native offload", "native", None, native(offload=True)))
+    return out
+
+
+def step(model, batch) -> float:
+    start = time.perf_counter()
+    model(**batch).loss.backward()
+    if batch["input_ids"].is_cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return elapsed
+
+
+def compare(args, preset) -> list[dict]:
+    dtype = getattr(torch, args.dtype)
+    native_model = build(preset, preset["layers"], dtype, args.device)
+    cm = CheckpointedModel(build(preset, preset["layers"], dtype, args.device))
+    batch = make_batch(preset, preset["seq"], args.device)
+    settings = settings_for(native_model, cm)
+    times = {s.name: [] for s in settings}
+    held, peak = {}, {}
+    for s in settings:  # one untimed step each: warm-up, memory counts, and crashes surface here
+        try:
+            model = s.apply()
+            step(model, batch)
+            exclude = weight_storages(model)
+            loss, held[s.name] = held_bytes_after(lambda m=model: m(**batch).loss, exclude)
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+            with PeakMemory(args.device) as measured:
+                step(model, batch)
+            peak[s.name] = measured.bytes
+        except Exception as err:  # recorded in the results: a crash is a finding, not a stop
+            s.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
+    live = [s for s in settings if s.error is None]
+    for _ in tqdm(range(args.repeats), desc="alternating repeats", disable=args.quiet):
+        for s in live:
+            times[s.name].append(step(s.apply(), batch))
+    medians = {s.name: statistics.median(times[s.name]) for s in live}
+    base = medians.get("no checkpointing")
+    rows = []
+    for s in settings:
+        row = {"setting": s.name, "family": s.family, "error": s.error}
+        if s.error is None:
+            t = medians[s.name]
+            native_t = medians.get(s.same_layers_as) if s.same_layers_as else None
+            row.update(
+                median_step_s=t,
+                steps=len(times[s.name]),
+                vs_none=t / base if base else None,
+                vs_native=t / native_t if native_t else None,
+                activation_bytes=held[s.name],
+                peak_bytes=peak[s.name],
+            )
+        rows.append(row)
+    return rows
+
+
+def sweep(args, preset) -> list[dict]:
+    dtype = getattr(torch, args.dtype)
+    configs = {
+        "no checkpointing": None,
+        "remat every layer": CheckpointConfig(),
+        "remat every_n_layers=2": CheckpointConfig(every_n_layers=2),
+    }
+    points = [(d, s) for d in args.sweep_depths for s in args.sweep_seqs]
+    out = []
+    for depth, seq in tqdm(points, desc="sweep", disable=args.quiet):
+        cm = CheckpointedModel(build(preset, depth, dtype, args.device))
+        batch = make_batch(preset, seq, args.device)
+        times = {name: [] for name in configs}
+        held = {}
+        for name, config in configs.items():
+            cm.enable(config) if config else cm.disable()
+            step(cm, batch)
+            loss, held[name] = held_bytes_after(lambda m=cm, b=batch: m(**b).loss, weight_storages(cm))
+            loss.backward()
+            cm.zero_grad(set_to_none=True)
+        for _ in range(args.sweep_repeats):
+            for name, config in configs.items():
+                cm.enable(config) if config else cm.disable()
+                times[name].append(step(cm, batch))
+        for name in configs:
+            out.append(
+                {
+                    "depth": depth,
+                    "seq": seq,
+                    "setting": name,
+                    "activation_bytes": held[name],
+                    "median_step_s": statistics.median(times[name]),
+                }
+            )
+    return out
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    rows = [r for r in results["compare"] if r.get("error") is None]
+    names = [r["setting"] for r in rows]
+    colors = ["#999999" if r["family"] == "none" else "#d08c40" if r["family"] == "native" else "#3a78b5" for r in rows]
+    axes[0].barh(names, [r["median_step_s"] * 1e3 for r in rows], color=colors)
+    axes[0].set_xlabel("median step time (ms)")
+    axes[0].invert_yaxis()
+    axes[0].set_title(f"{results['preset']} on {results['device']}")
+    sweep_rows = results["sweep"]
+    seq = max(r["seq"] for r in sweep_rows) if sweep_rows else None
+    depth = max(r["depth"] for r in sweep_rows) if sweep_rows else None
+    for name in sorted({r["setting"] for r in sweep_rows}):
+        by_depth = sorted(
+            (r["depth"], r["activation_bytes"] / 2**20) for r in sweep_rows if r["setting"] == name and r["seq"] == seq
+        )
+        by_seq = sorted(
+            (r["seq"], r["median_step_s"] * 1e3) for r in sweep_rows if r["setting"] == name and r["depth"] == depth
+        )
+        axes[1].plot([d for d, _ in by_depth], [b for _, b in by_depth], marker="o", label=name)
+        axes[2].plot([s for s, _ in by_seq], [t for _, t in by_seq], marker="o", label=name)
+    axes[1].set(xlabel="layers", ylabel="activation MiB held", title=f"held for backward, seq {seq}")
+    axes[2].set(xlabel="sequence length", ylabel="median step ms", title=f"step time, {depth} layers")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(results: dict) -> str:
+    lines = [
+        "| setting | median step ms | vs none | vs native, same layers | activation MiB held | peak MiB during step |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    fmt = lambda v, spec: "" if v is None else format(v, spec)
+    for r in results["compare"]:
+        if r["error"]:
+            lines.append(f"| {r['setting']} | failed: {r['error']} | | | | |")
+            continue
+        lines.append(
+            f"| {r['setting']} | {r['median_step_s'] * 1e3:.1f} | {fmt(r['vs_none'], '.3f')} | "
+            f"{fmt(r['vs_native'], '.3f')} | {r['activation_bytes'] / 2**20:.2f} | {r['peak_bytes'] / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="small")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--sweep-depths", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--sweep-seqs", type=int, nargs="*", default=[128, 256, 512])
+    parser.add_argument("--sweep-repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    transformers.logging.set_verbosity_error()
+    preset = PRESETS[args.preset]
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    results = {
+        "command": "python benchmarks/run.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "preset": args.preset,
+        "model": preset,
+        "device": args.device,
+        "dtype": args.dtype,
+        "versions": {
+            "remat": remat.__version__,
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "python": platform.python_version(),
+        },
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": torch.get_num_threads()},
+        "compare": compare(args, preset),
+        "sweep": sweep(args, preset) if args.sweep_depths and args.sweep_seqs else [],
+    }
+    if args.device == "cuda":
+        results["machine"]["gpu"] = torch.cuda.get_device_name()
+    (args.out / f"results-{args.preset}-{args.device}.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, args.out / f"results-{args.preset}-{args.device}.png")
+    if not args.quiet:
+        print(markdown(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

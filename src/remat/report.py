@@ -1,0 +1,248 @@
+"""`cm.memory_report(batch)`: one training step, measured layer by layer.
+
+For each layer it gives the bytes that backward holds after forward, split by where they live
+(the model's device, or host memory when the model is on an accelerator), the bytes of weights
+resident in the layer, and how many times the layer ran during the step (2 = recomputed).
+
+How bytes are attributed: every tensor an op produces during forward is recorded with the layer
+that was running (see `remat.measure`). After forward, the tensors still alive are what backward
+holds. A checkpointed layer holds its inputs, so the storages of its positional inputs are
+counted for that layer; every other storage counts for the layer that produced it, or for
+"outside layers" (embeddings, the final norm, logits, the loss). Each storage counts once, so
+the layers and "outside layers" add up to the total exactly.
+
+On CUDA the allocator's figure for the same step (`torch.cuda.memory_allocated` after forward,
+minus before) is reported beside the attributed total.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from .measure import storage_key, track_outputs, weight_storages
+from .plan import render_table
+
+if TYPE_CHECKING:
+    from .model import CheckpointedModel
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    index: int
+    name: str
+    policy: str
+    swapped: bool
+    device_bytes: int
+    host_bytes: int
+    weight_bytes: int
+    runs: int
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What one training step held, per layer and in total. `str()` renders a table."""
+
+    layers: tuple[LayerMemory, ...]
+    outside_device_bytes: int
+    outside_host_bytes: int
+    device: str
+    loss: float
+    allocator_bytes: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def device_bytes(self) -> int:
+        return self.outside_device_bytes + sum(layer.device_bytes for layer in self.layers)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.outside_host_bytes + sum(layer.host_bytes for layer in self.layers)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(layer.weight_bytes for layer in self.layers)
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / 2**20:.3f}"
+        rows = [
+            (
+                str(layer.index),
+                layer.name,
+                layer.policy,
+                "yes" if layer.swapped else "no",
+                str(layer.runs),
+                mib(layer.device_bytes),
+                mib(layer.host_bytes),
+                mib(layer.weight_bytes),
+            )
+            for layer in self.layers
+        ]
+        outside = (mib(self.outside_device_bytes), mib(self.outside_host_bytes))
+        rows.append(("", "outside layers", "", "", "", *outside, ""))
+        rows.append(("", "total", "", "", "", mib(self.device_bytes), mib(self.host_bytes), mib(self.weight_bytes)))
+        header = ("index", "name", "policy", "swapped", "runs", "held MiB (device)", "held MiB (host)", "weights MiB")
+        lines = [render_table(header, rows), f"device: {self.device}, loss {self.loss:.4f}"]
+        if self.allocator_bytes is not None:
+            lines.append(f"CUDA allocator, allocated after forward minus before: {mib(self.allocator_bytes)} MiB")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+class _RunCounter:
+    """Counts how often each layer's body starts: the first child to run marks a start."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.runs = [0] * len(layers)
+        self._first: list[nn.Module | None] = [None] * len(layers)
+        self._handles = []
+        for i, layer in enumerate(layers):
+            for child in layer.children():
+                self._handles.append(child.register_forward_pre_hook(self._hook(i, child)))
+
+    def _hook(self, i: int, child: nn.Module):
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._first[i] is None:
+                self._first[i] = child
+            if self._first[i] is child:
+                self.runs[i] += 1
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+class _LayerScopes:
+    """Tracks which layer is running (innermost) and the storages of each layer's inputs."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.stack: list[int] = []
+        self.inputs: list[set[int]] = [set() for _ in layers]
+        self.outputs: set[int] = set()
+        self._handles = []
+        for i, layer in enumerate(layers):
+            self._handles.append(layer.register_forward_pre_hook(self._enter(i)))
+            self._handles.append(layer.register_forward_hook(self._leave(i), always_call=True))
+
+    def current(self) -> int | None:
+        return self.stack[-1] if self.stack else None
+
+    def _enter(self, i: int):
+        def hook(module: nn.Module, args: Any) -> None:
+            self.stack.append(i)
+            for value in args:
+                if isinstance(value, torch.Tensor):
+                    key = storage_key(value)
+                    if key is not None:
+                        self.inputs[i].add(key[0])
+
+        return hook
+
+    def _leave(self, i: int):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self.stack and self.stack[-1] == i:
+                self.stack.pop()
+            for value in tree_flatten(output)[0]:
+                if isinstance(value, torch.Tensor):
+                    key = storage_key(value)
+                    if key is not None:
+                        self.outputs.add(key[0])
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    seen: dict[int, int] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
+        key = storage_key(tensor)
+        if key is not None and key[0] != 0:
+            seen[key[0]] = key[1]
+    return sum(seen.values())
+
+
+def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
+    """Run one training step of `cm` on `batch` (forward, backward; no optimizer step) and
+    measure it. Gradients are left in place, as after any backward."""
+    model = cm.model
+    layers = cm.layers
+    plans = list(cm.checkpoint_map)
+    param = next(model.parameters())
+    device = param.device
+    scopes = _LayerScopes(layers)
+    counter = _RunCounter(layers)
+    exclude = weight_storages(model)
+    on_cuda = device.type == "cuda"
+    try:
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+        with track_outputs(scope=scopes.current) as tracker:
+            loss = cm(**batch).loss
+        allocator = None
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            allocator = torch.cuda.memory_allocated(device) - before
+        gc.collect()
+        held: dict[int, tuple[int, int | None, bool]] = {}  # storage -> (bytes, layer, on host)
+        for tensor, layer in tracker.alive():
+            key = storage_key(tensor)
+            if key is None or key[0] in exclude or key[0] == 0:
+                continue
+            on_host = tensor.device.type == "cpu" and device.type != "cpu"
+            if key[0] not in held or key[1] > held[key[0]][0]:
+                held[key[0]] = (key[1], layer, on_host)
+        # A layer's output is held by whoever consumes it: the next layer (below) or the head.
+        for ptr in scopes.outputs & held.keys():
+            size, _, on_host = held[ptr]
+            held[ptr] = (size, None, on_host)
+        for index in range(len(plans)):
+            for ptr in scopes.inputs[index] & held.keys():
+                size, _, on_host = held[ptr]
+                held[ptr] = (size, index, on_host)
+        loss.backward()
+    finally:
+        scopes.remove()
+        counter.remove()
+
+    device_by_layer = [0] * len(layers)
+    host_by_layer = [0] * len(layers)
+    outside = [0, 0]
+    for size, layer, on_host in held.values():
+        if layer is None:
+            outside[on_host] += size
+        elif on_host:
+            host_by_layer[layer] += size
+        else:
+            device_by_layer[layer] += size
+    rows = tuple(
+        LayerMemory(
+            plan.index,
+            plan.name,
+            plan.policy,
+            plan.swapped,
+            device_by_layer[i],
+            host_by_layer[i],
+            _weight_bytes(layers[i]),
+            counter.runs[i],
+        )
+        for i, plan in enumerate(plans)
+    )
+    notes = []
+    if device.type == "cpu":
+        notes.append("the model runs on the CPU: there is no separate host memory, so nothing is offloaded")
+    return MemoryReport(rows, outside[0], outside[1], str(device), loss.item(), allocator, tuple(notes))
