@@ -17,7 +17,7 @@ def _report(every_n, **model_kwargs):
 
 
 def test_every_layer_checkpointed_holds_exactly_one_layer_input_per_layer():
-    cm, report = _report(1)
+    _, report = _report(1)
     assert [layer.device_bytes for layer in report.layers] == [LAYER_INPUT] * 4
     assert [layer.runs for layer in report.layers] == [2, 2, 2, 2]
     assert report.host_bytes == 0
