@@ -25,9 +25,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,17 +75,26 @@ def make_batch(preset: dict, seq: int, device: str) -> dict:
 
 
 class PeakMemory:
-    """Peak memory during one step: CUDA's peak allocated, or sampled RSS above the start."""
+    """Peak CUDA memory allocated during one step, above what was allocated before it."""
 
     def __init__(self, device: str):
         self.device = device
 
     def __enter__(self):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.start = torch.cuda.memory_allocated()
-            return self
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.start = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.synchronize()
+        self.bytes = torch.cuda.max_memory_allocated() - self.start
+
+
+class RssPeak:
+    """Resident memory sampled every half millisecond during a step, above where it started."""
+
+    def __enter__(self):
         self.start = self.peak = _rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -96,13 +107,9 @@ class PeakMemory:
             time.sleep(0.0005)
 
     def __exit__(self, *exc):
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.bytes = torch.cuda.max_memory_allocated() - self.start
-        else:
-            self._stop.set()
-            self._thread.join()
-            self.bytes = max(self.peak, _rss()) - self.start
+        self._stop.set()
+        self._thread.join()
+        self.bytes = max(self.peak, _rss()) - self.start
 
 
 def _rss() -> int:
@@ -119,25 +126,35 @@ class Setting:
     error: str | None = None
 
 
-def native_supports(model, option: str) -> bool:
+def _native_routes(model) -> tuple[str, str]:
+    """The enable/disable names of this transformers version (renamed in 5.23)."""
     base = model.get_base_model()
-    return option in inspect.signature(type(base).gradient_checkpointing_enable).parameters
+    if hasattr(type(base), "activation_checkpointing_enable"):
+        return "activation_checkpointing_enable", "activation_checkpointing_disable"
+    return "gradient_checkpointing_enable", "gradient_checkpointing_disable"
 
 
-def settings_for(native_model, cm: CheckpointedModel) -> list[Setting]:
-    base = native_model.get_base_model()
+def native_supports(model, option: str) -> bool:
+    enable, _ = _native_routes(model)
+    return option in inspect.signature(getattr(type(model.get_base_model()), enable)).parameters
+
+
+def settings_for(native_model, cm: CheckpointedModel | None) -> list[Setting]:
+    """Every setting compared. `cm` (or `native_model`) may be None when only one side is built."""
+    base = native_model.get_base_model() if native_model is not None else None
+    enable, disable = _native_routes(native_model if native_model is not None else cm.model)
 
     def native(**kwargs):
         def apply():
-            base.gradient_checkpointing_disable()
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **kwargs)
-            base.disable_input_require_grads()
+            getattr(base, disable)()
+            getattr(base, enable)({"use_reentrant": False}, **kwargs)
+            base.disable_input_require_grads()  # the hook each enable call adds (see the module doc)
             return native_model
 
         return apply
 
     def native_off():
-        base.gradient_checkpointing_disable()
+        getattr(base, disable)()
         return native_model
 
     def with_remat(config):
@@ -147,21 +164,53 @@ def settings_for(native_model, cm: CheckpointedModel) -> list[Setting]:
 
         return apply
 
+    probe = native_model if native_model is not None else cm.model
     out = [
         Setting("no checkpointing", "none", None, native_off),
         Setting("native every layer", "native", None, native()),
         Setting("remat every layer", "remat", "native every layer", with_remat(CheckpointConfig())),
     ]
-    if native_supports(native_model, "every_n_layers"):
+    if native_supports(probe, "every_n_layers"):
         out.append(Setting("native every_n_layers=2", "native", None, native(every_n_layers=2)))
     out.append(
         Setting(
-            "remat every_n_layers=2", "remat", "native every_n_layers=2", with_remat(CheckpointConfig(every_n_layers=2))
+            "remat every_n_layers=2",
+            "remat",
+            "native every_n_layers=2",
+            with_remat(CheckpointConfig(every_n_layers=2)),
         )
     )
-    if native_supports(native_model, "offload"):
+    if native_supports(probe, "offload"):
         out.append(Setting("native offload", "native", None, native(offload=True)))
+    out.append(Setting("remat offload", "remat", "native offload", with_remat(CheckpointConfig(offload=True))))
     return out
+
+
+def peak_in_fresh_process(args, name: str) -> int | str:
+    """CPU peak memory of one setting: a new process builds the model, runs two steps of that
+    setting alone, and reports its peak RSS growth over the steps (the allocator of a process
+    that ran other settings first would reuse their freed memory and hide the difference)."""
+    command = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--device", args.device]
+    command += ["--dtype", args.dtype, "--peak-of", name]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PEAK ")]
+    if done.returncode != 0 or not lines:
+        return f"failed: {done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode}"
+    return int(lines[-1].split()[1])
+
+
+def run_peak_of(args, preset, name: str) -> None:
+    dtype = getattr(torch, args.dtype)
+    family = "native" if name.startswith(("native", "no ")) else "remat"
+    native_model = build(preset, preset["layers"], dtype, args.device) if family == "native" else None
+    cm = CheckpointedModel(build(preset, preset["layers"], dtype, args.device)) if family == "remat" else None
+    setting = {s.name: s for s in settings_for(native_model, cm)}[name]
+    model = setting.apply()
+    step(model, make_batch(preset, 8, args.device))  # lazy initialisations, with a tiny batch
+    batch = make_batch(preset, preset["seq"], args.device)
+    with RssPeak() as measured:
+        step(model, batch)
+    print(f"PEAK {measured.bytes}")
 
 
 def step(model, batch) -> float:
@@ -190,9 +239,14 @@ def compare(args, preset) -> list[dict]:
             loss, held[s.name] = held_bytes_after(lambda m=model: m(**batch).loss, exclude)
             loss.backward()
             model.zero_grad(set_to_none=True)
-            with PeakMemory(args.device) as measured:
-                step(model, batch)
-            peak[s.name] = measured.bytes
+            if args.device == "cuda":
+                with PeakMemory(args.device) as measured:
+                    step(model, batch)
+                peak[s.name] = measured.bytes
+            elif args.peak:
+                peak[s.name] = peak_in_fresh_process(args, s.name)
+            else:
+                peak[s.name] = None
         except Exception as err:  # recorded in the results: a crash is a finding, not a stop
             s.error = f"{type(err).__name__}: {err}".splitlines()[0][:200]
     live = [s for s in settings if s.error is None]
@@ -290,9 +344,13 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _mib(value) -> str:
+    return f"{value / 2**20:.1f}" if isinstance(value, int) else (value or "")
+
+
 def markdown(results: dict) -> str:
     lines = [
-        "| setting | median step ms | vs none | vs native, same layers | activation MiB held | peak MiB during step |",
+        "| setting | median step ms | vs none | vs native, same layers | activation MiB held | peak MiB of the step |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     fmt = lambda v, spec: "" if v is None else format(v, spec)
@@ -302,7 +360,7 @@ def markdown(results: dict) -> str:
             continue
         lines.append(
             f"| {r['setting']} | {r['median_step_s'] * 1e3:.1f} | {fmt(r['vs_none'], '.3f')} | "
-            f"{fmt(r['vs_native'], '.3f')} | {r['activation_bytes'] / 2**20:.2f} | {r['peak_bytes'] / 2**20:.1f} |"
+            f"{fmt(r['vs_native'], '.3f')} | {r['activation_bytes'] / 2**20:.2f} | {_mib(r['peak_bytes'])} |"
         )
     return "\n".join(lines)
 
@@ -318,9 +376,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--no-peak", dest="peak", action="store_false", help="CPU: skip the per-setting peak runs")
+    parser.add_argument("--peak-of", help=argparse.SUPPRESS)  # internal: one setting's peak, in this process
     args = parser.parse_args(argv)
     transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", category=FutureWarning)
     preset = PRESETS[args.preset]
+    if args.peak_of:
+        run_peak_of(args, preset, args.peak_of)
+        return {}
     args.out.mkdir(parents=True, exist_ok=True)
 
     results = {

@@ -23,12 +23,18 @@ def bench():
 
 def test_smallest_benchmark_runs_and_writes_json_and_plot(bench, tmp_path):
     args = ["--preset", "tiny", "--repeats", "1", "--sweep-depths", "1", "2", "--sweep-seqs", "16"]
-    results = bench.main([*args, "--sweep-repeats", "1", "--out", str(tmp_path), "--quiet"])
+    results = bench.main([*args, "--sweep-repeats", "1", "--out", str(tmp_path), "--quiet", "--no-peak"])
     written = json.loads((tmp_path / "results-tiny-cpu.json").read_text())
     assert written["compare"] == json.loads(json.dumps(results["compare"]))
     assert (tmp_path / "results-tiny-cpu.png").stat().st_size > 10_000
     rows = {r["setting"]: r for r in results["compare"]}
-    for name in ("no checkpointing", "native every layer", "remat every layer", "remat every_n_layers=2"):
+    for name in (
+        "no checkpointing",
+        "native every layer",
+        "remat every layer",
+        "remat every_n_layers=2",
+        "remat offload",
+    ):
         assert rows[name]["error"] is None and rows[name]["steps"] == 1
     assert rows["remat every layer"]["vs_native"] is not None
     # Same layers checkpointed, same activation bytes held, whichever implementation runs them.
@@ -37,3 +43,9 @@ def test_smallest_benchmark_runs_and_writes_json_and_plot(bench, tmp_path):
     depths = sorted({r["depth"] for r in results["sweep"]})
     assert depths == [1, 2] and len(results["sweep"]) == 2 * 3
     assert "| remat every layer |" in bench.markdown(results)
+
+
+def test_cpu_peak_of_one_setting_is_measured_in_a_fresh_process(bench):
+    args = bench.argparse.Namespace(preset="tiny", device="cpu", dtype="float32")
+    peak = bench.peak_in_fresh_process(args, "remat every layer")
+    assert isinstance(peak, int) and peak > 0

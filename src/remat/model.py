@@ -27,7 +27,8 @@ from .config import CheckpointConfig
 from .integrations.routes import RouteOverrides, config_from_route, describe_changes
 from .integrations.transformers_compat import pretrained_model_class
 from .layers import Discovery, discover_layers
-from .plan import CheckpointMap, plan_layers
+from .offload import LayerOffloadStats, Offloader, Transport
+from .plan import CheckpointMap, describe_map, plan_layers
 from .recompute import RecomputeCheckpoint, run_without_checkpoint
 
 if TYPE_CHECKING:
@@ -41,16 +42,11 @@ _MISSING = object()
 
 
 def _refuse_unavailable(config: CheckpointConfig) -> None:
-    """Offload and block swap are planned but not installed yet: refuse, never ignore."""
-    asked = []
-    if config.offloads_any:
-        asked.append("the 'offload' policy (offload=True or layer_policies[...] = 'offload')")
+    """Block swap is planned but not installed yet: refuse, never ignore."""
     if config.swaps_any:
-        asked.append("block swap (swap_layers)")
-    if asked:
         raise NotImplementedError(
-            f"{' and '.join(asked)} is not available yet in this version of remat; "
-            "use the 'recompute' or 'none' policies for now"
+            "block swap (swap_layers) is not available yet in this version of remat; "
+            "use the 'none', 'recompute' or 'offload' policies for now"
         )
 
 
@@ -130,6 +126,9 @@ class CheckpointedModel(nn.Module):
         model: a transformers `PreTrainedModel`, or a peft `PeftModel` over one. It is kept as
             `cm.model`, unchanged in type, parameter names and parameter objects.
         config: the `CheckpointConfig`; the default checkpoints every layer.
+        offload_transport: how the "offload" policy moves bytes between device and host. The
+            default picks one per device (CUDA: side stream and pinned pool; CPU: nothing to
+            move). A `remat.offload.SimulatedTransport` plays a device/host pair on the CPU.
 
     Example::
 
@@ -140,7 +139,13 @@ class CheckpointedModel(nn.Module):
             tokens = cm.generate(**prompt)
     """
 
-    def __init__(self, model: nn.Module, config: CheckpointConfig | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        config: CheckpointConfig | None = None,
+        *,
+        offload_transport: Transport | None = None,
+    ):
         _check_wrappable(model)
         config = CheckpointConfig() if config is None else config
         if not isinstance(config, CheckpointConfig):
@@ -159,6 +164,7 @@ class CheckpointedModel(nn.Module):
         self._states: list[_LayerState] = []
         self._routes = RouteOverrides(self._route_enable, self._route_disable)
         self._mode_hook: Any = None
+        self._offloader = Offloader(config.offload_min_bytes, offload_transport)
 
         # Trainer picks dataset columns from `inspect.signature(model.forward)`; a PeftModel's own
         # forward takes (*args, **kwargs), so show the transformers model's signature, as Trainer
@@ -270,6 +276,19 @@ class CheckpointedModel(nn.Module):
         elif restore is not None:
             self.for_inference()
 
+    @property
+    def offload_stats(self) -> dict[int, LayerOffloadStats]:
+        """Per layer index: bytes offloaded, bytes kept on the device and why, copies made,
+        summed since the wrapper was made (or `reset_offload_stats()`)."""
+        return dict(self._offloader.stats)
+
+    def reset_offload_stats(self) -> None:
+        self._offloader.reset_stats()
+
+    def summary(self) -> str:
+        """The map's table with what offload did per layer."""
+        return describe_map(self._map, self._offloader.stats)
+
     # -- measurement ---------------------------------------------------------------------------
 
     def memory_report(self, batch: Mapping[str, Any]) -> MemoryReport:
@@ -311,6 +330,7 @@ class CheckpointedModel(nn.Module):
         if new_map != self._map:
             logger.info("%s changed the checkpoint map: %r", cause, new_map)
         self._config, self._off_by, self._map = config, off_by, new_map
+        self._offloader.min_bytes = config.offload_min_bytes
         if self.is_enabled:
             self._apply_map()
 
@@ -337,6 +357,8 @@ class CheckpointedModel(nn.Module):
                     plan.index,
                     use_reentrant=self._config.use_reentrant,
                     preserve_rng_state=self._config.preserve_rng_state,
+                    offloader=self._offloader,
+                    offload=plan.policy == "offload",
                 )
                 state.set(True, shim)
             else:

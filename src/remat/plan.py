@@ -12,9 +12,9 @@ Every invariant of the contract lives here, so it can be tested with no model at
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 from .config import CheckpointConfig
 
@@ -159,3 +159,21 @@ def plan_layers(
             reason += ", offload=True"
         plans.append(LayerPlan(index, name, policy, index in swapped, reason))
     return CheckpointMap(plans)
+
+
+def describe_map(checkpoint_map: CheckpointMap, offload_stats: Mapping[int, Any]) -> str:
+    """The map's table plus per-layer offload counters (bytes offloaded / kept and why, copies)."""
+    mib = lambda b: f"{b / 2**20:.2f}"
+    rows = []
+    for p in checkpoint_map:
+        stats = offload_stats.get(p.index)
+        if stats is None:
+            moved = kept = copies = why = ""
+        else:
+            moved, kept = mib(stats.offloaded_bytes), mib(stats.kept_bytes)
+            copies = f"{stats.copies_to_host}/{stats.copies_to_device}"
+            why = "; ".join(stats.kept_because)
+        swapped = "yes" if p.swapped else "no"
+        rows.append((str(p.index), p.name, p.policy, swapped, moved, kept, copies, why or p.reason))
+    header = ("index", "name", "policy", "swapped", "offloaded MiB", "kept MiB", "copies out/in", "why")
+    return render_table(header, rows)

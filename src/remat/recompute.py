@@ -13,12 +13,15 @@ no layer is checkpointed twice.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from .offload import Offloader
 
 logger = logging.getLogger("remat")
 
@@ -42,12 +45,31 @@ class RecomputeCheckpoint:
     to require grad, which costs one extra gradient and needs no hook on the embedding.
     """
 
-    def __init__(self, index: int, *, use_reentrant: bool, preserve_rng_state: bool):
+    def __init__(
+        self,
+        index: int,
+        *,
+        use_reentrant: bool,
+        preserve_rng_state: bool,
+        offloader: Offloader | None = None,
+        offload: bool = False,
+    ):
         self.index = index
         self.use_reentrant = use_reentrant
         self.preserve_rng_state = preserve_rng_state
+        self.offloader = offloader
+        self.offload = offload and offloader is not None
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.offloader is not None:
+            self.offloader.checkpoint_started()
+        # The checkpoint saves its positional inputs before it enters its own hooks, so these
+        # hooks see exactly the layer's inputs (see remat.offload).
+        saving = self.offloader.hooks(self.index) if self.offload else contextlib.nullcontext()
+        with saving:
+            return self._checkpoint(function, args, kwargs)
+
+    def _checkpoint(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.use_reentrant:
             if kwargs:
                 # torch's reentrant checkpoint takes positional inputs only.
@@ -69,6 +91,6 @@ class RecomputeCheckpoint:
 
     def __repr__(self) -> str:
         return (
-            f"RecomputeCheckpoint(layer={self.index}, use_reentrant={self.use_reentrant}, "
+            f"RecomputeCheckpoint(layer={self.index}, offload={self.offload}, use_reentrant={self.use_reentrant}, "
             f"preserve_rng_state={self.preserve_rng_state})"
         )

@@ -198,6 +198,8 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
             torch.cuda.synchronize(device)
             allocator = torch.cuda.memory_allocated(device) - before
         gc.collect()
+        offloaded = cm._offloader.live_host_bytes()  # host buffers come from a pool, not from ops
+        exclude |= cm._offloader.host_storages()
         held: dict[int, tuple[int, int | None, bool]] = {}  # storage -> (bytes, layer, on host)
         for tensor, layer in tracker.alive():
             key = storage_key(tensor)
@@ -220,7 +222,7 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
         counter.remove()
 
     device_by_layer = [0] * len(layers)
-    host_by_layer = [0] * len(layers)
+    host_by_layer = [offloaded.get(i, 0) for i in range(len(layers))]
     outside = [0, 0]
     for size, layer, on_host in held.values():
         if layer is None:
@@ -243,6 +245,6 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
         for i, plan in enumerate(plans)
     )
     notes = []
-    if device.type == "cpu":
+    if device.type == "cpu" and not offloaded:
         notes.append("the model runs on the CPU: there is no separate host memory, so nothing is offloaded")
     return MemoryReport(rows, outside[0], outside[1], str(device), loss.item(), allocator, tuple(notes))

@@ -1,0 +1,268 @@
+"""The "offload" policy: exact, only the checkpoint inputs move, keep-last and the floor decided
+while forward runs, pooled host buffers, fallbacks, and abandoned steps.
+
+The ordering and bookkeeping run through `SimulatedTransport`, which plays a device/host pair on
+the CPU with real (so exact) copies and logs every copy in order. CUDA tests at the end run the
+real streams and pinned memory where a GPU exists.
+"""
+
+import logging
+
+import pytest
+import torch
+from conftest import (
+    RecomputeCounter,
+    add_lora,
+    assert_same_grads,
+    batch,
+    decoder_layers,
+    step_grads,
+    tiny_model,
+)
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.offload import KEPT_LAST, KEPT_ON_CPU, KEPT_SMALL, Offloader, SimulatedTransport
+
+LAYER_INPUT = 2 * 12 * 32 * 4  # batch x seq x hidden x fp32, the conftest defaults
+
+
+def _wrapped(config, transport=None, lora=False, **model_kwargs):
+    model = tiny_model(**model_kwargs)
+    if lora:
+        model = add_lora(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return model, named, CheckpointedModel(model, config, offload_transport=transport)
+
+
+@pytest.mark.parametrize(
+    "config, offloaded",
+    [
+        (CheckpointConfig(offload=True, offload_min_bytes=0), [0, 1, 2]),
+        (CheckpointConfig(offload=True, every_n_layers=2, offload_min_bytes=0), [0]),
+        # layer 2 is the last checkpointed layer of forward, so its input stays on the device
+        (
+            CheckpointConfig(
+                layer_policies={0: "offload", 1: "recompute", 2: "offload", 3: "none"}, offload_min_bytes=0
+            ),
+            [0],
+        ),
+    ],
+    ids=["every-layer", "every-n-2", "layer-policies"],
+)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_offloaded_gradients_equal_no_checkpointing(config, offloaded, lora):
+    model = tiny_model()
+    if lora:
+        model = add_lora(model)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ref_loss, ref = step_grads(model, named, batch())
+    transport = SimulatedTransport()
+    cm = CheckpointedModel(model, config, offload_transport=transport)
+    counter = RecomputeCounter(decoder_layers(model))
+    loss, got = step_grads(cm, named, batch())
+    assert counter.recomputed() == cm.checkpoint_map.checkpointed
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert_same_grads(ref, got)
+    moved = sorted({layer for op, layer in transport.log if op == "to_host"})
+    assert moved == offloaded
+    for layer in offloaded:  # each input crosses exactly once each way
+        assert transport.log.count(("to_host", layer)) == 1 == transport.log.count(("to_device", layer))
+
+
+def test_last_checkpointed_layer_of_forward_stays_and_backward_prefetches_in_order():
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    order = []
+    for i, layer in enumerate(decoder_layers(model)):
+        next(iter(layer.children())).register_forward_pre_hook(lambda m, a, i=i: order.append(("run", i)))
+    transport.log = order  # one timeline for copies and layer runs
+    step_grads(cm, named, batch())
+    forward, backward = order[:7], order[7:]
+    # forward: layer i's input is copied out when layer i+1 starts, overlapping its compute
+    assert forward == [("run", 0), ("to_host", 0), ("run", 1), ("to_host", 1), ("run", 2), ("to_host", 2), ("run", 3)]
+    # backward: layer 3's input never left; each fetch is issued before the recompute that precedes its use
+    assert backward == [
+        ("to_device", 2),
+        ("run", 3),
+        ("to_device", 1),
+        ("run", 2),
+        ("to_device", 0),
+        ("run", 1),
+        ("run", 0),
+    ]
+    stats = cm.offload_stats
+    assert stats[3].kept_because == {KEPT_LAST: LAYER_INPUT} and stats[3].offloaded_bytes == 0
+    assert all(stats[i].offloaded_bytes == LAYER_INPUT and stats[i].kept_bytes == 0 for i in range(3))
+
+
+def test_keep_last_follows_the_map_when_it_changes_between_steps():
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    step_grads(cm, named, batch())
+    cm.enable(cm.config.replace(every_n_layers=2))  # now layers 0 and 2; the last one is 2
+    cm.reset_offload_stats()
+    transport.log.clear()
+    step_grads(cm, named, batch())
+    assert transport.log == [("to_host", 0), ("to_device", 0)]
+    assert cm.offload_stats[2].kept_because == {KEPT_LAST: LAYER_INPUT}
+    cm.enable(cm.config.replace(every_n_layers=1, layer_policies={3: "recompute"}))
+    cm.reset_offload_stats()
+    transport.log.clear()
+    step_grads(cm, named, batch())
+    # Layer 3 recomputes from the device, so layer 2's input is no longer the first one needed.
+    assert [layer for op, layer in transport.log if op == "to_host"] == [0, 1, 2]
+
+
+def test_inputs_under_the_floor_stay_on_the_device():
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=LAYER_INPUT + 1), transport)
+    model_ref = tiny_model()
+    _, ref = step_grads(model_ref, list(model_ref.named_parameters()), batch())
+    _, got = step_grads(cm, named, batch())
+    assert_same_grads(ref, got)
+    assert transport.log == []
+    assert all(cm.offload_stats[i].kept_because == {KEPT_SMALL: LAYER_INPUT} for i in range(4))
+
+
+def test_host_buffers_are_allocated_once_and_reused_every_step():
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    step_grads(cm, named, batch())
+    assert transport.allocations == 3
+    for _ in range(3):
+        step_grads(cm, named, batch())
+    assert transport.allocations == 3
+    pool = cm._offloader.pools[0]
+    assert pool.pooled_buffers == 3 and pool.allocated_bytes == 3 * LAYER_INPUT
+
+
+def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):
+    transport = SimulatedTransport(pin_fails=True)
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    ref_model = tiny_model()
+    _, ref = step_grads(ref_model, list(ref_model.named_parameters()), batch())
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        _, got = step_grads(cm, named, batch())
+        step_grads(cm, named, batch())
+    assert_same_grads(ref, got)
+    warnings = [r for r in caplog.records if "pageable" in r.getMessage()]
+    assert len(warnings) == 1 and "pinning host memory failed" in warnings[0].getMessage()
+    assert cm._offloader.pools[0].pageable_fallbacks == 3  # the pageable buffers are pooled too
+
+
+def test_host_budget_falls_back_with_a_warning(caplog):
+    offloader = Offloader(0, SimulatedTransport(), max_host_bytes=LAYER_INPUT)
+    pool = offloader.pools[0]
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        first = pool.acquire(LAYER_INPUT)
+        second = pool.acquire(LAYER_INPUT)
+    assert first.numel() == second.numel() == LAYER_INPUT
+    assert pool.allocated_bytes == LAYER_INPUT and pool.pageable_fallbacks == 1
+    assert "budget" in caplog.text
+
+
+def test_a_forward_without_backward_returns_its_buffers():
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    loss = cm(**batch()).loss
+    pool = cm._offloader.pools[0]
+    assert pool.pooled_buffers == 0 and cm._offloader.live_host_bytes() == {
+        0: LAYER_INPUT,
+        1: LAYER_INPUT,
+        2: LAYER_INPUT,
+    }
+    del loss
+    assert pool.pooled_buffers == 3 and cm._offloader.live_host_bytes() == {}
+    _, got = step_grads(cm, named, batch())  # the next step is unaffected
+    ref_model = tiny_model()
+    _, ref = step_grads(ref_model, list(ref_model.named_parameters()), batch())
+    assert_same_grads(ref, got)
+    assert transport.allocations == 3
+
+
+def test_an_exception_in_forward_returns_its_buffers():
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    layer3 = decoder_layers(model)[3]
+
+    def boom(module, args):
+        raise RuntimeError("boom")
+
+    handle = next(iter(layer3.children())).register_forward_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        cm(**batch())
+    handle.remove()
+    import gc
+
+    gc.collect()
+    assert cm._offloader.pools[0].pooled_buffers == 3 and cm._offloader.live_host_bytes() == {}
+
+
+def test_native_offload_request_becomes_this_policy_and_moves_each_input_once():
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload_min_bytes=0), transport)
+    model.gradient_checkpointing_enable(offload=True)
+    assert cm.config.offload and set(p.policy for p in cm.checkpoint_map) == {"offload"}
+    step_grads(cm, named, batch())
+    assert [op for op, _ in transport.log].count("to_host") == 3
+    assert sorted(transport.log) == sorted({*transport.log})  # no input copied twice
+
+
+def test_on_a_cpu_model_offload_is_exact_and_reports_that_it_saved_nothing():
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0))
+    ref_model = tiny_model()
+    _, ref = step_grads(ref_model, list(ref_model.named_parameters()), batch())
+    _, got = step_grads(cm, named, batch())
+    assert_same_grads(ref, got)
+    assert all(cm.offload_stats[i].kept_because == {KEPT_ON_CPU: LAYER_INPUT} for i in range(4))
+    assert all(cm.offload_stats[i].offloaded_bytes == 0 for i in range(4))
+    report = cm.memory_report(batch())
+    assert report.host_bytes == 0 and "nothing is offloaded" in str(report)
+    assert "the model runs on the CPU" in cm.summary()
+
+
+def test_memory_report_and_summary_show_where_offloaded_inputs_live():
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport, attention_dropout=0.0)
+    report = cm.memory_report(batch())
+    assert [layer.host_bytes for layer in report.layers] == [LAYER_INPUT] * 3 + [0]
+    assert [layer.device_bytes for layer in report.layers] == [0, 0, 0, LAYER_INPUT]
+    recompute = CheckpointedModel(tiny_model(attention_dropout=0.0), CheckpointConfig()).memory_report(batch())
+    assert report.device_bytes == recompute.device_bytes - 3 * LAYER_INPUT
+    summary = cm.summary()
+    assert "offloaded MiB" in summary and KEPT_LAST in summary
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("every_n", [1, 2])
+def test_cuda_offload_is_exact(every_n):
+    model = tiny_model(attention_dropout=0.0).cuda()
+    named = list(model.named_parameters())
+    data = {k: v.cuda() for k, v in batch().items()}
+    _, ref = step_grads(model, named, data)
+    cm = CheckpointedModel(model, CheckpointConfig(offload=True, every_n_layers=every_n, offload_min_bytes=0))
+    for _ in range(2):  # the second step reuses the pinned pool
+        _, got = step_grads(cm, named, data)
+        assert_same_grads(ref, got)
+    assert cm._offloader.pools[0].pageable_fallbacks == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_offload_lowers_device_memory_held_after_forward():
+    def held(config):
+        model = tiny_model(attention_dropout=0.0, num_hidden_layers=8, hidden_size=256, intermediate_size=512).cuda()
+        cm = CheckpointedModel(model, config)
+        data = {k: v.cuda() for k, v in batch(seq=512).items()}
+        step_grads(cm, list(model.named_parameters()), data)
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        loss = cm(**data).loss
+        torch.cuda.synchronize()
+        after = torch.cuda.memory_allocated()
+        loss.backward()
+        return after - before
+
+    recompute = held(CheckpointConfig(offload_min_bytes=0))
+    offload = held(CheckpointConfig(offload=True, offload_min_bytes=0))
+    layer_input = 2 * 512 * 256 * 4
+    assert recompute - offload >= 6 * layer_input
