@@ -62,7 +62,6 @@ def test_wrong_config_type_is_a_type_error():
     [
         (CheckpointConfig(layer_policies={4: "none"}), ValueError, "has 4 layers"),
         (CheckpointConfig(swap_layers=5), ValueError, "more layers"),
-        (CheckpointConfig(swap_layers=1), NotImplementedError, "block swap"),
     ],
 )
 def test_configs_the_model_cannot_take_are_refused_before_anything_changes(config, error, message):

@@ -30,6 +30,7 @@ from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
 from .plan import CheckpointMap, describe_map, plan_layers
 from .recompute import RecomputeCheckpoint, run_without_checkpoint
+from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
 
 if TYPE_CHECKING:
     from .report import MemoryReport
@@ -39,15 +40,6 @@ logger = logging.getLogger("remat")
 _FLAG = "gradient_checkpointing"
 _FUNC = "_gradient_checkpointing_func"
 _MISSING = object()
-
-
-def _refuse_unavailable(config: CheckpointConfig) -> None:
-    """Block swap is planned but not installed yet: refuse, never ignore."""
-    if config.swaps_any:
-        raise NotImplementedError(
-            "block swap (swap_layers) is not available yet in this version of remat; "
-            "use the 'none', 'recompute' or 'offload' policies for now"
-        )
 
 
 def _check_wrappable(model: Any) -> None:
@@ -64,6 +56,10 @@ def _check_wrappable(model: Any) -> None:
     owner = getattr(model, "_remat_owner", None)
     if owner is not None:
         raise ValueError("this model is already wrapped by another CheckpointedModel; call its disable() first")
+
+
+def _swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tuple[int, str, nn.Module]]:
+    return [(p.index, p.name, discovery.layers[p.index].module) for p in checkpoint_map if p.swapped]
 
 
 class _ModelAwareConfig(CheckpointConfig):
@@ -129,6 +125,8 @@ class CheckpointedModel(nn.Module):
         offload_transport: how the "offload" policy moves bytes between device and host. The
             default picks one per device (CUDA: side stream and pinned pool; CPU: nothing to
             move). A `remat.offload.SimulatedTransport` plays a device/host pair on the CPU.
+        swap_mover: how block swap copies weights host to device; the default picks one from the
+            weights' device (CUDA: pinned host copies and a side stream; CPU: plain copies).
 
     Example::
 
@@ -145,6 +143,7 @@ class CheckpointedModel(nn.Module):
         config: CheckpointConfig | None = None,
         *,
         offload_transport: Transport | None = None,
+        swap_mover: WeightMover | None = None,
     ):
         _check_wrappable(model)
         config = CheckpointConfig() if config is None else config
@@ -152,7 +151,7 @@ class CheckpointedModel(nn.Module):
             raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
         discovery = discover_layers(model)
         checkpoint_map = plan_layers(config, discovery.names)
-        _refuse_unavailable(config)
+        check_swappable(_swap_targets(discovery, checkpoint_map))
         super().__init__()
         self.model = model
         self._config = config
@@ -165,6 +164,8 @@ class CheckpointedModel(nn.Module):
         self._routes = RouteOverrides(self._route_enable, self._route_disable)
         self._mode_hook: Any = None
         self._offloader = Offloader(config.offload_min_bytes, offload_transport)
+        self._swap_mover = swap_mover
+        self._swapper: WeightSwapper | None = None
 
         # Trainer picks dataset columns from `inspect.signature(model.forward)`; a PeftModel's own
         # forward takes (*args, **kwargs), so show the transformers model's signature, as Trainer
@@ -233,6 +234,7 @@ class CheckpointedModel(nn.Module):
         """
         if not self.is_enabled:
             return self
+        self._unswap()
         for state in reversed(self._states):
             state.restore()
         self._states.clear()
@@ -285,9 +287,14 @@ class CheckpointedModel(nn.Module):
     def reset_offload_stats(self) -> None:
         self._offloader.reset_stats()
 
+    @property
+    def swap_stats(self) -> dict[int, LayerSwapStats]:
+        """Per swapped layer: how many times its weights were fetched, and the bytes."""
+        return {} if self._swapper is None else {i: e.stats for i, e in self._swapper.layers.items()}
+
     def summary(self) -> str:
-        """The map's table with what offload did per layer."""
-        return describe_map(self._map, self._offloader.stats)
+        """The map's table with what offload and block swap did per layer."""
+        return describe_map(self._map, self._offloader.stats, self.swap_stats)
 
     # -- measurement ---------------------------------------------------------------------------
 
@@ -323,15 +330,21 @@ class CheckpointedModel(nn.Module):
     def _replan(self, config: CheckpointConfig, off_by: str | None, cause: str) -> None:
         """Plan first (errors leave everything as it was), then apply."""
         new_map = plan_layers(config, self._discovery.names, checkpointing_off_by=off_by)
-        _refuse_unavailable(config)
+        new_swapped = [p.index for p in new_map if p.swapped]
+        if new_swapped != [p.index for p in self._map if p.swapped]:
+            check_swappable(_swap_targets(self._discovery, new_map))
         changes = describe_changes(self._config, config)
         if changes:
             logger.info("%s changed the checkpoint config: %s", cause, changes)
         if new_map != self._map:
             logger.info("%s changed the checkpoint map: %r", cause, new_map)
+        old_swapped = [p.index for p in self._map if p.swapped]
         self._config, self._off_by, self._map = config, off_by, new_map
         self._offloader.min_bytes = config.offload_min_bytes
         if self.is_enabled:
+            if new_swapped != old_swapped:
+                self._unswap()
+                self._swap()
             self._apply_map()
 
     def _install(self) -> None:
@@ -342,7 +355,24 @@ class CheckpointedModel(nn.Module):
         self._routes.install(self.model)
         self._mode_hook = self.model.register_forward_pre_hook(self._check_mode)
         object.__setattr__(self.model, "_remat_owner", True)
+        self._swap()
         self._apply_map()
+
+    def _swap(self) -> None:
+        targets = _swap_targets(self._discovery, self._map)
+        if targets:
+            self._swapper = WeightSwapper(self.model, targets, self._swap_mover)
+            self._swapper.install_hooks({index: module for index, _, module in targets})
+            logger.info(
+                "block swap: %d layer(s) keep their frozen weights in host memory; %d bytes of device slots",
+                len(targets),
+                self._swapper.pool_bytes,
+            )
+
+    def _unswap(self) -> None:
+        if self._swapper is not None:
+            self._swapper.restore()
+            self._swapper = None
 
     def _apply_map(self) -> None:
         """Make the installed flags say exactly what the map says, for the current mode."""
@@ -359,6 +389,7 @@ class CheckpointedModel(nn.Module):
                     preserve_rng_state=self._config.preserve_rng_state,
                     offloader=self._offloader,
                     offload=plan.policy == "offload",
+                    swapper=self._swapper,
                 )
                 state.set(True, shim)
             else:

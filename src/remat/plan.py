@@ -161,9 +161,13 @@ def plan_layers(
     return CheckpointMap(plans)
 
 
-def describe_map(checkpoint_map: CheckpointMap, offload_stats: Mapping[int, Any]) -> str:
-    """The map's table plus per-layer offload counters (bytes offloaded / kept and why, copies)."""
+def describe_map(
+    checkpoint_map: CheckpointMap, offload_stats: Mapping[int, Any], swap_stats: Mapping[int, Any] | None = None
+) -> str:
+    """The map's table plus per-layer counters: offload (bytes offloaded / kept and why, copies)
+    and block swap (weight fetches and bytes fetched)."""
     mib = lambda b: f"{b / 2**20:.2f}"
+    swap_stats = swap_stats or {}
     rows = []
     for p in checkpoint_map:
         stats = offload_stats.get(p.index)
@@ -173,7 +177,10 @@ def describe_map(checkpoint_map: CheckpointMap, offload_stats: Mapping[int, Any]
             moved, kept = mib(stats.offloaded_bytes), mib(stats.kept_bytes)
             copies = f"{stats.copies_to_host}/{stats.copies_to_device}"
             why = "; ".join(stats.kept_because)
+        swap = swap_stats.get(p.index)
+        fetched = f"{swap.fetches} ({mib(swap.bytes_fetched)} MiB)" if swap is not None else ""
         swapped = "yes" if p.swapped else "no"
-        rows.append((str(p.index), p.name, p.policy, swapped, moved, kept, copies, why or p.reason))
-    header = ("index", "name", "policy", "swapped", "offloaded MiB", "kept MiB", "copies out/in", "why")
+        rows.append((str(p.index), p.name, p.policy, swapped, moved, kept, copies, fetched, why or p.reason))
+    header = ("index", "name", "policy", "swapped", "offloaded MiB", "kept MiB", "copies out/in", "weight fetches")
+    header += ("why",)
     return render_table(header, rows)

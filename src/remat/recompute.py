@@ -22,6 +22,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .offload import Offloader
+from .swap import WeightSwapper
 
 logger = logging.getLogger("remat")
 
@@ -53,12 +54,14 @@ class RecomputeCheckpoint:
         preserve_rng_state: bool,
         offloader: Offloader | None = None,
         offload: bool = False,
+        swapper: WeightSwapper | None = None,
     ):
         self.index = index
         self.use_reentrant = use_reentrant
         self.preserve_rng_state = preserve_rng_state
         self.offloader = offloader
         self.offload = offload and offloader is not None
+        self.swapper = swapper if swapper is not None and index in swapper.layers else None
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.offloader is not None:
@@ -66,8 +69,24 @@ class RecomputeCheckpoint:
         # The checkpoint saves its positional inputs before it enters its own hooks, so these
         # hooks see exactly the layer's inputs (see remat.offload).
         saving = self.offloader.hooks(self.index) if self.offload else contextlib.nullcontext()
+        if self.swapper is not None:
+            function = self._fetch_weights_on_recompute(function)
         with saving:
             return self._checkpoint(function, args, kwargs)
+
+    def _fetch_weights_on_recompute(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """A swapped layer's weights are in host memory when backward recomputes it: fetch them
+        first. The first call of the function is the forward (the layer's hooks fetched for it)."""
+        swapper, index, calls = self.swapper, self.index, [0]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            if calls[0] == 1:
+                return function(*args, **kwargs)
+            with swapper.recomputing(index):
+                return function(*args, **kwargs)
+
+        return run
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self.use_reentrant:

@@ -42,6 +42,8 @@ class LayerMemory:
     host_bytes: int
     weight_bytes: int
     runs: int
+    weight_fetches: int = 0
+    weight_bytes_fetched: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,8 @@ class MemoryReport:
     device: str
     loss: float
     allocator_bytes: int | None = None
+    swapped_weight_peak_bytes: int = 0
+    swap_pool_bytes: int = 0
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -84,14 +88,21 @@ class MemoryReport:
                 mib(layer.device_bytes),
                 mib(layer.host_bytes),
                 mib(layer.weight_bytes),
+                str(layer.weight_fetches) if layer.swapped else "",
             )
             for layer in self.layers
         ]
         outside = (mib(self.outside_device_bytes), mib(self.outside_host_bytes))
-        rows.append(("", "outside layers", "", "", "", *outside, ""))
-        rows.append(("", "total", "", "", "", mib(self.device_bytes), mib(self.host_bytes), mib(self.weight_bytes)))
+        rows.append(("", "outside layers", "", "", "", *outside, "", ""))
+        rows.append(("", "total", "", "", "", mib(self.device_bytes), mib(self.host_bytes), mib(self.weight_bytes), ""))
         header = ("index", "name", "policy", "swapped", "runs", "held MiB (device)", "held MiB (host)", "weights MiB")
+        header += ("weight fetches",)
         lines = [render_table(header, rows), f"device: {self.device}, loss {self.loss:.4f}"]
+        if self.swap_pool_bytes:
+            lines.append(
+                f"block swap: swapped weights resident at peak {mib(self.swapped_weight_peak_bytes)} MiB "
+                f"(slot pool {mib(self.swap_pool_bytes)} MiB); weights column: resident after the step"
+            )
         if self.allocator_bytes is not None:
             lines.append(f"CUDA allocator, allocated after forward minus before: {mib(self.allocator_bytes)} MiB")
         lines.extend(self.notes)
@@ -183,6 +194,10 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
     plans = list(cm.checkpoint_map)
     param = next(model.parameters())
     device = param.device
+    swapper = cm._swapper
+    before_fetches = {i: (e.stats.fetches, e.stats.bytes_fetched) for i, e in swapper.layers.items()} if swapper else {}
+    if swapper is not None:
+        swapper.peak_resident_bytes = swapper.resident_bytes
     scopes = _LayerScopes(layers)
     counter = _RunCounter(layers)
     exclude = weight_storages(model)
@@ -241,10 +256,29 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
             host_by_layer[i],
             _weight_bytes(layers[i]),
             counter.runs[i],
+            *_fetched_since(swapper, i, before_fetches),
         )
         for i, plan in enumerate(plans)
     )
     notes = []
     if device.type == "cpu" and not offloaded:
         notes.append("the model runs on the CPU: there is no separate host memory, so nothing is offloaded")
-    return MemoryReport(rows, outside[0], outside[1], str(device), loss.item(), allocator, tuple(notes))
+    return MemoryReport(
+        rows,
+        outside[0],
+        outside[1],
+        str(device),
+        loss.item(),
+        allocator,
+        swapper.peak_resident_bytes if swapper else 0,
+        swapper.pool_bytes if swapper else 0,
+        tuple(notes),
+    )
+
+
+def _fetched_since(swapper: Any, index: int, before: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    if swapper is None or index not in swapper.layers:
+        return 0, 0
+    stats = swapper.layers[index].stats
+    fetches, nbytes = before.get(index, (0, 0))
+    return stats.fetches - fetches, stats.bytes_fetched - nbytes

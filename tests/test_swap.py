@@ -1,0 +1,213 @@
+"""Block swap: frozen weights in host memory between uses, exact, bounded by the slot pool."""
+
+import pytest
+import torch
+from conftest import (
+    RecomputeCounter,
+    add_lora,
+    assert_same_grads,
+    batch,
+    decoder_layers,
+    hook_snapshot,
+    step_grads,
+    tiny_model,
+)
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.offload import SimulatedTransport
+from remat.swap import BlockSwapError
+
+
+def _lora_model(**kwargs):
+    model = add_lora(tiny_model(**kwargs))
+    return model, [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _swapped_weight_bytes(model, layers):
+    """Bytes actually resident in the frozen weights of `layers`, read from their storages."""
+    seen = {}
+    for layer in layers:
+        for p in layer.parameters():
+            if not p.requires_grad:
+                storage = p.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("every_n", [1, 2, 3])
+@pytest.mark.parametrize("offload", [False, True], ids=["recompute", "offload"])
+def test_swap_gradients_equal_no_checkpointing(every_n, offload):
+    model, named = _lora_model()
+    ref_loss, ref = step_grads(model, named, batch())
+    config = CheckpointConfig(every_n_layers=every_n, swap_layers=2, offload=offload, offload_min_bytes=0)
+    cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
+    counter = RecomputeCounter(decoder_layers(model))
+    loss, got = step_grads(cm, named, batch())
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert_same_grads(ref, got)
+    swapped = [p.index for p in cm.checkpoint_map if p.swapped]
+    assert swapped == [1, 3]
+    assert set(swapped) <= set(counter.recomputed()), "a swapped layer is always recomputed"
+    assert max(counter.counts) == 2, "no nested checkpoint"
+    assert all(cm.swap_stats[i].fetches == 2 for i in swapped)  # forward, then the recompute
+
+
+def test_spread_swap_with_every_n_2_checkpoints_the_swapped_odd_layers():
+    """Unsloth's defect: spread puts swapped layers at odd indices, every_n=2 checkpoints even ones."""
+    model, named = _lora_model()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2, swap_layers=2, swap_placement="spread"))
+    counter = RecomputeCounter(decoder_layers(model))
+    step_grads(cm, named, batch())
+    assert counter.recomputed() == [0, 1, 2, 3]
+    assert "always checkpointed" in cm.checkpoint_map[1].reason
+
+
+def test_resident_swapped_weights_never_exceed_the_slot_pool():
+    model, named = _lora_model(num_hidden_layers=6)
+    layers = decoder_layers(model)
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=6))
+    swapper = cm._swapper
+    observed = []
+    for layer in layers:
+        first = next(iter(layer.children()))
+        first.register_forward_pre_hook(lambda m, a: observed.append(_swapped_weight_bytes(model, layers)))
+    at_rest = _swapped_weight_bytes(model, layers)
+    for _ in range(2):
+        step_grads(cm, named, batch())
+    per_layer = swapper.layers[0].nbytes
+    assert swapper.pool_bytes == 3 * per_layer  # prefetch depth 2, plus the layer running
+    assert len(observed) == 24 and max(observed) <= swapper.pool_bytes + at_rest
+    assert min(observed) >= per_layer, "the running layer's weights are resident"
+    assert at_rest < per_layer / 100, "at rest the swapped weights occupy (almost) nothing"
+    assert _swapped_weight_bytes(model, layers) == at_rest, "everything is released after backward"
+    assert swapper.peak_resident_bytes == swapper.pool_bytes
+
+
+def test_optimizer_steps_with_lora_leave_frozen_weights_bit_identical_and_train_lora():
+    model, named = _lora_model()
+    frozen_before = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
+    lora_before = {n: p.detach().clone() for n, p in named}
+    params_before = list(model.parameters())
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[0, 2], every_n_layers=3))
+    optimizer = torch.optim.AdamW([p for _, p in named], lr=1e-2)
+    for seed in range(3):
+        loss = cm(**batch(seed=seed)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    state = model.state_dict()  # read while swapped: the true values
+    assert all(torch.equal(state[k], v) for k, v in frozen_before.items())
+    assert any(not torch.equal(p.detach(), lora_before[n]) for n, p in named)
+    cm.disable()
+    assert list(model.parameters()) == params_before and all(
+        a is b for a, b in zip(model.parameters(), params_before, strict=True)
+    )
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in frozen_before.items())
+
+
+def test_disable_restores_state_dict_identity_and_hooks_exactly():
+    model, named = _lora_model()
+    hooks = hook_snapshot(model)
+    data = batch()
+    model.eval()
+    with torch.no_grad():
+        expected = model(**data).logits
+    model.train()
+    params = list(model.parameters())
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=3, swap_placement="tail"))
+    step_grads(cm, named, data)
+    cm.disable()
+    assert hook_snapshot(model) == hooks
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert all(
+        p.is_contiguous() and p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in model.parameters()
+    )
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(model(**data).logits, expected)
+
+
+def test_generation_with_swapped_layers_matches_the_bare_model():
+    bare = tiny_model(seed=4).eval()
+    prompt = batch(seed=2)["input_ids"][:, :4]
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompt))
+    with torch.no_grad():
+        expected = bare.generate(prompt, **kwargs)
+    model = tiny_model(seed=4).requires_grad_(False)  # a frozen model, as for inference
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=2))
+    with torch.no_grad(), cm.for_inference():
+        got = cm.generate(prompt, **kwargs)
+    assert torch.equal(got, expected)
+    assert cm._swapper.resident_bytes == 0
+
+
+def test_memory_report_shows_resident_weights_falling_for_swapped_layers():
+    model, named = _lora_model(attention_dropout=0.0)
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))
+    report = cm.memory_report(batch())
+    weights = [layer.weight_bytes for layer in report.layers]
+    assert weights[1] < weights[0] / 10
+    assert report.layers[1].swapped and not report.layers[0].swapped
+    assert report.layers[1].weight_fetches == 2 and report.layers[0].weight_fetches == 0  # forward, recompute
+    assert report.layers[1].weight_bytes_fetched == 2 * cm._swapper.layers[1].nbytes
+    assert report.swapped_weight_peak_bytes == cm._swapper.layers[1].nbytes <= report.swap_pool_bytes
+    assert "block swap: swapped weights resident at peak" in str(report)
+    assert "2 (" in cm.summary()
+
+
+def test_changing_the_swapped_layers_between_steps_moves_weights_home_first():
+    model, named = _lora_model()
+    ref_loss, ref = step_grads(model, named, batch())
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[0]))
+    step_grads(cm, named, batch())
+    cm.enable(cm.config.replace(swap_layers=[2, 3]))
+    _, got = step_grads(cm, named, batch())
+    assert_same_grads(ref, got)
+    assert sorted(cm.swap_stats) == [2, 3]
+    assert model.base_model.model.model.layers[0].mlp.up_proj.weight.untyped_storage().nbytes() > 4
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (CheckpointConfig(swap_layers=5), "more layers than the model has"),
+        (CheckpointConfig(swap_layers=[1, 4]), "swap_layers names layer"),
+    ],
+)
+def test_bad_swap_requests_are_clear_errors(config, message):
+    model, _ = _lora_model()
+    with pytest.raises(ValueError, match=message):
+        CheckpointedModel(model, config)
+
+
+def test_swapping_trainable_base_weights_is_refused_before_anything_moves():
+    model = tiny_model()  # full fine-tuning: every weight trains
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    with pytest.raises(BlockSwapError, match="full fine-tuning"):
+        CheckpointedModel(model, CheckpointConfig(swap_layers=1))
+    assert [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
+    cm = CheckpointedModel(model)
+    with pytest.raises(BlockSwapError, match="full fine-tuning"):
+        cm.enable(CheckpointConfig(swap_layers=1))
+    assert cm.config == CheckpointConfig() and [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
+
+
+def test_sharded_parameters_are_refused():
+    model, _ = _lora_model()
+    next(p for p in decoder_layers(model)[1].parameters() if not p.requires_grad).ds_id = 7  # what DeepSpeed sets
+    with pytest.raises(BlockSwapError, match="DeepSpeed or FSDP"):
+        CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_swap_is_exact_and_bounded():
+    model = add_lora(tiny_model(attention_dropout=0.0)).cuda()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    data = {k: v.cuda() for k, v in batch().items()}
+    _, ref = step_grads(model, named, data)
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=3))
+    for _ in range(2):
+        _, got = step_grads(cm, named, data)
+        assert_same_grads(ref, got)
+    assert cm._swapper.peak_resident_bytes <= cm._swapper.pool_bytes
