@@ -148,7 +148,8 @@ def settings_for(native_model, cm: CheckpointedModel | None) -> list[Setting]:
         def apply():
             getattr(base, disable)()
             getattr(base, enable)({"use_reentrant": False}, **kwargs)
-            base.disable_input_require_grads()  # the hook each enable call adds (see the module doc)
+            if hasattr(base, "_require_grads_hook"):  # the hook each enable call adds (see the module doc)
+                base.disable_input_require_grads()
             return native_model
 
         return apply
@@ -244,7 +245,9 @@ def compare(args, preset) -> list[dict]:
                     step(model, batch)
                 peak[s.name] = measured.bytes
             elif args.peak:
-                peak[s.name] = peak_in_fresh_process(args, s.name)
+                runs = [peak_in_fresh_process(args, s.name) for _ in range(args.peak_repeats)]
+                numbers = [r for r in runs if isinstance(r, int)]
+                peak[s.name] = int(statistics.median(numbers)) if numbers else runs[0]
             else:
                 peak[s.name] = None
         except Exception as err:  # recorded in the results: a crash is a finding, not a stop
@@ -310,6 +313,53 @@ def sweep(args, preset) -> list[dict]:
     return out
 
 
+def resident_weight_bytes(model) -> int:
+    seen = {}
+    for p in model.parameters():
+        storage = p.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def swap_sweep(args, preset) -> list[dict]:
+    """Step time and peak resident weight bytes against the number of swapped layers (every
+    layer checkpointed, "spread" placement), alternated over the repeats."""
+    dtype = getattr(torch, args.dtype)
+    cm = CheckpointedModel(build(preset, preset["layers"], dtype, args.device))
+    batch = make_batch(preset, preset["seq"], args.device)
+    counts = sorted({0, *args.swap_counts})
+    configs = {n: CheckpointConfig(swap_layers=n) for n in counts if n <= preset["layers"]}
+    peaks, times = {}, {n: [] for n in configs}
+    layers = cm.layers
+    for n, config in configs.items():
+        cm.enable(config)
+        observed = []
+        handles = [
+            next(iter(layer.children())).register_forward_pre_hook(
+                lambda m, a, seen=observed: seen.append(resident_weight_bytes(cm.model))
+            )
+            for layer in layers
+        ]
+        step(cm, batch)
+        for handle in handles:
+            handle.remove()
+        peaks[n] = max(observed)
+    for _ in tqdm(range(args.swap_repeats), desc="swap sweep", disable=args.quiet):
+        for n, config in configs.items():
+            cm.enable(config)
+            times[n].append(step(cm, batch))
+    base = statistics.median(times[0])
+    return [
+        {
+            "swapped_layers": n,
+            "median_step_s": statistics.median(times[n]),
+            "vs_no_swap": statistics.median(times[n]) / base,
+            "peak_resident_weight_bytes": peaks[n],
+        }
+        for n in configs
+    ]
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -362,6 +412,17 @@ def markdown(results: dict) -> str:
             f"| {r['setting']} | {r['median_step_s'] * 1e3:.1f} | {fmt(r['vs_none'], '.3f')} | "
             f"{fmt(r['vs_native'], '.3f')} | {r['activation_bytes'] / 2**20:.2f} | {_mib(r['peak_bytes'])} |"
         )
+    if results.get("swap"):
+        lines += [
+            "",
+            "| swapped layers | median step ms | vs no swap | peak resident weights MiB |",
+            "| --- | --- | --- | --- |",
+        ]
+        for r in results["swap"]:
+            lines.append(
+                f"| {r['swapped_layers']} | {r['median_step_s'] * 1e3:.1f} | {r['vs_no_swap']:.3f} | "
+                f"{r['peak_resident_weight_bytes'] / 2**20:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -375,6 +436,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep-seqs", type=int, nargs="*", default=[128, 256, 512])
     parser.add_argument("--sweep-repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    parser.add_argument("--swap-counts", type=int, nargs="*", default=[2, 4, 8], help="swapped layers to compare")
+    parser.add_argument("--swap-repeats", type=int, default=7)
+    parser.add_argument("--peak-repeats", type=int, default=3, help="CPU: fresh processes per setting (median)")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--no-peak", dest="peak", action="store_false", help="CPU: skip the per-setting peak runs")
     parser.add_argument("--peak-of", help=argparse.SUPPRESS)  # internal: one setting's peak, in this process
@@ -402,6 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": torch.get_num_threads()},
         "compare": compare(args, preset),
         "sweep": sweep(args, preset) if args.sweep_depths and args.sweep_seqs else [],
+        "swap": swap_sweep(args, preset) if args.swap_counts else [],
     }
     if args.device == "cuda":
         results["machine"]["gpu"] = torch.cuda.get_device_name()

@@ -23,6 +23,7 @@ def bench():
 
 def test_smallest_benchmark_runs_and_writes_json_and_plot(bench, tmp_path):
     args = ["--preset", "tiny", "--repeats", "1", "--sweep-depths", "1", "2", "--sweep-seqs", "16"]
+    args += ["--swap-counts", "2", "4", "--swap-repeats", "1"]
     results = bench.main([*args, "--sweep-repeats", "1", "--out", str(tmp_path), "--quiet", "--no-peak"])
     written = json.loads((tmp_path / "results-tiny-cpu.json").read_text())
     assert written["compare"] == json.loads(json.dumps(results["compare"]))
@@ -43,6 +44,13 @@ def test_smallest_benchmark_runs_and_writes_json_and_plot(bench, tmp_path):
     depths = sorted({r["depth"] for r in results["sweep"]})
     assert depths == [1, 2] and len(results["sweep"]) == 2 * 3
     assert "| remat every layer |" in bench.markdown(results)
+    swap = {r["swapped_layers"]: r for r in results["swap"]}
+    assert sorted(swap) == [0, 2, 4]
+    assert (
+        swap[4]["peak_resident_weight_bytes"]
+        < swap[2]["peak_resident_weight_bytes"]
+        < swap[0]["peak_resident_weight_bytes"]
+    )
 
 
 def test_cpu_peak_of_one_setting_is_measured_in_a_fresh_process(bench):
