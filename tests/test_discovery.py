@@ -23,7 +23,10 @@ def tiny_llava():
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    config = transformers.LlavaConfig(vision_config=vision, text_config=text, image_token_index=63)
+    # vision_feature_layer=-1: every vision layer feeds the text model (the default -2 leaves the last unused)
+    config = transformers.LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=63, vision_feature_layer=-1
+    )
     torch.manual_seed(0)
     return transformers.LlavaForConditionalGeneration(config)
 

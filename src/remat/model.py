@@ -18,12 +18,13 @@ import dataclasses
 import functools
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from .config import CheckpointConfig
+from .install import FlagInstall, ForwardInstall, installer_for
 from .integrations.routes import RouteOverrides, config_from_route, describe_changes
 from .integrations.transformers_compat import pretrained_model_class
 from .layers import Discovery, discover_layers
@@ -36,10 +37,6 @@ if TYPE_CHECKING:
     from .report import MemoryReport
 
 logger = logging.getLogger("remat")
-
-_FLAG = "gradient_checkpointing"
-_FUNC = "_gradient_checkpointing_func"
-_MISSING = object()
 
 
 def _check_wrappable(model: Any) -> None:
@@ -95,26 +92,6 @@ class _ModelAwareConfig(CheckpointConfig):
         setattr(self.__dict__["_model_config"], name, value)
 
 
-class _LayerState:
-    """The instance attributes remat sets on one module, as they were before, to put them back."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-        self.saved = {key: module.__dict__.get(key, _MISSING) for key in (_FLAG, _FUNC)}
-
-    def set(self, enabled: bool, function: Any) -> None:
-        # object.__setattr__ keeps these out of nn.Module's parameter/buffer bookkeeping.
-        object.__setattr__(self.module, _FLAG, enabled)
-        object.__setattr__(self.module, _FUNC, function)
-
-    def restore(self) -> None:
-        for key, value in self.saved.items():
-            if value is _MISSING:
-                self.module.__dict__.pop(key, None)
-            else:
-                object.__setattr__(self.module, key, value)
-
-
 class CheckpointedModel(nn.Module):
     """A model whose activation checkpointing is decided layer by layer by `config`.
 
@@ -127,6 +104,8 @@ class CheckpointedModel(nn.Module):
             move). A `remat.offload.SimulatedTransport` plays a device/host pair on the CPU.
         swap_mover: how block swap copies weights host to device; the default picks one from the
             weights' device (CUDA: pinned host copies and a side stream; CPU: plain copies).
+        layer_class: the class (or class name, or several) of the model's repeated block, for
+            models where discovery cannot decide (see `remat.layers`).
 
     Example::
 
@@ -144,12 +123,13 @@ class CheckpointedModel(nn.Module):
         *,
         offload_transport: Transport | None = None,
         swap_mover: WeightMover | None = None,
+        layer_class: str | type | Sequence[str | type] | None = None,
     ):
         _check_wrappable(model)
         config = CheckpointConfig() if config is None else config
         if not isinstance(config, CheckpointConfig):
             raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
-        discovery = discover_layers(model)
+        discovery = discover_layers(model, layer_class)
         checkpoint_map = plan_layers(config, discovery.names)
         check_swappable(_swap_targets(discovery, checkpoint_map))
         super().__init__()
@@ -160,7 +140,7 @@ class CheckpointedModel(nn.Module):
         self._off_by: str | None = None
         self._inference = False
         self._restore_training: bool | None = None
-        self._states: list[_LayerState] = []
+        self._states: list[FlagInstall | ForwardInstall] = []
         self._routes = RouteOverrides(self._route_enable, self._route_disable)
         self._mode_hook: Any = None
         self._offloader = Offloader(config.offload_min_bytes, offload_transport)
@@ -348,8 +328,8 @@ class CheckpointedModel(nn.Module):
             self._apply_map()
 
     def _install(self) -> None:
-        self._states = [_LayerState(d.module) for d in (*self._discovery.layers, *self._discovery.holders)]
-        took_over = [s.module for s in self._states if s.saved[_FLAG] is True]
+        self._states = [installer_for(d) for d in (*self._discovery.layers, *self._discovery.holders)]
+        took_over = [s.module for s in self._states if s.was_checkpointing]
         if took_over:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
         self._routes.install(self.model)
@@ -390,13 +370,14 @@ class CheckpointedModel(nn.Module):
                     offloader=self._offloader,
                     offload=plan.policy == "offload",
                     swapper=self._swapper,
+                    module=state.module,
                 )
                 state.set(True, shim)
             else:
                 state.set(False, run_without_checkpoint)
         any_checkpointed = active and bool(self._map.checkpointed)
         for state in holder_states:
-            state.set(any_checkpointed, run_without_checkpoint)
+            state.set(any_checkpointed, None)
 
     def _check_mode(self, module: nn.Module, args: Any) -> None:
         """A model put back into training by `model.train()` (Trainer does it every step) after

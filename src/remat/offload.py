@@ -7,6 +7,9 @@ recompute's internals never move. Keyword inputs (masks, position embeddings) ar
 layers and stay where they are.
 
 Rules, each for a reason:
+- Only a layer's first positional input (the hidden states) moves. Other positional inputs
+  (an attention mask passed positionally by a remote-code loop) are shared by every layer:
+  copying them once per layer would cost more than it saves.
 - Inputs smaller than `offload_min_bytes` stay on the device: the copy costs more than it saves.
 - The input of the last checkpointed layer that forward runs stays on the device, because
   backward needs it first. Which layer that is is decided while forward runs, not from an index
@@ -44,6 +47,7 @@ logger = logging.getLogger("remat")
 KEPT_SMALL = "smaller than offload_min_bytes"
 KEPT_LAST = "last checkpointed layer of forward (backward needs it first)"
 KEPT_ON_CPU = "the model runs on the CPU: nothing to offload"
+KEPT_SHARED = "not the layer's first input (masks and other inputs shared by layers stay)"
 
 
 class Event(Protocol):
@@ -325,15 +329,23 @@ class Offloader:
     # -- the hooks ------------------------------------------------------------------------------
 
     def hooks(self, layer: int) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(lambda tensor: self._pack(layer, tensor), self._unpack)
+        """The context around one checkpoint call. The checkpoint saves its positional inputs in
+        order; only the first (the hidden states, by transformers' convention) is offloaded."""
+        position = iter(range(1 << 30))
+        return torch.autograd.graph.saved_tensors_hooks(
+            lambda tensor: self._pack(layer, tensor, next(position)), self._unpack
+        )
 
     def checkpoint_started(self) -> None:
         """A checkpointed layer (of any policy) starts its forward: the input held back so far
         is not the last one backward needs first, so it can go to the host now."""
         self._move_held_back_to_host()
 
-    def _pack(self, layer: int, tensor: torch.Tensor) -> Any:
+    def _pack(self, layer: int, tensor: torch.Tensor, position: int = 0) -> Any:
         stats = self.stats[layer]
+        if position > 0:
+            stats.keep(tensor.nbytes, KEPT_SHARED)
+            return tensor
         route = self._route(tensor)
         if route is None:
             stats.keep(tensor.nbytes, KEPT_ON_CPU)
@@ -341,7 +353,7 @@ class Offloader:
         if tensor.nbytes < self.min_bytes:
             stats.keep(tensor.nbytes, KEPT_SMALL)
             return tensor
-        self._move_held_back_to_host()
+        self._move_held_back_to_host()  # a layer without a shim call first (hooks used directly)
         self._order += 1
         packed = _Packed(self, route, layer, tensor, self._order)
         self._live[packed.order] = packed

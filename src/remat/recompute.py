@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .offload import Offloader
@@ -34,6 +35,25 @@ def run_without_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: A
 
 def _needs_grad(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
+
+
+@contextlib.contextmanager
+def _state_kept(module: nn.Module | None) -> Iterator[None]:
+    """Run a recompute without it changing the layer's buffers or numeric attributes."""
+    if module is None:
+        yield
+        return
+    buffers = [(b, b.clone()) for b in module.buffers()]
+    numbers = [(m, {k: v for k, v in vars(m).items() if type(v) in (int, float)}) for m in module.modules()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+        for m, values in numbers:
+            for key, value in values.items():
+                object.__setattr__(m, key, value)
 
 
 class RecomputeCheckpoint:
@@ -55,6 +75,7 @@ class RecomputeCheckpoint:
         offloader: Offloader | None = None,
         offload: bool = False,
         swapper: WeightSwapper | None = None,
+        module: nn.Module | None = None,
     ):
         self.index = index
         self.use_reentrant = use_reentrant
@@ -62,6 +83,7 @@ class RecomputeCheckpoint:
         self.offloader = offloader
         self.offload = offload and offloader is not None
         self.swapper = swapper if swapper is not None and index in swapper.layers else None
+        self.module = module
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.offloader is not None:
@@ -69,21 +91,21 @@ class RecomputeCheckpoint:
         # The checkpoint saves its positional inputs before it enters its own hooks, so these
         # hooks see exactly the layer's inputs (see remat.offload).
         saving = self.offloader.hooks(self.index) if self.offload else contextlib.nullcontext()
-        if self.swapper is not None:
-            function = self._fetch_weights_on_recompute(function)
         with saving:
-            return self._checkpoint(function, args, kwargs)
+            return self._checkpoint(self._recompute_aware(function), args, kwargs)
 
-    def _fetch_weights_on_recompute(self, function: Callable[..., Any]) -> Callable[..., Any]:
-        """A swapped layer's weights are in host memory when backward recomputes it: fetch them
-        first. The first call of the function is the forward (the layer's hooks fetched for it)."""
-        swapper, index, calls = self.swapper, self.index, [0]
+    def _recompute_aware(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        """The first call of the checkpointed function is the forward; later calls are backward's
+        recomputes. A recompute fetches swapped weights first, and leaves the layer's buffers and
+        counters as the forward left them (an MoE router's token counts must not grow twice)."""
+        swapper, index, module, calls = self.swapper, self.index, self.module, [0]
 
         def run(*args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
             if calls[0] == 1:
                 return function(*args, **kwargs)
-            with swapper.recomputing(index):
+            swapping = swapper.recomputing(index) if swapper is not None else contextlib.nullcontext()
+            with swapping, _state_kept(module):
                 return function(*args, **kwargs)
 
         return run
