@@ -229,6 +229,8 @@ def test_memory_report_and_summary_show_where_offloaded_inputs_live():
     assert [layer.device_bytes for layer in report.layers] == [0, 0, 0, LAYER_INPUT]
     recompute = CheckpointedModel(tiny_model(attention_dropout=0.0), CheckpointConfig()).memory_report(batch())
     assert report.device_bytes == recompute.device_bytes - 3 * LAYER_INPUT
+    assert report.layers[0].offload.startswith("out ") and KEPT_LAST in report.layers[3].offload
+    assert KEPT_LAST in str(report)
     summary = cm.summary()
     assert "offloaded MiB" in summary and KEPT_LAST in summary
 

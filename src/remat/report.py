@@ -44,6 +44,7 @@ class LayerMemory:
     runs: int
     weight_fetches: int = 0
     weight_bytes_fetched: int = 0
+    offload: str = ""  # what the offload policy did with this layer's inputs in the step, and why
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,16 @@ class MemoryReport:
                 mib(layer.host_bytes),
                 mib(layer.weight_bytes),
                 str(layer.weight_fetches) if layer.swapped else "",
+                layer.offload,
             )
             for layer in self.layers
         ]
         outside = (mib(self.outside_device_bytes), mib(self.outside_host_bytes))
-        rows.append(("", "outside layers", "", "", "", *outside, "", ""))
-        rows.append(("", "total", "", "", "", mib(self.device_bytes), mib(self.host_bytes), mib(self.weight_bytes), ""))
+        rows.append(("", "outside layers", "", "", "", *outside, "", "", ""))
+        total = (mib(self.device_bytes), mib(self.host_bytes), mib(self.weight_bytes))
+        rows.append(("", "total", "", "", "", *total, "", ""))
         header = ("index", "name", "policy", "swapped", "runs", "held MiB (device)", "held MiB (host)", "weights MiB")
-        header += ("weight fetches",)
+        header += ("weight fetches", "offload")
         lines = [render_table(header, rows), f"device: {self.device}, loss {self.loss:.4f}"]
         if self.swap_pool_bytes:
             lines.append(
@@ -198,6 +201,7 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
     before_fetches = {i: (e.stats.fetches, e.stats.bytes_fetched) for i, e in swapper.layers.items()} if swapper else {}
     if swapper is not None:
         swapper.peak_resident_bytes = swapper.resident_bytes
+    cm.reset_offload_stats()
     scopes = _LayerScopes(layers)
     counter = _RunCounter(layers)
     exclude = weight_storages(model)
@@ -257,6 +261,7 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
             _weight_bytes(layers[i]),
             counter.runs[i],
             *_fetched_since(swapper, i, before_fetches),
+            _offload_note(cm.offload_stats.get(i)),
         )
         for i, plan in enumerate(plans)
     )
@@ -274,6 +279,14 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
         swapper.pool_bytes if swapper else 0,
         tuple(notes),
     )
+
+
+def _offload_note(stats: Any) -> str:
+    if stats is None:
+        return ""
+    parts = [f"out {stats.offloaded_bytes / 2**20:.3f} MiB"] if stats.offloaded_bytes else []
+    parts += [f"kept {nbytes / 2**20:.3f} MiB: {why}" for why, nbytes in stats.kept_because.items()]
+    return "; ".join(parts)
 
 
 def _fetched_since(swapper: Any, index: int, before: dict[int, tuple[int, int]]) -> tuple[int, int]:
