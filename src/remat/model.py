@@ -29,6 +29,7 @@ from .integrations.routes import RouteOverrides, config_from_route, describe_cha
 from .integrations.transformers_compat import pretrained_model_class
 from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
+from .persistence import SaveLoadOverrides, load_checkpointed_model, save_checkpointed_model
 from .plan import CheckpointMap, describe_map, plan_layers
 from .recompute import RecomputeCheckpoint, run_without_checkpoint
 from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
@@ -142,6 +143,7 @@ class CheckpointedModel(nn.Module):
         self._restore_training: bool | None = None
         self._states: list[FlagInstall | ForwardInstall] = []
         self._routes = RouteOverrides(self._route_enable, self._route_disable)
+        self._save_load = SaveLoadOverrides(self)
         self._mode_hook: Any = None
         self._offloader = Offloader(config.offload_min_bytes, offload_transport)
         self._swap_mover = swap_mover
@@ -219,6 +221,7 @@ class CheckpointedModel(nn.Module):
             state.restore()
         self._states.clear()
         self._routes.uninstall()
+        self._save_load.uninstall()
         if self._mode_hook is not None:
             self._mode_hook.remove()
             self._mode_hook = None
@@ -291,18 +294,20 @@ class CheckpointedModel(nn.Module):
     # -- save / load ---------------------------------------------------------------------------
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Write the adapters (when the model is a PeftModel) and `checkpoint_config.json`."""
-        from .persistence import save_checkpointed_model
-
+        """Write the adapters exactly as PEFT writes them (when the model is a PeftModel; keyword
+        arguments go to PEFT) and `checkpoint_config.json`, atomically. A plain base model saves
+        the config alone: its weights are the user's to save."""
         save_checkpointed_model(self, save_directory, **kwargs)
 
     @classmethod
     def from_pretrained(
         cls, model: nn.Module, path: str | os.PathLike, is_trainable: bool = True, **kwargs: Any
     ) -> CheckpointedModel:
-        """Load adapters (if `path` holds any) and the checkpoint config saved at `path`."""
-        from .persistence import load_checkpointed_model
-
+        """Load adapters (if `path` holds any) and the checkpoint config saved at `path` into
+        `model` and wrap it. A model whose layers differ from the saved ones is refused before
+        anything changes. `is_trainable=False` loads for inference (`for_inference()`); the map
+        is applied whenever the model trains. Keyword arguments go to PEFT, except the wrapper's
+        own (`offload_transport`, `swap_mover`, `layer_class`)."""
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     # -- internals -----------------------------------------------------------------------------
@@ -333,6 +338,7 @@ class CheckpointedModel(nn.Module):
         if took_over:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
         self._routes.install(self.model)
+        self._save_load.install(self.model)
         self._mode_hook = self.model.register_forward_pre_hook(self._check_mode)
         object.__setattr__(self.model, "_remat_owner", True)
         self._swap()

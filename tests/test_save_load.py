@@ -1,0 +1,170 @@
+"""Saving and loading the checkpoint config beside the adapters; Trainer checkpoints and resume."""
+
+import json
+import os
+
+import pytest
+import torch
+from conftest import RecomputeCounter, add_lora, batch, decoder_layers, step_grads, tiny_model
+from test_trainer import _dataset
+from transformers import Trainer, TrainingArguments
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.integrations.transformers_compat import trainer_checkpointing_args
+
+EVERYTHING = CheckpointConfig(
+    every_n_layers=3,
+    offload=True,
+    offload_min_bytes=1024,
+    swap_layers=[1],
+    swap_placement="tail",
+    layer_policies={2: "recompute", 3: "none"},
+    use_reentrant=True,
+    preserve_rng_state=False,
+)
+
+
+def _trained_lora(seed=0):
+    model = add_lora(tiny_model(seed=seed))
+    cm = CheckpointedModel(model, EVERYTHING)
+    step_grads(cm, [(n, p) for n, p in model.named_parameters() if p.requires_grad], batch())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.add_(0.01)
+    return cm
+
+
+def _adapter_weights(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_round_trip_with_lora_and_every_option(tmp_path):
+    cm = _trained_lora()
+    cm.save_pretrained(tmp_path / "save")
+    files = sorted(os.listdir(tmp_path / "save"))
+    assert {"adapter_config.json", "adapter_model.safetensors", "checkpoint_config.json"} <= set(files)
+    saved = json.loads((tmp_path / "save" / "checkpoint_config.json").read_text())
+    assert saved["layers"] == [p.name for p in cm.checkpoint_map] and list(saved) == sorted(saved)
+    assert saved["format_version"] == 1 and saved["remat_version"]
+
+    loaded = CheckpointedModel.from_pretrained(tiny_model(seed=0), tmp_path / "save")
+    assert loaded.config == EVERYTHING and loaded.checkpoint_map == cm.checkpoint_map
+    assert loaded.model.training
+    expected = _adapter_weights(cm.model)
+    got = _adapter_weights(loaded.model)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    counter = RecomputeCounter(decoder_layers(loaded.model))
+    step_grads(loaded, [(n, p) for n, p in loaded.model.named_parameters() if p.requires_grad], batch())
+    assert counter.recomputed() == loaded.checkpoint_map.checkpointed == [0, 1, 2]
+
+
+def test_extra_adapters_get_their_subfolder_as_peft_writes_them(tmp_path):
+    from peft import LoraConfig
+
+    cm = _trained_lora()
+    cm.model.add_adapter("second", LoraConfig(r=2, target_modules=["q_proj"]))
+    cm.save_pretrained(tmp_path / "save")
+    assert (tmp_path / "save" / "second" / "adapter_config.json").exists()
+
+
+def test_inference_load_and_plain_base_model(tmp_path):
+    cm = _trained_lora()
+    cm.save_pretrained(tmp_path / "lora")
+    loaded = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "lora", is_trainable=False)
+    assert not loaded.model.training and not loaded.model.is_gradient_checkpointing
+    assert not any(p.requires_grad for p in loaded.model.parameters())
+
+    base = CheckpointedModel(tiny_model(), CheckpointConfig(every_n_layers=2))
+    base.save_pretrained(tmp_path / "base")
+    assert os.listdir(tmp_path / "base") == ["checkpoint_config.json"]
+    again = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "base")
+    assert again.checkpoint_map.checkpointed == [0, 2]
+
+
+def test_a_model_of_another_depth_is_refused_before_anything_changes(tmp_path):
+    _trained_lora().save_pretrained(tmp_path / "save")
+    other = tiny_model(num_hidden_layers=6)
+    names = [n for n, _ in other.named_modules()]
+    with pytest.raises(ValueError, match=r"planned for 4 layers.*this model has 6"):
+        CheckpointedModel.from_pretrained(other, tmp_path / "save")
+    assert [n for n, _ in other.named_modules()] == names, "no adapter was injected"
+
+
+@pytest.mark.parametrize("content", ["", '{"every_n_layers": 2', "[]", '{"every_n_layers": "2"}', '{"layers": 3}'])
+def test_corrupt_truncated_and_empty_files_are_clear_errors(tmp_path, content):
+    (tmp_path / "checkpoint_config.json").write_text(content)
+    with pytest.raises(ValueError, match=r"checkpoint_config\.json"):
+        CheckpointedModel.from_pretrained(tiny_model(), tmp_path)
+
+
+def test_a_save_interrupted_mid_write_leaves_the_previous_save_intact(tmp_path, monkeypatch):
+    cm = _trained_lora()
+    cm.save_pretrained(tmp_path / "save")
+    before = {f: (tmp_path / "save" / f).read_bytes() for f in os.listdir(tmp_path / "save")}
+    with torch.no_grad():
+        next(p for n, p in cm.model.named_parameters() if "lora_B" in n).add_(1.0)
+    import remat.persistence as persistence
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("power cut")
+
+    monkeypatch.setattr(persistence, "write_json_atomically", crash)  # after the adapters were written
+    with pytest.raises(KeyboardInterrupt):
+        cm.save_pretrained(tmp_path / "save")
+    monkeypatch.undo()
+    after = {f: (tmp_path / "save" / f).read_bytes() for f in os.listdir(tmp_path / "save")}
+    assert after == before
+    assert sorted(os.listdir(tmp_path)) == ["save"], "no staging folder left behind"
+
+
+def test_a_crash_between_the_renames_is_recovered_on_load(tmp_path, caplog):
+    cm = _trained_lora()
+    cm.save_pretrained(tmp_path / "save")
+    os.rename(tmp_path / "save", tmp_path / "save.old-abc123")  # the moment between the two renames
+    loaded = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "save")
+    assert loaded.config == EVERYTHING and "interrupted save" in caplog.text
+
+
+def test_wrapping_and_saving_leave_use_cache_and_parameter_names_alone(tmp_path):
+    model = add_lora(tiny_model())
+    names = [n for n, _ in model.named_parameters()]
+    cm = CheckpointedModel(model)
+    step_grads(cm, [(n, p) for n, p in model.named_parameters() if p.requires_grad], batch())
+    cm.save_pretrained(tmp_path / "save")
+    assert model.config.use_cache is True and [n for n, _ in model.named_parameters()] == names
+    model.get_base_model().save_pretrained(tmp_path / "base")
+    assert json.loads((tmp_path / "base" / "config.json").read_text())["use_cache"] is True
+
+
+def _train(model, output_dir, steps, resume=None):
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        seed=7,
+        **trainer_checkpointing_args(True, None),
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_dataset())
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_trainer_checkpoints_hold_the_config_and_resuming_restores_the_map(tmp_path):
+    config = CheckpointConfig(every_n_layers=2, layer_policies={3: "recompute"})
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), config)
+    _train(cm.model, tmp_path, steps=2)
+    folder = tmp_path / "checkpoint-2"
+    assert (folder / "checkpoint_config.json").exists() and (folder / "adapter_model.safetensors").exists()
+    assert json.loads((folder / "checkpoint_config.json").read_text())["every_n_layers"] == 2
+
+    resumed = CheckpointedModel(add_lora(tiny_model(seed=3)))  # a different map before resuming
+    counter = RecomputeCounter(decoder_layers(resumed.model))
+    _train(resumed.model, tmp_path, steps=3, resume=str(folder))
+    assert resumed.config == config
+    assert counter.counts == [2, 1, 2, 2]  # the one step after resuming ran the saved map
