@@ -45,12 +45,30 @@ _CACHE_ARGUMENTS = {
 _warned: set[str] = set()
 
 
-def _restore_attributes(module: nn.Module, saved: dict[str, Any]) -> None:
+def _restore_attributes(module: Any, saved: dict[str, Any]) -> None:
     for key, value in saved.items():
         if value is _MISSING:
             module.__dict__.pop(key, None)
         else:
             object.__setattr__(module, key, value)
+
+
+class InstancePatches:
+    """Attributes set on single instances (never on a class), remembered so `undo()` puts each
+    back exactly as it was, absent ones included."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def set(self, target: Any, name: str, value: Any) -> None:
+        self._saved.append((target, name, target.__dict__.get(name, _MISSING)))
+        # object.__setattr__ keeps these out of nn.Module's parameter/buffer bookkeeping.
+        object.__setattr__(target, name, value)
+
+    def undo(self) -> None:
+        for target, name, previous in reversed(self._saved):
+            _restore_attributes(target, {name: previous})
+        self._saved.clear()
 
 
 class FlagInstall:

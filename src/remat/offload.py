@@ -89,7 +89,7 @@ def _from_bytes(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
     return buffer[: meta.nbytes].view(meta.dtype).view(meta.shape)
 
 
-class _DoneEvent:
+class DoneEvent:
     def wait(self) -> None:
         pass
 
@@ -119,7 +119,7 @@ class CudaTransport:
             src.record_stream(self.stream)  # its memory is not reused until the copy is done
             event = torch.cuda.Event()
             event.record(self.stream)
-        return _CudaEvent(event, self.device)
+        return CudaEvent(event, self.device)
 
     def to_device(self, src: torch.Tensor, meta: TensorMeta, layer: int) -> tuple[torch.Tensor, Event]:
         with torch.cuda.stream(self.stream):
@@ -128,10 +128,10 @@ class CudaTransport:
             event = torch.cuda.Event()
             event.record(self.stream)
         out.record_stream(torch.cuda.current_stream(self.device))
-        return _from_bytes(out, meta), _CudaEvent(event, self.device)
+        return _from_bytes(out, meta), CudaEvent(event, self.device)
 
 
-class _CudaEvent:
+class CudaEvent:
     def __init__(self, event: Any, device: torch.device):
         self.event = event
         self.device = device
@@ -164,11 +164,11 @@ class SimulatedTransport:
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
         dst[: src.nbytes].copy_(_as_bytes(src))
         self.log.append(("to_host", layer))
-        return _DoneEvent()
+        return DoneEvent()
 
     def to_device(self, src: torch.Tensor, meta: TensorMeta, layer: int) -> tuple[torch.Tensor, Event]:
         self.log.append(("to_device", layer))
-        return _from_bytes(src.clone(), meta), _DoneEvent()
+        return _from_bytes(src.clone(), meta), DoneEvent()
 
 
 class HostPool:

@@ -23,6 +23,7 @@ import tempfile
 from typing import TYPE_CHECKING, Any
 
 from .config import CONFIG_NAME, CheckpointConfig
+from .install import InstancePatches
 from .saving import read_json_object, write_json_atomically
 
 if TYPE_CHECKING:
@@ -32,7 +33,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("remat")
 _PEFT_PREFIX = "base_model.model."
-_MISSING = object()
 
 
 def _is_peft_model(model: Any) -> bool:
@@ -145,7 +145,7 @@ class SaveLoadOverrides:
 
     def __init__(self, cm: CheckpointedModel):
         self.cm = cm
-        self._saved: list[tuple[Any, str, Any]] = []
+        self._patches = InstancePatches()
 
     def install(self, model: Any) -> None:
         cm = self.cm
@@ -157,7 +157,7 @@ class SaveLoadOverrides:
                 write_json_atomically(os.path.join(save_directory, CONFIG_NAME), config_payload(cm))
             return result
 
-        self._set(model, "save_pretrained", save_pretrained)
+        self._patches.set(model, "save_pretrained", save_pretrained)
         if _is_peft_model(model):
 
             def load_adapter(model_id: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
@@ -171,16 +171,7 @@ class SaveLoadOverrides:
                     cm.enable(config)
                 return result
 
-            self._set(model, "load_adapter", load_adapter)
-
-    def _set(self, model: Any, name: str, function: Any) -> None:
-        self._saved.append((model, name, model.__dict__.get(name, _MISSING)))
-        object.__setattr__(model, name, function)
+            self._patches.set(model, "load_adapter", load_adapter)
 
     def uninstall(self) -> None:
-        for model, name, previous in reversed(self._saved):
-            if previous is _MISSING:
-                model.__dict__.pop(name, None)
-            else:
-                object.__setattr__(model, name, previous)
-        self._saved.clear()
+        self._patches.undo()

@@ -35,6 +35,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .offload import CudaEvent, DoneEvent
+
 logger = logging.getLogger("remat")
 
 
@@ -44,11 +46,6 @@ class WeightMover(Protocol):
 
     def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """Start copying host `src` into device `dst`; return something with `.wait()`."""
-
-
-class _Ready:
-    def wait(self) -> None:
-        pass
 
 
 class CpuWeightMover:
@@ -63,7 +60,7 @@ class CpuWeightMover:
 
     def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         dst.copy_(src)
-        return _Ready()
+        return DoneEvent()
 
 
 class CudaWeightMover:
@@ -86,16 +83,7 @@ class CudaWeightMover:
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return _CudaWait(event, self.device)
-
-
-class _CudaWait:
-    def __init__(self, event: Any, device: torch.device):
-        self.event = event
-        self.device = device
-
-    def wait(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
+        return CudaEvent(event, self.device)
 
 
 @dataclass

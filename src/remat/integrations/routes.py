@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..config import CheckpointConfig
+from ..install import InstancePatches
 from .transformers_compat import ENABLE_ROUTES, pretrained_model_class, routes_defined_on
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class RouteOverrides:
     ):
         self._on_enable = on_enable
         self._on_disable = on_disable
-        self._saved: list[tuple[Any, str, Any]] = []  # (module, attribute, previous instance value or _MISSING)
+        self._patches = InstancePatches()
 
     def install(self, model: nn.Module) -> None:
         pretrained = pretrained_model_class()
@@ -88,16 +89,10 @@ class RouteOverrides:
         for module in targets:
             for name in routes_defined_on(module):
                 maker = self._enable_route if name in ENABLE_ROUTES else self._disable_route
-                self._saved.append((module, name, module.__dict__.get(name, _MISSING)))
-                object.__setattr__(module, name, maker(name))
+                self._patches.set(module, name, maker(name))
 
     def uninstall(self) -> None:
-        for module, name, previous in reversed(self._saved):
-            if previous is _MISSING:
-                module.__dict__.pop(name, None)
-            else:
-                object.__setattr__(module, name, previous)
-        self._saved.clear()
+        self._patches.undo()
 
     def _enable_route(self, route: str) -> Callable[..., None]:
         kwargs_name = route.replace("_enable", "_kwargs")
@@ -131,9 +126,6 @@ class RouteOverrides:
         disable.__name__ = route
         disable.__doc__ = f"remat: `{route}` turns every layer of the checkpoint map to 'none'."
         return disable
-
-
-_MISSING = object()
 
 
 def _enable_signature(kwargs_name: str):  # type: ignore[no-untyped-def]
