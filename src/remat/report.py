@@ -18,6 +18,7 @@ minus before) is reported beside the attributed total.
 from __future__ import annotations
 
 import gc
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -142,8 +143,10 @@ class _LayerScopes:
 
     def __init__(self, layers: list[nn.Module]):
         self.stack: list[int] = []
-        self.inputs: list[set[int]] = [set() for _ in layers]
-        self.outputs: set[int] = set()
+        # Weak references, resolved to storages after forward: a storage address recorded now
+        # could be reused by another tensor before forward ends.
+        self._inputs: list[list[weakref.ref[torch.Tensor]]] = [[] for _ in layers]
+        self._outputs: list[weakref.ref[torch.Tensor]] = []
         self._handles = []
         for i, layer in enumerate(layers):
             self._handles.append(layer.register_forward_pre_hook(self._enter(i)))
@@ -155,11 +158,7 @@ class _LayerScopes:
     def _enter(self, i: int):
         def hook(module: nn.Module, args: Any) -> None:
             self.stack.append(i)
-            for value in args:
-                if isinstance(value, torch.Tensor):
-                    key = storage_key(value)
-                    if key is not None:
-                        self.inputs[i].add(key[0])
+            self._inputs[i].extend(weakref.ref(v) for v in args if isinstance(v, torch.Tensor))
 
         return hook
 
@@ -167,17 +166,26 @@ class _LayerScopes:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self.stack and self.stack[-1] == i:
                 self.stack.pop()
-            for value in tree_flatten(output)[0]:
-                if isinstance(value, torch.Tensor):
-                    key = storage_key(value)
-                    if key is not None:
-                        self.outputs.add(key[0])
+            self._outputs.extend(weakref.ref(v) for v in tree_flatten(output)[0] if isinstance(v, torch.Tensor))
 
         return hook
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+    @staticmethod
+    def _storages(refs: list[weakref.ref[torch.Tensor]]) -> set[int]:
+        keys = (storage_key(t) for t in (ref() for ref in refs) if t is not None)
+        return {key[0] for key in keys if key is not None}
+
+    def inputs(self, i: int) -> set[int]:
+        """Storages of layer i's positional inputs that are still alive."""
+        return self._storages(self._inputs[i])
+
+    def outputs(self) -> set[int]:
+        """Storages of the layers' outputs that are still alive."""
+        return self._storages(self._outputs)
 
 
 def _weight_bytes(module: nn.Module) -> int:
@@ -228,11 +236,11 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
             if key[0] not in held or key[1] > held[key[0]][0]:
                 held[key[0]] = (key[1], layer, on_host)
         # A layer's output is held by whoever consumes it: the next layer (below) or the head.
-        for ptr in scopes.outputs & held.keys():
+        for ptr in scopes.outputs() & held.keys():
             size, _, on_host = held[ptr]
             held[ptr] = (size, None, on_host)
         for index in range(len(plans)):
-            for ptr in scopes.inputs[index] & held.keys():
+            for ptr in scopes.inputs(index) & held.keys():
                 size, _, on_host = held[ptr]
                 held[ptr] = (size, index, on_host)
         loss.backward()
