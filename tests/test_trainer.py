@@ -64,3 +64,14 @@ def test_trainer_defaults_keep_the_wrappers_config(tmp_path):
     _train(cm, tmp_path, None)
     assert cm.config == config
     assert counter.counts == [2 * STEPS, STEPS, STEPS, 2 * STEPS]
+
+
+def test_trainer_evaluates_the_wrapper_like_the_bare_model(tmp_path):
+    rows = _dataset()
+    losses = []
+    for wrapped in (True, False):
+        cm = CheckpointedModel(add_lora(tiny_model(seed=5)))
+        args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_eval_batch_size=2)
+        trainer = Trainer(model=cm if wrapped else cm.model, args=args, eval_dataset=rows)
+        losses.append(trainer.evaluate()["eval_loss"])
+    assert losses[0] == losses[1]

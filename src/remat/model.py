@@ -171,7 +171,13 @@ class CheckpointedModel(nn.Module):
                 raise
             return getattr(self.model, name)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:  # replaced per instance in __init__
+    def forward(self, *args: Any, labels: Any = None, **kwargs: Any) -> Any:
+        """Calls the wrapped model. Each instance replaces this with a function that shows the
+        wrapped model's signature (for Trainer's column selection); this class-level one names
+        `labels` because Trainer reads label names from the class (`find_labels(type(model))`),
+        and without them it would evaluate `Trainer(model=cm)` with no eval loss."""
+        if labels is not None:
+            kwargs["labels"] = labels
         return self.model(*args, **kwargs)
 
     # -- public state --------------------------------------------------------------------------
