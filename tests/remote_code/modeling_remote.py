@@ -94,6 +94,13 @@ class RemoteBlock(nn.Module):
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
 
+def build_stack(model, config):
+    model.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+    model.blocks = nn.ModuleList([RemoteBlock(config) for _ in range(config.num_layers)])
+    model.norm = nn.LayerNorm(config.hidden_size)
+    model.gradient_checkpointing = False
+
+
 class RemotePreTrainedModel(PreTrainedModel):
     config_class = RemoteConfig
     base_model_prefix = "model"
@@ -110,10 +117,7 @@ class RemotePreTrainedModel(PreTrainedModel):
 class RemoteModel(RemotePreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList([RemoteBlock(config) for _ in range(config.num_layers)])
-        self.norm = nn.LayerNorm(config.hidden_size)
-        self.gradient_checkpointing = False
+        build_stack(self, config)
         self.post_init()
 
     def forward(self, input_ids, attention_mask=None):
@@ -152,10 +156,7 @@ class RemoteOldPreTrainedModel(RemotePreTrainedModel):
 class RemoteOldModel(RemoteOldPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
-        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.blocks = nn.ModuleList([RemoteBlock(config) for _ in range(config.num_layers)])
-        self.norm = nn.LayerNorm(config.hidden_size)
-        self.gradient_checkpointing = False
+        build_stack(self, config)
         self.post_init()
 
     def forward(self, input_ids, attention_mask=None):
