@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .config import CheckpointConfig
-from .install import FlagInstall, ForwardInstall, installer_for
+from .install import FlagInstall, ForwardInstall, InstancePatches, installer_for
 from .integrations.routes import RouteOverrides, config_from_route, describe_changes
 from .integrations.transformers_compat import pretrained_model_class
 from .layers import Discovery, discover_layers
@@ -148,6 +148,7 @@ class CheckpointedModel(nn.Module):
         self._offloader = Offloader(config.offload_min_bytes, offload_transport)
         self._swap_mover = swap_mover
         self._swapper: WeightSwapper | None = None
+        self._ddp_patches = InstancePatches()
 
         # Trainer picks dataset columns from `inspect.signature(model.forward)`; a PeftModel's own
         # forward takes (*args, **kwargs), so show the transformers model's signature, as Trainer
@@ -355,13 +356,25 @@ class CheckpointedModel(nn.Module):
         if targets:
             self._swapper = WeightSwapper(self.model, targets, self._swap_mover)
             self._swapper.install_hooks({index: module for index, _, module in targets})
+            self._exclude_swapped_from_ddp_sync()
             logger.info(
                 "block swap: %d layer(s) keep their frozen weights in host memory; %d bytes of device slots",
                 len(targets),
                 self._swapper.pool_bytes,
             )
 
+    def _exclude_swapped_from_ddp_sync(self) -> None:
+        """DDP broadcasts every parameter when it is built; a swapped weight at rest is a
+        placeholder it cannot write into. Frozen weights are the same on every rank and DDP never
+        reduces them, so they are named in DDP's ignore list, for DDP(cm) and DDP(cm.model) alike."""
+        swapped = {id(p) for entry in self._swapper.layers.values() for p in entry.params}
+        names = [n for n, p in self.model.named_parameters(remove_duplicate=False) if id(p) in swapped]
+        for target, prefix in ((self.model, ""), (self, "model.")):
+            existing = list(target.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
+            self._ddp_patches.set(target, "_ddp_params_and_buffers_to_ignore", existing + [prefix + n for n in names])
+
     def _unswap(self) -> None:
+        self._ddp_patches.undo()
         if self._swapper is not None:
             self._swapper.restore()
             self._swapper = None

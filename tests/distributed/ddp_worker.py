@@ -1,0 +1,47 @@
+"""One rank of DDP runs (gloo, CPU), started by tests/test_distributed.py.
+
+argv: rank world_size port out_dir case [case ...], each case "every_n,offload,swap,wrap".
+For each case the rank trains its slice of the batch for one step and writes its gradients and
+the per-layer recompute counts to out_dir/<case>-rank<r>.pt.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import RecomputeCounter, add_lora, batch, decoder_layers, tiny_model
+
+from remat import CheckpointConfig, CheckpointedModel
+
+
+def run_case(rank: int, world: int, out_dir: str, case: str) -> None:
+    every_n, offload, swap, wrap = case.split(",")
+    torch.manual_seed(0)
+    model = add_lora(tiny_model(attention_dropout=0.0), dropout=0.0)
+    config = CheckpointConfig(every_n_layers=int(every_n), offload=offload == "1", swap_layers=int(swap))
+    cm = CheckpointedModel(model, config)
+    counter = RecomputeCounter(decoder_layers(model))
+    ddp = torch.nn.parallel.DistributedDataParallel(cm if wrap == "wrapper" else cm.model)
+    data = batch(size=2 * world)
+    mine = {k: v[rank * 2 : (rank + 1) * 2] for k, v in data.items()}
+    ddp(**mine).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.save({"grads": grads, "counts": counter.counts}, os.path.join(out_dir, f"{case}-rank{rank}.pt"))
+
+
+def main() -> None:
+    rank, world, port, out_dir, *cases = sys.argv[1:]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    dist.init_process_group("gloo", rank=int(rank), world_size=int(world))
+    try:
+        for case in cases:
+            run_case(int(rank), int(world), out_dir, case)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""remat under DDP: two gloo processes on the CPU, compared with one process on the full batch.
+
+Both ranks run every case in one process group (starting processes is the slow part); each test
+bounds the run in time and kills what is left.
+"""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import add_lora, assert_same_grads, batch, step_grads, tiny_model
+
+WORKER = Path(__file__).parent / "distributed" / "ddp_worker.py"
+CASES = {
+    "every-layer": "1,0,0,wrapper",
+    "every-2nd": "2,0,0,model",
+    "offload": "2,1,0,wrapper",
+    "swap-wrapper": "2,0,2,wrapper",
+    "swap-model": "1,0,2,model",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    port, world = str(_free_port()), 2
+    command = [sys.executable, str(WORKER)]
+    procs = [
+        subprocess.Popen(
+            [*command, str(r), str(world), port, str(out), *CASES.values()],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
+    try:
+        outputs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, output in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, output[-3000:]
+    return {name: [torch.load(out / f"{case}-rank{r}.pt") for r in range(world)] for name, case in CASES.items()}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ddp_gradients_equal_one_process_on_the_full_batch(ddp_results, name):
+    every_n, _, swap, _ = CASES[name].split(",")
+    ranks = ddp_results[name]
+    torch.manual_seed(0)
+    model = add_lora(tiny_model(attention_dropout=0.0), dropout=0.0)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    _, expected = step_grads(model, named, batch(size=4))
+    for rank in ranks:
+        assert_same_grads(expected, rank["grads"], rtol=1e-5, atol=1e-6)
+    assert ranks[0]["counts"] == ranks[1]["counts"], "the map runs identically on every rank"
+    checkpointed = {i for i in range(4) if i % int(every_n) == 0} | ({1, 3} if int(swap) else set())
+    assert ranks[0]["counts"] == [2 if i in checkpointed else 1 for i in range(4)]
