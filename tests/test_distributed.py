@@ -1,4 +1,5 @@
-"""remat under DDP: two gloo processes on the CPU, compared with one process on the full batch.
+"""remat under DDP and FSDP2: two gloo processes on the CPU, compared with one process on the
+full batch.
 
 Both ranks run every case in one process group (starting processes is the slow part); each test
 bounds the run in time and kills what is left.
@@ -20,7 +21,11 @@ CASES = {
     "offload": "2,1,0,wrapper",
     "swap-wrapper": "2,0,2,wrapper",
     "swap-model": "1,0,2,model",
+    "fsdp2-every-layer": "1,0,0,fsdp",
+    "fsdp2-every-2nd": "2,0,0,fsdp",
+    "fsdp2-offload": "2,1,0,fsdp",
 }
+REFUSED = {"fsdp2-swap": "1,0,2,fsdp"}
 
 
 def _free_port() -> int:
@@ -36,7 +41,7 @@ def ddp_results(tmp_path_factory):
     command = [sys.executable, str(WORKER)]
     procs = [
         subprocess.Popen(
-            [*command, str(r), str(world), port, str(out), *CASES.values()],
+            [*command, str(r), str(world), port, str(out), *CASES.values(), *REFUSED.values()],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -52,7 +57,8 @@ def ddp_results(tmp_path_factory):
                 p.wait()
     for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]
-    return {name: [torch.load(out / f"{case}-rank{r}.pt") for r in range(world)] for name, case in CASES.items()}
+    cases = {**CASES, **REFUSED}
+    return {name: [torch.load(out / f"{case}-rank{r}.pt") for r in range(world)] for name, case in cases.items()}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -68,3 +74,9 @@ def test_ddp_gradients_equal_one_process_on_the_full_batch(ddp_results, name):
     assert ranks[0]["counts"] == ranks[1]["counts"], "the map runs identically on every rank"
     checkpointed = {i for i in range(4) if i % int(every_n) == 0} | ({1, 3} if int(swap) else set())
     assert ranks[0]["counts"] == [2 if i in checkpointed else 1 for i in range(4)]
+
+
+def test_block_swap_on_fsdp2_sharded_layers_is_refused_before_anything_moves(ddp_results):
+    for rank in ddp_results["fsdp2-swap"]:
+        assert rank["refused"] and "FSDP" in rank["refused"]
+        assert rank["unchanged"]

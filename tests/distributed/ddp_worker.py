@@ -1,6 +1,8 @@
-"""One rank of DDP runs (gloo, CPU), started by tests/test_distributed.py.
+"""One rank of DDP / FSDP2 runs (gloo, CPU), started by tests/test_distributed.py.
 
-argv: rank world_size port out_dir case [case ...], each case "every_n,offload,swap,wrap".
+argv: rank world_size port out_dir case [case ...], each case "every_n,offload,swap,wrap" with
+wrap one of "wrapper" (DDP(cm)), "model" (DDP(cm.model)) or "fsdp" (fully_shard per decoder
+layer, then on the whole model).
 For each case the rank trains its slice of the batch for one step and writes its gradients and
 the per-layer recompute counts to out_dir/<case>-rank<r>.pt.
 """
@@ -22,14 +24,49 @@ def run_case(rank: int, world: int, out_dir: str, case: str) -> None:
     torch.manual_seed(0)
     model = add_lora(tiny_model(attention_dropout=0.0), dropout=0.0)
     config = CheckpointConfig(every_n_layers=int(every_n), offload=offload == "1", swap_layers=int(swap))
+    if wrap == "fsdp" and config.swaps_any:
+        _refuse_swap_under_fsdp(rank, out_dir, case, model, config)
+        return
     cm = CheckpointedModel(model, config)
     counter = RecomputeCounter(decoder_layers(model))
-    ddp = torch.nn.parallel.DistributedDataParallel(cm if wrap == "wrapper" else cm.model)
+    if wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in decoder_layers(model):
+            fully_shard(layer)
+        fully_shard(model)
+        runner = cm
+    else:
+        runner = torch.nn.parallel.DistributedDataParallel(cm if wrap == "wrapper" else cm.model)
     data = batch(size=2 * world)
     mine = {k: v[rank * 2 : (rank + 1) * 2] for k, v in data.items()}
-    ddp(**mine).loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    runner(**mine).loss.backward()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     torch.save({"grads": grads, "counts": counter.counts}, os.path.join(out_dir, f"{case}-rank{rank}.pt"))
+
+
+def _refuse_swap_under_fsdp(rank, out_dir, case, model, config) -> None:
+    """Block swap on FSDP2-sharded layers must be refused before anything moves."""
+    from torch.distributed.fsdp import fully_shard
+
+    from remat.swap import BlockSwapError
+
+    for layer in decoder_layers(model):
+        fully_shard(layer)
+    fully_shard(model)
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    try:
+        CheckpointedModel(model, config)
+        message = None
+    except BlockSwapError as err:
+        message = str(err)
+    unchanged = all(torch.equal(before[n], p.to_local()) for n, p in model.named_parameters())
+    torch.save({"refused": message, "unchanged": unchanged}, os.path.join(out_dir, f"{case}-rank{rank}.pt"))
+
+
+def _full(grad: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of the whole (rank-averaged) gradient, also from FSDP2's sharded DTensor."""
+    return grad.full_tensor().clone() if hasattr(grad, "full_tensor") else grad.clone()
 
 
 def main() -> None:
