@@ -21,6 +21,8 @@ CASES = {
     "offload": "2,1,0,wrapper",
     "swap-wrapper": "2,0,2,wrapper",
     "swap-model": "1,0,2,model",
+    "reentrant": "1,0,0,wrapper,reentrant",
+    "reentrant-find-unused": "2,0,0,model,reentrant,find_unused",
     "fsdp2-every-layer": "1,0,0,fsdp",
     "fsdp2-every-2nd": "2,0,0,fsdp",
     "fsdp2-offload": "2,1,0,fsdp",
@@ -63,7 +65,7 @@ def ddp_results(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_ddp_gradients_equal_one_process_on_the_full_batch(ddp_results, name):
-    every_n, _, swap, _ = CASES[name].split(",")
+    every_n, _, swap, *_ = CASES[name].split(",")
     ranks = ddp_results[name]
     torch.manual_seed(0)
     model = add_lora(tiny_model(attention_dropout=0.0), dropout=0.0)
@@ -80,3 +82,11 @@ def test_block_swap_on_fsdp2_sharded_layers_is_refused_before_anything_moves(ddp
     for rank in ddp_results["fsdp2-swap"]:
         assert rank["refused"] and "FSDP" in rank["refused"]
         assert rank["unchanged"]
+
+
+def test_reentrant_under_ddp_is_replaced_by_non_reentrant_and_said_once(ddp_results):
+    for rank in ddp_results["reentrant"]:
+        said = [m for m in rank["logs"] if "use_reentrant=True is ignored" in m]
+        assert len(said) <= 1
+    # once per process: the first case that asked for it said it
+    assert any("use_reentrant=True is ignored" in m for r in ddp_results["reentrant"] for m in r["logs"])

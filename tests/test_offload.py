@@ -161,6 +161,20 @@ def test_host_budget_falls_back_with_a_warning(caplog):
     assert "budget" in caplog.text
 
 
+def test_the_default_host_budget_is_shared_by_the_ranks_of_one_host(monkeypatch):
+    from remat.offload import default_host_budget
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = default_host_budget()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert default_host_budget() == alone // 4
+    assert Offloader(0, SimulatedTransport()).pools[0].max_bytes == alone // 4
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), SimulatedTransport())
+    assert cm._offloader.pools[0].max_bytes == alone // 4
+    cm2 = CheckpointedModel(tiny_model(), CheckpointConfig(offload=True), offload_host_budget=123)
+    assert cm2._offloader.max_host_bytes == 123
+
+
 def test_a_forward_without_backward_returns_its_buffers():
     transport = SimulatedTransport()
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)

@@ -107,6 +107,9 @@ class CheckpointedModel(nn.Module):
             weights' device (CUDA: pinned host copies and a side stream; CPU: plain copies).
         layer_class: the class (or class name, or several) of the model's repeated block, for
             models where discovery cannot decide (see `remat.layers`).
+        offload_host_budget: bytes of pinned host memory the offload pool may take in this
+            process; default: half the host's memory divided among the processes on the host
+            (`LOCAL_WORLD_SIZE`). Past it, buffers are pageable (one warning).
 
     Example::
 
@@ -125,6 +128,7 @@ class CheckpointedModel(nn.Module):
         offload_transport: Transport | None = None,
         swap_mover: WeightMover | None = None,
         layer_class: str | type | Sequence[str | type] | None = None,
+        offload_host_budget: int | None = None,
     ):
         _check_wrappable(model)
         config = CheckpointConfig() if config is None else config
@@ -145,7 +149,7 @@ class CheckpointedModel(nn.Module):
         self._routes = RouteOverrides(self._route_enable, self._route_disable)
         self._save_load = SaveLoadOverrides(self)
         self._mode_hook: Any = None
-        self._offloader = Offloader(config.offload_min_bytes, offload_transport)
+        self._offloader = Offloader(config.offload_min_bytes, offload_transport, offload_host_budget)
         self._swap_mover = swap_mover
         self._swapper: WeightSwapper | None = None
         self._ddp_patches = InstancePatches()

@@ -231,6 +231,20 @@ class LayerOffloadStats:
         self.kept_because[why] = self.kept_because.get(why, 0) + nbytes
 
 
+def default_host_budget() -> int:
+    """Half of the host's physical memory, shared by the processes of this host.
+
+    Several ranks on one machine each keep a pool of their own; `LOCAL_WORLD_SIZE` (set by
+    torchrun and accelerate) says how many share the host, so each gets its share. Past the
+    budget buffers are pageable (one warning), never an out-of-memory kill.
+    """
+    import os
+
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return total // 2 // local_ranks
+
+
 @dataclass(frozen=True)
 class _Route:
     transport: Transport
@@ -300,10 +314,11 @@ class Offloader:
 
     def __init__(self, min_bytes: int, transport: Transport | None = None, max_host_bytes: int | None = None):
         """`transport=None` picks one per device as inputs arrive: CUDA tensors get a
-        `CudaTransport` (a side stream and a pinned pool of their own), CPU tensors stay put."""
+        `CudaTransport` (a side stream and a pinned pool of their own), CPU tensors stay put.
+        `max_host_bytes=None` budgets pinned memory with `default_host_budget()`."""
         self.min_bytes = min_bytes
-        self.max_host_bytes = max_host_bytes
-        self._fixed = _Route(transport, HostPool(transport, max_host_bytes)) if transport is not None else None
+        self.max_host_bytes = default_host_budget() if max_host_bytes is None else max_host_bytes
+        self._fixed = _Route(transport, HostPool(transport, self.max_host_bytes)) if transport is not None else None
         self._routes: dict[torch.device, _Route | None] = {}
         self.stats: dict[int, LayerOffloadStats] = defaultdict(LayerOffloadStats)
         self._held_back: weakref.ref[_Packed] | None = None

@@ -117,7 +117,8 @@ def load_checkpointed_model(
 
     folder = _recover(os.path.abspath(os.fspath(path)))
     config, saved_layers, file = read_saved(folder)
-    wrapper_kwargs = {k: kwargs.pop(k) for k in ("offload_transport", "swap_mover", "layer_class") if k in kwargs}
+    own = ("offload_transport", "swap_mover", "layer_class", "offload_host_budget")
+    wrapper_kwargs = {k: kwargs.pop(k) for k in own if k in kwargs}
     # Refuse a mismatch before anything changes: PEFT's loading would already modify the model.
     check_layers_match(saved_layers, discover_layers(model, wrapper_kwargs.get("layer_class")).names, file)
     if os.path.exists(os.path.join(folder, "adapter_config.json")) and not _is_peft_model(model):

@@ -56,6 +56,27 @@ def _state_kept(module: nn.Module | None) -> Iterator[None]:
                 object.__setattr__(m, key, value)
 
 
+_told: set[str] = set()
+
+
+def _distributed() -> bool:
+    """Whether several processes train together. Reentrant checkpointing runs a separate backward
+    per layer, which DDP sees as parameters marked ready twice ("Expected to mark a variable
+    ready only once"); non-reentrant checkpointing gives the same gradients without that, so it
+    is used whenever torch.distributed runs with more than one process (said once)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    if "reentrant" not in _told:
+        _told.add("reentrant")
+        logger.info(
+            "use_reentrant=True is ignored while torch.distributed runs several processes: "
+            "remat checkpoints non-reentrantly (same gradients, and DDP can mark each parameter once)"
+        )
+    return True
+
+
 class RecomputeCheckpoint:
     """Checkpoint one layer: keep its inputs, drop its activations, recompute them in backward.
 
@@ -111,7 +132,7 @@ class RecomputeCheckpoint:
         return run
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self.use_reentrant:
+        if self.use_reentrant and not _distributed():
             if kwargs:
                 # torch's reentrant checkpoint takes positional inputs only.
                 bound, kwargs = function, dict(kwargs)

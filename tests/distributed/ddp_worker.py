@@ -1,12 +1,14 @@
 """One rank of DDP / FSDP2 runs (gloo, CPU), started by tests/test_distributed.py.
 
-argv: rank world_size port out_dir case [case ...], each case "every_n,offload,swap,wrap" with
+argv: rank world_size port out_dir case [case ...], each case "every_n,offload,swap,wrap[,flags]" with
 wrap one of "wrapper" (DDP(cm)), "model" (DDP(cm.model)) or "fsdp" (fully_shard per decoder
-layer, then on the whole model).
+layer, then on the whole model); flags: "reentrant" (use_reentrant=True), "find_unused" (DDP's
+find_unused_parameters=True).
 For each case the rank trains its slice of the batch for one step and writes its gradients and
 the per-layer recompute counts to out_dir/<case>-rank<r>.pt.
 """
 
+import logging
 import os
 import sys
 
@@ -20,10 +22,12 @@ from remat import CheckpointConfig, CheckpointedModel
 
 
 def run_case(rank: int, world: int, out_dir: str, case: str) -> None:
-    every_n, offload, swap, wrap = case.split(",")
+    every_n, offload, swap, wrap, *rest = case.split(",")
     torch.manual_seed(0)
     model = add_lora(tiny_model(attention_dropout=0.0), dropout=0.0)
-    config = CheckpointConfig(every_n_layers=int(every_n), offload=offload == "1", swap_layers=int(swap))
+    config = CheckpointConfig(
+        every_n_layers=int(every_n), offload=offload == "1", swap_layers=int(swap), use_reentrant="reentrant" in rest
+    )
     if wrap == "fsdp" and config.swaps_any:
         _refuse_swap_under_fsdp(rank, out_dir, case, model, config)
         return
@@ -37,12 +41,21 @@ def run_case(rank: int, world: int, out_dir: str, case: str) -> None:
         fully_shard(model)
         runner = cm
     else:
-        runner = torch.nn.parallel.DistributedDataParallel(cm if wrap == "wrapper" else cm.model)
+        unused = "find_unused" in rest
+        runner = torch.nn.parallel.DistributedDataParallel(
+            cm if wrap == "wrapper" else cm.model, find_unused_parameters=unused
+        )
     data = batch(size=2 * world)
     mine = {k: v[rank * 2 : (rank + 1) * 2] for k, v in data.items()}
     runner(**mine).loss.backward()
+    runner(**mine).loss.backward()  # a second step: messages are said once, not once per step
+    model.zero_grad()
+    runner(**mine).loss.backward()
+    counter.counts = [c // 3 for c in counter.counts]
     grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
-    torch.save({"grads": grads, "counts": counter.counts}, os.path.join(out_dir, f"{case}-rank{rank}.pt"))
+    result = {"grads": grads, "counts": counter.counts, "logs": list(LOGS)}
+    torch.save(result, os.path.join(out_dir, f"{case}-rank{rank}.pt"))
+    LOGS.clear()
 
 
 def _refuse_swap_under_fsdp(rank, out_dir, case, model, config) -> None:
@@ -69,7 +82,17 @@ def _full(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor().clone() if hasattr(grad, "full_tensor") else grad.clone()
 
 
+LOGS: list[str] = []
+
+
+class _Collect(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        LOGS.append(record.getMessage())
+
+
 def main() -> None:
+    logging.getLogger("remat").addHandler(_Collect())
+    logging.getLogger("remat").setLevel(logging.INFO)
     rank, world, port, out_dir, *cases = sys.argv[1:]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=int(rank), world_size=int(world))
