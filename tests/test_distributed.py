@@ -5,6 +5,7 @@ Both ranks run every case in one process group (starting processes is the slow p
 bounds the run in time and kills what is left.
 """
 
+import os
 import socket
 import subprocess
 import sys
@@ -90,3 +91,22 @@ def test_reentrant_under_ddp_is_replaced_by_non_reentrant_and_said_once(ddp_resu
         assert len(said) <= 1
     # once per process: the first case that asked for it said it
     assert any("use_reentrant=True is ignored" in m for r in ddp_results["reentrant"] for m in r["logs"])
+
+
+def test_accelerate_launch_smoke_run_with_the_repository_config():
+    root = Path(__file__).resolve().parents[1]
+    accelerate = Path(sys.executable).parent / "accelerate"
+    command = [str(accelerate), "launch", "--config_file", str(root / "configs" / "accelerate" / "multi_cpu.yaml")]
+    command += [
+        "--main_process_port",
+        str(_free_port()),
+        str(root / "examples" / "train_distributed.py"),
+        "--steps",
+        "2",
+    ]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split(":")[0] for line in lines] == ["rank 0/2", "rank 1/2"]
+    assert all("checkpointed [0, 2, 4], runs per layer in the last step [2, 1, 2, 1, 2, 1]" in line for line in lines)
