@@ -6,10 +6,13 @@ the map: discover the layers, plan them from the config, install exactly what th
 and route every other way of touching checkpointing (transformers' enable/disable methods,
 Trainer, PEFT) back into the plan.
 
-Installing means, per layer and on the instance only: set transformers' per-layer
-`gradient_checkpointing` flag and `_gradient_checkpointing_func` (a `RecomputeCheckpoint` for a
-checkpointed layer), plus the flag of the "holder" modules that transformers reads to turn
-`use_cache` off while training. Everything set is recorded and restored by `disable()`.
+Installing means, per layer and on the instance only (see `remat.install`): transformers'
+per-layer flag and function for its own layers, a wrapped `forward` for plain blocks, the flag
+of the "holder" modules that turn `use_cache` off while training; plus the route methods, the
+save/load overrides, block swap's placeholders and hooks, and a forward pre-hook that re-applies
+the map if the model is put back into training behind the wrapper's back. Everything set is
+recorded and restored by `disable()`. Offload and swap state live in one `Offloader` and one
+`WeightSwapper` per wrapper, so several wrapped models never share anything.
 """
 
 from __future__ import annotations
