@@ -211,3 +211,28 @@ def test_cuda_swap_is_exact_and_bounded():
         _, got = step_grads(cm, named, data)
         assert_same_grads(ref, got)
     assert cm._swapper.peak_resident_bytes <= cm._swapper.pool_bytes
+
+
+def test_a_swapped_layer_with_gradients_in_eval_mode_is_refused_not_silently_wrong():
+    model, named = _lora_model()
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))
+    cm.for_inference()
+    with pytest.raises(RuntimeError, match="eval mode with gradients enabled"):
+        cm(**batch())
+    with torch.no_grad():
+        assert torch.isfinite(cm(**batch()).logits).all()
+    cm.for_training()
+    step_grads(cm, named, batch())
+
+
+def test_disable_between_forward_and_backward_brings_weights_home_and_backward_still_works():
+    model, named = _lora_model()
+    ref_loss, ref = step_grads(model, named, batch())
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=2))
+    for _, p in named:
+        p.grad = None
+    torch.manual_seed(123)
+    loss = cm(**batch()).loss
+    cm.disable()
+    loss.backward()
+    assert_same_grads(ref, {n: p.grad for n, p in named})

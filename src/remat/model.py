@@ -139,7 +139,7 @@ class CheckpointedModel(nn.Module):
             raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
         discovery = discover_layers(model, layer_class)
         checkpoint_map = plan_layers(config, discovery.names)
-        check_swappable(_swap_targets(discovery, checkpoint_map))
+        check_swappable(_swap_targets(discovery, checkpoint_map), model)
         super().__init__()
         self.model = model
         self._config = config
@@ -331,22 +331,30 @@ class CheckpointedModel(nn.Module):
         new_map = plan_layers(config, self._discovery.names, checkpointing_off_by=off_by)
         new_swapped = [p.index for p in new_map if p.swapped]
         if new_swapped != [p.index for p in self._map if p.swapped]:
-            check_swappable(_swap_targets(self._discovery, new_map))
+            check_swappable(_swap_targets(self._discovery, new_map), self.model)
         changes = describe_changes(self._config, config)
         if changes:
             logger.info("%s changed the checkpoint config: %s", cause, changes)
         if new_map != self._map:
             logger.info("%s changed the checkpoint map: %r", cause, new_map)
+        old = (self._config, self._off_by, self._map)
         old_swapped = [p.index for p in self._map if p.swapped]
         self._config, self._off_by, self._map = config, off_by, new_map
         self._offloader.min_bytes = config.offload_min_bytes
         if self.is_enabled:
             if new_swapped != old_swapped:
                 self._unswap()
-                self._swap()
+                try:
+                    self._swap()
+                except BaseException:  # e.g. pinned memory could not be had: back to the old plan
+                    self._config, self._off_by, self._map = old
+                    self._offloader.min_bytes = self._config.offload_min_bytes
+                    self._swap()
+                    raise
             self._apply_map()
 
     def _install(self) -> None:
+        self._swap()  # the step that can fail (host memory) goes first, before anything is patched
         self._states = [installer_for(d) for d in (*self._discovery.layers, *self._discovery.holders)]
         took_over = [s.module for s in self._states if s.was_checkpointing]
         if took_over:
@@ -355,7 +363,6 @@ class CheckpointedModel(nn.Module):
         self._save_load.install(self.model)
         self._mode_hook = self.model.register_forward_pre_hook(self._check_mode)
         object.__setattr__(self.model, "_remat_owner", True)
-        self._swap()
         self._apply_map()
 
     def _swap(self) -> None:

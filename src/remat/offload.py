@@ -245,6 +245,10 @@ def default_host_budget() -> int:
     return total // 2 // local_ranks
 
 
+def _signature(tensor: torch.Tensor) -> tuple:
+    return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
+
+
 @dataclass(frozen=True)
 class _Route:
     transport: Transport
@@ -343,12 +347,16 @@ class Offloader:
 
     # -- the hooks ------------------------------------------------------------------------------
 
-    def hooks(self, layer: int) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context around one checkpoint call. The checkpoint saves its positional inputs in
-        order; only the first (the hidden states, by transformers' convention) is offloaded."""
-        position = iter(range(1 << 30))
+    def hooks(self, layer: int, target: torch.Tensor | None) -> torch.autograd.graph.saved_tensors_hooks:
+        """The context around one checkpoint call. Only `target` (the layer's hidden states, its
+        first tensor input by transformers' convention) is offloaded; it is recognised by its
+        storage, shape and dtype, not by the order in which a torch version saves inputs (some
+        save a 0-byte marker first)."""
+        # Only the target's signature is kept: autograd stores the pack hook with every saved
+        # tensor, so a closure over the tensor itself would keep it on the device.
+        signature = _signature(target) if target is not None else None
         return torch.autograd.graph.saved_tensors_hooks(
-            lambda tensor: self._pack(layer, tensor, next(position)), self._unpack
+            lambda tensor: self._pack(layer, tensor, signature), self._unpack
         )
 
     def checkpoint_started(self) -> None:
@@ -356,10 +364,11 @@ class Offloader:
         is not the last one backward needs first, so it can go to the host now."""
         self._move_held_back_to_host()
 
-    def _pack(self, layer: int, tensor: torch.Tensor, position: int = 0) -> Any:
+    def _pack(self, layer: int, tensor: torch.Tensor, target: tuple | None) -> Any:
         stats = self.stats[layer]
-        if position > 0:
-            stats.keep(tensor.nbytes, KEPT_SHARED)
+        if target is None or _signature(tensor) != target:
+            if tensor.nbytes:
+                stats.keep(tensor.nbytes, KEPT_SHARED)
             return tensor
         route = self._route(tensor)
         if route is None:

@@ -37,22 +37,45 @@ def _needs_grad(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
 
-@contextlib.contextmanager
-def _state_kept(module: nn.Module | None) -> Iterator[None]:
-    """Run a recompute without it changing the layer's buffers or numeric attributes."""
-    if module is None:
-        yield
-        return
-    buffers = [(b, b.clone()) for b in module.buffers()]
-    numbers = [(m, {k: v for k, v in vars(m).items() if type(v) in (int, float)}) for m in module.modules()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
-        for m, values in numbers:
-            for key, value in values.items():
+class _LayerState:
+    """The buffers and numeric attributes of a layer that its forward changes (an MoE router's
+    token counts, a step counter), so the recompute can leave them as the forward did.
+
+    Only what the forward actually changed is touched: buffers by version counter, attributes by
+    value. Writing back every buffer would bump version counters that a reentrant backward
+    checks (rotary caches read through views), and would clone large caches on every recompute.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.buffers = list(module.buffers())
+        self.numbers = [
+            (m, key) for m in module.modules() for key, value in vars(m).items() if type(value) in (int, float)
+        ]
+        self.changed_buffers: list[torch.Tensor] = []
+        self.changed_numbers: list[tuple[nn.Module, str]] = []
+
+    def watch_forward(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        versions = [b._version for b in self.buffers]
+        values = [vars(m).get(key) for m, key in self.numbers]
+        out = function(*args, **kwargs)
+        self.changed_buffers = [b for b, v in zip(self.buffers, versions, strict=True) if b._version != v]
+        self.changed_numbers = [
+            (m, key) for (m, key), v in zip(self.numbers, values, strict=True) if vars(m).get(key) != v
+        ]
+        return out
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        saved = [(b, b._version, b.clone()) for b in self.changed_buffers]
+        numbers = [(m, key, vars(m).get(key)) for m, key in self.changed_numbers]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, version, value in saved:
+                    if buffer._version != version:
+                        buffer.copy_(value)
+            for m, key, value in numbers:
                 object.__setattr__(m, key, value)
 
 
@@ -104,14 +127,18 @@ class RecomputeCheckpoint:
         self.offloader = offloader
         self.offload = offload and offloader is not None
         self.swapper = swapper if swapper is not None and index in swapper.layers else None
-        self.module = module
+        self.state = _LayerState(module) if module is not None else None
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.offloader is not None:
             self.offloader.checkpoint_started()
         # The checkpoint saves its positional inputs before it enters its own hooks, so these
         # hooks see exactly the layer's inputs (see remat.offload).
-        saving = self.offloader.hooks(self.index) if self.offload else contextlib.nullcontext()
+        if self.offload:
+            target = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            saving = self.offloader.hooks(self.index, target)
+        else:
+            saving = contextlib.nullcontext()
         with saving:
             return self._checkpoint(self._recompute_aware(function), args, kwargs)
 
@@ -119,14 +146,14 @@ class RecomputeCheckpoint:
         """The first call of the checkpointed function is the forward; later calls are backward's
         recomputes. A recompute fetches swapped weights first, and leaves the layer's buffers and
         counters as the forward left them (an MoE router's token counts must not grow twice)."""
-        swapper, index, module, calls = self.swapper, self.index, self.module, [0]
+        swapper, index, state, calls = self.swapper, self.index, self.state, [0]
 
         def run(*args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
             if calls[0] == 1:
-                return function(*args, **kwargs)
+                return state.watch_forward(function, *args, **kwargs) if state else function(*args, **kwargs)
             swapping = swapper.recomputing(index) if swapper is not None else contextlib.nullcontext()
-            with swapping, _state_kept(module):
+            with swapping, state.kept() if state else contextlib.nullcontext():
                 return function(*args, **kwargs)
 
         return run

@@ -109,10 +109,19 @@ class BlockSwapError(ValueError):
     """A layer cannot be swapped."""
 
 
-def check_swappable(layers: list[tuple[int, str, nn.Module]]) -> None:
+def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module | None = None) -> None:
     """Raise BlockSwapError if any of these layers cannot be swapped. Changes nothing."""
+    owners = _parameter_owners(model) if model is not None and layers else None
     for index, name, layer in layers:
         _check_swappable(index, name, layer)
+        if owners is not None and not _own_frozen_params(layer, name, owners):
+            raise BlockSwapError(f"layer {index} ({name}) has no frozen weights of its own to swap")
+
+
+def _own_frozen_params(layer: nn.Module, name: str, owners: dict[int, set[str]]) -> list[nn.Parameter]:
+    """The frozen parameters held by this layer alone (tied or shared weights stay resident)."""
+    inside = {name} | {f"{name}.{n}" for n, _ in layer.named_modules() if n}
+    return [p for p in _unique_params(layer) if not p.requires_grad and owners[id(p)] <= inside]
 
 
 def _check_swappable(index: int, name: str, layer: nn.Module) -> None:
@@ -146,7 +155,7 @@ class WeightSwapper:
         mover: WeightMover | None = None,
         prefetch_depth: int = 2,
     ):
-        check_swappable(layers)
+        check_swappable(layers, model)
         self.prefetch_depth = prefetch_depth
         owners = _parameter_owners(model)
         self._mover = mover
@@ -159,10 +168,7 @@ class WeightSwapper:
         self.in_recompute = False
         self._handles: list[Any] = []
         for index, name, layer in sorted(layers, key=lambda item: item[0]):
-            inside = {name} | {f"{name}.{n}" for n, _ in layer.named_modules() if n}
-            params = [p for p in _unique_params(layer) if not p.requires_grad and owners[id(p)] <= inside]
-            if not params:
-                raise BlockSwapError(f"layer {index} ({name}) has no frozen weights of its own to swap")
+            params = _own_frozen_params(layer, name, owners)
             mover_for = self._mover_for(params[0])
             host = [mover_for.host_copy(p.data) for p in params]
             placeholders = [torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape) for p in params]
@@ -239,6 +245,7 @@ class WeightSwapper:
     # -- the schedule ---------------------------------------------------------------------------
 
     def before_forward(self, index: int) -> None:
+        self._callback_queued = False  # a backward that aborted never ran its end callback
         for earlier in [i for i in self.layers if i < index]:
             self._release(self.layers[earlier])  # done in this forward, or left by an aborted step
         self._use(index)
@@ -249,7 +256,12 @@ class WeightSwapper:
 
     @contextlib.contextmanager
     def recomputing(self, index: int) -> Iterator[None]:
-        """Backward recomputes layer `index`: fetch its weights; the layer's own hooks stand aside."""
+        """Backward recomputes layer `index`: fetch its weights; the layer's own hooks stand aside.
+        A layer swapped no more (disable() or a new map between forward and backward) has its
+        weights home already and needs nothing."""
+        if index not in self.layers:
+            yield
+            return
         self.before_recompute(index)
         self.in_recompute = True
         try:
@@ -269,8 +281,17 @@ class WeightSwapper:
 
     def _pre_hook(self, index: int):
         def hook(module: nn.Module, args: Any) -> None:
-            if not self.in_recompute:
-                self.before_forward(index)
+            if self.in_recompute:
+                return
+            if torch.is_grad_enabled() and not module.training:
+                # Not checkpointed (eval mode), so autograd would keep views of the slot, which
+                # the next layer's fetch overwrites: wrong gradients, silently. Refuse instead.
+                raise RuntimeError(
+                    f"block swap: layer {index} ran in eval mode with gradients enabled. Its weights go back to "
+                    "host memory after it runs, which a graph built outside checkpointing cannot survive. Evaluate "
+                    "under torch.no_grad() (generate already does), or train with cm.for_training()."
+                )
+            self.before_forward(index)
 
         return hook
 
@@ -299,8 +320,8 @@ class WeightSwapper:
         self._use(index)
         self._prefetch([i for i in reversed(self.layers) if i < index])
         if not self._callback_queued:
-            self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -325,6 +346,9 @@ class WeightSwapper:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for entry in self.layers.values():  # copies still writing into slots must finish first
+            for event in entry.ready or ():
+                event.synchronize()
         self.release_all()
         for entry in self.layers.values():
             for param, host, placeholder in zip(entry.params, entry.host, entry.placeholders, strict=True):
