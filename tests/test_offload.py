@@ -133,7 +133,7 @@ def test_host_buffers_are_allocated_once_and_reused_every_step():
         step_grads(cm, named, batch())
     assert transport.allocations == 3
     pool = cm._offloader.pools[0]
-    assert pool.pooled_buffers == 3 and pool.allocated_bytes == 3 * LAYER_INPUT
+    assert pool.pooled_buffers == 3 and pool.allocated_bytes == 3 * 2**20  # whole MiB each
 
 
 def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):
@@ -151,14 +151,24 @@ def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):
 
 
 def test_host_budget_falls_back_with_a_warning(caplog):
-    offloader = Offloader(0, SimulatedTransport(), max_host_bytes=LAYER_INPUT)
+    offloader = Offloader(0, SimulatedTransport(), max_host_bytes=2**20)
     pool = offloader.pools[0]
     with caplog.at_level(logging.WARNING, logger="remat"):
         first = pool.acquire(LAYER_INPUT)
         second = pool.acquire(LAYER_INPUT)
-    assert first.numel() == second.numel() == LAYER_INPUT
-    assert pool.allocated_bytes == LAYER_INPUT and pool.pageable_fallbacks == 1
+    assert first.numel() == 2**20 and second.numel() == LAYER_INPUT
+    assert pool.allocated_bytes == 2**20 and pool.pageable_fallbacks == 1
     assert "budget" in caplog.text
+
+
+def test_buffers_are_reused_across_varying_sequence_lengths():
+    transport = SimulatedTransport()
+    pool = Offloader(0, transport).pools[0]
+    buffer = pool.acquire(3000)
+    pool.release(buffer, None)
+    assert pool.acquire(3500) is buffer  # dynamic padding: a new length, the same pinned buffer
+    pool.release(buffer, None)
+    assert pool.acquire(3 * 2**20) is not buffer and transport.allocations == 2
 
 
 def test_the_default_host_budget_is_shared_by_the_ranks_of_one_host(monkeypatch):

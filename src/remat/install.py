@@ -118,6 +118,7 @@ class ForwardInstall:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return run(*args, **kwargs)
 
+        self.wrapper = forward
         object.__setattr__(module, "forward", forward)
 
     @property
@@ -146,7 +147,10 @@ class ForwardInstall:
         return self.function(functools.partial(self.original, **kwargs), *args)
 
     def restore(self) -> None:
-        _restore_attributes(self.module, self.saved)
+        # Switched off even if something patched `forward` after remat and still calls this wrapper.
+        self.enabled, self.function = False, run_without_checkpoint
+        if self.module.__dict__.get("forward") is self.wrapper:
+            _restore_attributes(self.module, self.saved)
 
 
 def installer_for(discovered: DiscoveredLayer) -> FlagInstall | ForwardInstall:

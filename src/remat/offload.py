@@ -171,14 +171,22 @@ class SimulatedTransport:
         return _from_bytes(src.clone(), meta), DoneEvent()
 
 
+_BUCKET = 1 << 20
+
+
 class HostPool:
-    """Host buffers by size, allocated once and reused. Pinned when the transport can pin; if
-    pinning fails or `max_bytes` would be exceeded, pageable buffers, with one warning."""
+    """Host buffers, allocated once and reused. Pinned when the transport can pin; if pinning
+    fails or `max_bytes` would be exceeded, pageable buffers, with one warning.
+
+    A request takes the smallest free buffer that holds it and is at most twice its size, and
+    new buffers are rounded up to whole MiB, so sequence lengths that vary from batch to batch
+    (dynamic padding) reuse buffers instead of pinning a new one per length.
+    """
 
     def __init__(self, transport: Transport, max_bytes: int | None = None):
         self.transport = transport
         self.max_bytes = max_bytes
-        self.free: dict[int, list[tuple[torch.Tensor, Event | None]]] = defaultdict(list)
+        self.free: list[tuple[torch.Tensor, Event | None]] = []
         self.allocated_bytes = 0
         self.pageable_fallbacks = 0
         self._warned = False
@@ -186,18 +194,21 @@ class HostPool:
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            if self.free[nbytes]:
-                buffer, last_use = self.free[nbytes].pop()
+            fitting = [i for i, (b, _) in enumerate(self.free) if nbytes <= b.numel() <= 2 * max(nbytes, _BUCKET)]
+            if fitting:
+                best = min(fitting, key=lambda i: self.free[i][0].numel())
+                buffer, last_use = self.free.pop(best)
                 if last_use is not None:
                     last_use.synchronize()  # a copy may still read or write it
                 return buffer
-        if self.max_bytes is not None and self.allocated_bytes + nbytes > self.max_bytes:
+        size = -(-nbytes // _BUCKET) * _BUCKET
+        if self.max_bytes is not None and self.allocated_bytes + size > self.max_bytes:
             return self._pageable(nbytes, f"the host budget of {self.max_bytes} bytes would be exceeded")
         try:
-            buffer = self.transport.allocate_host(nbytes)
+            buffer = self.transport.allocate_host(size)
         except RuntimeError as err:
             return self._pageable(nbytes, f"pinning host memory failed ({err})")
-        self.allocated_bytes += nbytes
+        self.allocated_bytes += size
         return buffer
 
     def _pageable(self, nbytes: int, why: str) -> torch.Tensor:
@@ -207,13 +218,13 @@ class HostPool:
             logger.warning("offload: %s; using pageable host memory, so copies will not overlap compute", why)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def release(self, nbytes: int, buffer: torch.Tensor, last_use: Event | None) -> None:
+    def release(self, buffer: torch.Tensor, last_use: Event | None) -> None:
         with self._lock:
-            self.free[nbytes].append((buffer, last_use))
+            self.free.append((buffer, last_use))
 
     @property
     def pooled_buffers(self) -> int:
-        return sum(len(v) for v in self.free.values())
+        return len(self.free)
 
 
 @dataclass
@@ -305,7 +316,7 @@ class _Packed:
         self.device_tensor = None
         self.prefetched = None
         if self.host is not None:
-            self.pool.release(self.meta.nbytes, self.host, self.last_event)
+            self.pool.release(self.host, self.last_event)
             self.host = None
 
 
@@ -427,12 +438,7 @@ class Offloader:
 
     def host_storages(self) -> set[int]:
         """Data pointers of every host buffer this offloader owns (pooled or in use)."""
-        out = {
-            buffer.untyped_storage().data_ptr()
-            for pool in self.pools
-            for items in pool.free.values()
-            for buffer, _ in items
-        }
+        out = {buffer.untyped_storage().data_ptr() for pool in self.pools for buffer, _ in pool.free}
         for packed in list(self._live.values()):
             if packed.host is not None:
                 out.add(packed.host.untyped_storage().data_ptr())
