@@ -161,10 +161,6 @@ class CheckpointConfig:
     def swaps_any(self) -> bool:
         return bool(self.swap_layers)
 
-    @property
-    def offloads_any(self) -> bool:
-        return self.offload or "offload" in self.layer_policies.values()
-
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A new config with `changes` applied, validated like any other."""
         names = [f.name for f in dataclasses.fields(CheckpointConfig)]

@@ -19,10 +19,6 @@ from functools import cache
 from typing import Any
 
 import transformers
-from packaging.version import Version
-
-TRANSFORMERS_VERSION = Version(transformers.__version__)
-MIN_TRANSFORMERS = Version("4.57")
 
 ENABLE_ROUTES = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
 DISABLE_ROUTES = ("gradient_checkpointing_disable", "activation_checkpointing_disable")
