@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -87,8 +88,6 @@ def _distributed() -> bool:
     per layer, which DDP sees as parameters marked ready twice ("Expected to mark a variable
     ready only once"); non-reentrant checkpointing gives the same gradients without that, so it
     is used whenever torch.distributed runs with more than one process (said once)."""
-    import torch.distributed as dist
-
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return False
     if "reentrant" not in _told:
