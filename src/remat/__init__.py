@@ -13,5 +13,19 @@ __all__ = [
     "CheckpointedModel",
     "LayerPlan",
     "NoCheckpointableLayersError",
+    "RematTrainer",
+    "RematTrainerMixin",
     "__version__",
+    "remat_trainer_class",
 ]
+
+_TRAINER_NAMES = ("RematTrainer", "RematTrainerMixin", "remat_trainer_class")
+
+
+def __getattr__(name: str):
+    """Trainer support is imported on first use: `import remat` stays free of Trainer's imports."""
+    if name in _TRAINER_NAMES:
+        from .integrations import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'remat' has no attribute {name!r}")

@@ -1,0 +1,126 @@
+"""Trainer support for `Trainer(model=cm)`: checkpoints hold what `cm.save_pretrained` holds.
+
+transformers' Trainer decides how to save and resume by `isinstance(model, (PreTrainedModel,
+PeftModel))`. A `CheckpointedModel` is neither, so a plain `transformers.Trainer(model=cm)`
+saves `cm.state_dict()` whole (base weights included, under `model.`-prefixed names) and
+resumes by loading it back; it never sees `checkpoint_config.json`. Nothing on the model can
+change that without patching Trainer's class, which remat does not do.
+
+`RematTrainerMixin` closes the gap for the Trainer it is mixed into: while Trainer saves,
+resumes or loads its best model, it hands Trainer the wrapped model (`cm.model`), so
+Trainer's own PEFT/PreTrainedModel paths run unchanged: adapters only for a PeftModel, full
+weights for a plain model, and `checkpoint_config.json` beside them in every checkpoint folder.
+Resuming applies the saved config to the map (the layer names must match). `RematTrainer` is
+the mixin over `transformers.Trainer`; `remat_trainer_class(SFTTrainer)` builds one for any
+Trainer subclass (TRL's trainers, your own).
+
+`Trainer(model=cm.model)` needs none of this: while wrapped, the model's `save_pretrained`
+writes the config and a PeftModel's `load_adapter` applies it (see `remat.persistence`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from transformers import Trainer
+
+from ..config import CONFIG_NAME
+from ..model import CheckpointedModel
+from ..persistence import check_layers_match, config_payload, read_saved
+from ..saving import write_json_atomically
+
+logger = logging.getLogger("remat")
+_WRAPPER_PREFIX = "model."
+
+__all__ = ["RematTrainer", "RematTrainerMixin", "remat_trainer_class"]
+
+
+class RematTrainerMixin:
+    """Mix in before a `transformers.Trainer` (sub)class: `class T(RematTrainerMixin, SFTTrainer)`.
+
+    Only the model Trainer saves and loads changes, and only while `self.model` is a
+    `CheckpointedModel`; any other model goes through the base class untouched.
+    """
+
+    model: Any
+
+    @contextlib.contextmanager
+    def _remat_wrapped_model(self) -> Iterator[CheckpointedModel | None]:
+        """`self.model` is the wrapped model for the duration (Trainer's save/load code reads
+        `self.model` in several places, so handing it an argument would not be enough)."""
+        cm = self.model if isinstance(self.model, CheckpointedModel) else None
+        if cm is None:
+            yield None
+            return
+        self.model = cm.model
+        try:
+            yield cm
+        finally:
+            self.model = cm
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        with self._remat_wrapped_model() as cm:
+            if cm is None:
+                return super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
+            # DeepSpeed / FSDP hand over `cm.state_dict()`: names relative to the wrapped model.
+            if state_dict is not None:
+                state_dict = {_relative(key): value for key, value in state_dict.items()}
+            super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
+        if getattr(self.args, "should_save", True):  # type: ignore[attr-defined]
+            folder = output_dir if output_dir is not None else self.args.output_dir  # type: ignore[attr-defined]
+            # Written here too: the model's own save_pretrained skips it while remat is disabled.
+            write_json_atomically(os.path.join(folder, CONFIG_NAME), config_payload(cm))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        target = self.model if model is None else model
+        if not isinstance(target, CheckpointedModel):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        with self._remat_wrapped_model():
+            super()._load_from_checkpoint(resume_from_checkpoint, target.model)  # type: ignore[misc]
+        _apply_saved_config(target, resume_from_checkpoint, "resuming")
+
+    def _load_best_model(self) -> None:
+        with self._remat_wrapped_model() as cm:
+            super()._load_best_model()  # type: ignore[misc]
+        if cm is not None:
+            _apply_saved_config(cm, self.state.best_model_checkpoint, "loading the best model")  # type: ignore[attr-defined]
+
+
+def _relative(key: str) -> str:
+    return key[len(_WRAPPER_PREFIX) :] if key.startswith(_WRAPPER_PREFIX) else key
+
+
+def _apply_saved_config(cm: CheckpointedModel, folder: str | None, cause: str) -> None:
+    """Apply the folder's checkpoint config, if it has one, after checking its layers."""
+    if folder is None or not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+        logger.warning("%s from %s: no %s there, the current checkpoint map stays", cause, folder, CONFIG_NAME)
+        return
+    config, layers, file = read_saved(folder)
+    check_layers_match(layers, [plan.name for plan in cm.checkpoint_map], file)
+    if config == cm._config:
+        return
+    if not cm.is_enabled:
+        logger.warning("%s from %s: checkpointing is disabled, the saved config is not applied", cause, folder)
+        return
+    logger.info("%s from %s: applying the checkpoint config saved there", cause, folder)
+    cm.enable(config)
+
+
+@functools.cache
+def remat_trainer_class(base: type[Trainer]) -> type[Trainer]:
+    """`base` with `RematTrainerMixin` in front, e.g. `remat_trainer_class(trl.SFTTrainer)`."""
+    if not (isinstance(base, type) and issubclass(base, Trainer)):
+        raise TypeError(f"remat_trainer_class needs a transformers.Trainer subclass, got {base!r}")
+    if issubclass(base, RematTrainerMixin):
+        return base
+    return type(f"Remat{base.__name__}", (RematTrainerMixin, base), {"__module__": __name__})
+
+
+class RematTrainer(RematTrainerMixin, Trainer):
+    """`transformers.Trainer` that saves and resumes a `CheckpointedModel` like its wrapped
+    model: adapters (not the full weights) plus `checkpoint_config.json` in every checkpoint."""

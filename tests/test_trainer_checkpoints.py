@@ -1,0 +1,173 @@
+"""Trainer(model=cm) checkpoints: adapters (not the full weights) plus checkpoint_config.json in
+every folder, resume restores the map and continues exactly; what a plain Trainer does instead."""
+
+import json
+import logging
+
+import pytest
+import safetensors.torch
+import torch
+from conftest import RecomputeCounter, add_lora, decoder_layers, tiny_model
+from test_trainer import _dataset
+from transformers import Trainer, TrainingArguments
+
+from remat import CheckpointConfig, CheckpointedModel, RematTrainer, remat_trainer_class
+from remat.integrations.transformers_compat import trainer_checkpointing_args
+
+SAVED = CheckpointConfig(every_n_layers=2, layer_policies={3: "recompute"})
+
+
+def _args(output_dir, steps, checkpointing=True, **extra):
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=steps,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,
+        seed=7,
+        data_seed=7,
+        **trainer_checkpointing_args(checkpointing, None),
+        **extra,
+    )
+
+
+def _train(trainer_cls, model, output_dir, steps, resume=None, **extra):
+    """Trainer asks for checkpointing whenever remat is there to take it: without remat,
+    transformers 4.57 checkpoints reentrantly and a frozen-embedding PeftModel then has no grad."""
+    rows = _dataset()
+    checkpointing = isinstance(model, CheckpointedModel) and model.is_enabled
+    args = _args(output_dir, steps, checkpointing, **extra)
+    trainer = trainer_cls(model=model, args=args, train_dataset=rows, eval_dataset=rows)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _trainable(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_checkpoints_hold_adapters_and_the_config_not_the_full_weights(tmp_path):
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
+    _train(RematTrainer, cm, tmp_path, steps=2)
+    folder = tmp_path / "checkpoint-2"
+    files = {p.name for p in folder.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "checkpoint_config.json"} <= files
+    assert not files & {"model.safetensors", "pytorch_model.bin"}
+    saved = json.loads((folder / "checkpoint_config.json").read_text())
+    assert saved["every_n_layers"] == 2 and len(saved["layers"]) == 4
+    adapters = safetensors.torch.load_file(folder / "adapter_model.safetensors")
+    assert adapters and all("lora_" in name for name in adapters)
+    trained = {n.replace(".default", ""): p for n, p in _trainable(cm.model).items()}
+    for name, tensor in adapters.items():
+        torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0, msg=name)
+
+
+def test_resuming_restores_the_map_and_continues_like_the_bare_model(tmp_path):
+    """Trainer's own resume is not bit-equal to an uninterrupted run (data order, RNG), so the
+    reference is the bare PeftModel saved and resumed by transformers' Trainer alone."""
+    bare = add_lora(tiny_model(seed=3))
+    _train(Trainer, bare, tmp_path / "bare", steps=2)
+    bare = add_lora(tiny_model(seed=3))
+    _train(Trainer, bare, tmp_path / "bare", steps=3, resume=str(tmp_path / "bare" / "checkpoint-2"))
+
+    _train(RematTrainer, CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED), tmp_path / "cm", steps=2)
+    resumed = CheckpointedModel(add_lora(tiny_model(seed=3)))  # another map before resuming
+    counter = RecomputeCounter(decoder_layers(resumed.model))
+    _train(RematTrainer, resumed, tmp_path / "cm", steps=3, resume=str(tmp_path / "cm" / "checkpoint-2"))
+
+    assert resumed.config == SAVED
+    assert counter.counts == [2, 1, 2, 2]  # the one step after resuming ran the saved map
+    expected = _trainable(bare)
+    for name, value in _trainable(resumed.model).items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=0, msg=name)
+
+
+def test_a_plain_base_model_saves_its_weights_and_resume_restores_the_map(tmp_path):
+    cm = CheckpointedModel(tiny_model(seed=3), SAVED)
+    _train(RematTrainer, cm, tmp_path, steps=2)
+    folder = tmp_path / "checkpoint-2"
+    assert (folder / "config.json").exists() and (folder / "checkpoint_config.json").exists()
+    weights = safetensors.torch.load_file(folder / "model.safetensors")
+    assert "model.embed_tokens.weight" in weights and set(weights) <= set(cm.model.state_dict())
+    assert not any(name.startswith("model.model.") for name in weights)  # the wrapper's prefix is gone
+
+    resumed = CheckpointedModel(tiny_model(seed=4))  # other weights, other map
+    _train(RematTrainer, resumed, tmp_path, steps=2, resume=str(folder))  # loads, trains no further step
+    assert resumed.config == SAVED
+    for name, value in resumed.model.state_dict().items():
+        if name in weights:
+            torch.testing.assert_close(value, weights[name], rtol=0, atol=0, msg=name)
+
+
+def test_resuming_into_a_model_of_another_depth_is_refused(tmp_path):
+    _train(RematTrainer, CheckpointedModel(tiny_model(seed=3), SAVED), tmp_path, steps=2)
+    deeper = CheckpointedModel(tiny_model(seed=3, num_hidden_layers=6))
+    with pytest.raises(ValueError, match="planned for 4 layers"):
+        _train(RematTrainer, deeper, tmp_path, steps=3, resume=str(tmp_path / "checkpoint-2"))
+
+
+def test_load_best_model_at_end_loads_the_best_adapters_and_the_config(tmp_path):
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
+    extra = {
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "load_best_model_at_end": True,
+        "metric_for_best_model": "loss",
+        "greater_is_better": True,  # the loss falls, so the best one is the earlier checkpoint
+    }
+    trainer = _train(RematTrainer, cm, tmp_path, steps=4, **extra)
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    best = safetensors.torch.load_file(tmp_path / "checkpoint-2" / "adapter_model.safetensors")
+    last = safetensors.torch.load_file(tmp_path / "checkpoint-4" / "adapter_model.safetensors")
+    assert any(not torch.equal(best[name], last[name]) for name in best)
+    loaded = {n.replace(".default", ""): p for n, p in _trainable(cm.model).items()}
+    for name, tensor in best.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+    assert cm.config == SAVED and isinstance(trainer.model, CheckpointedModel)
+
+
+def test_any_trainer_subclass_gets_the_same_saving(tmp_path):
+    class MyTrainer(Trainer):
+        pass
+
+    cls = remat_trainer_class(MyTrainer)
+    assert issubclass(cls, MyTrainer) and remat_trainer_class(MyTrainer) is cls and remat_trainer_class(cls) is cls
+    _train(cls, CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED), tmp_path, steps=2)
+    files = {p.name for p in (tmp_path / "checkpoint-2").iterdir()}
+    assert "adapter_model.safetensors" in files and "model.safetensors" not in files
+    with pytest.raises(TypeError, match="Trainer subclass"):
+        remat_trainer_class(torch.nn.Module)
+
+
+def test_other_models_go_through_the_base_trainer_untouched(tmp_path):
+    model = add_lora(tiny_model(seed=3))  # not wrapped
+    _train(RematTrainer, model, tmp_path, steps=2)
+    files = {p.name for p in (tmp_path / "checkpoint-2").iterdir()}
+    assert "adapter_model.safetensors" in files and "checkpoint_config.json" not in files
+
+
+def test_the_config_is_written_even_while_remat_is_disabled(tmp_path, caplog):
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
+    cm.disable()
+    _train(RematTrainer, cm, tmp_path, steps=2)
+    assert json.loads((tmp_path / "checkpoint-2" / "checkpoint_config.json").read_text())["every_n_layers"] == 2
+
+    other = CheckpointedModel(add_lora(tiny_model(seed=3)))
+    other.disable()
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        _train(RematTrainer, other, tmp_path, steps=2, resume=str(tmp_path / "checkpoint-2"))
+    assert other.config == CheckpointConfig() and not other.is_enabled
+    assert "checkpointing is disabled" in caplog.text
+
+
+def test_a_plain_transformers_trainer_saves_the_whole_wrapper_state(tmp_path):
+    """What RematTrainer exists for: transformers' Trainer only knows PreTrainedModel and PeftModel,
+    so with a CheckpointedModel it writes every weight under the wrapper's names and no config."""
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
+    _train(Trainer, cm, tmp_path, steps=2)
+    files = {p.name for p in (tmp_path / "checkpoint-2").iterdir()}
+    assert "model.safetensors" in files and "adapter_model.safetensors" not in files
+    assert "checkpoint_config.json" not in files
