@@ -24,3 +24,6 @@ def test_notebook_is_committed_without_outputs_and_runs_from_a_clean_kernel(tmp_
     losses = ast.literal_eval(next(line for line in printed.splitlines() if line.startswith("[")))
     assert losses[-1] < losses[0]
     assert (tmp_path / "notebook_output" / "adapters" / "checkpoint_config.json").exists()
+    checkpoint = {p.name for p in (tmp_path / "notebook_output" / "checkpoint-20").iterdir()}
+    assert {"adapter_model.safetensors", "checkpoint_config.json"} <= checkpoint
+    assert "model.safetensors" not in checkpoint

@@ -9,7 +9,8 @@ two renames leaves it in `<path>.old-*`, from which `from_pretrained` recovers w
 While a model is wrapped, its own `save_pretrained` also writes `checkpoint_config.json`, and a
 PeftModel's `load_adapter` applies the one it finds: that is how every checkpoint folder Trainer
 writes for `Trainer(model=cm.model)` carries the map, and how resuming restores it. Both are
-instance-level overrides, removed by `disable()`.
+instance-level overrides, removed by `disable()`. `Trainer(model=cm)` needs `RematTrainer`
+(`remat.integrations.trainer`), which hands Trainer `cm.model` while it saves and loads.
 """
 
 from __future__ import annotations
