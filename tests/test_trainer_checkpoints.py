@@ -171,3 +171,17 @@ def test_a_plain_transformers_trainer_saves_the_whole_wrapper_state(tmp_path):
     files = {p.name for p in (tmp_path / "checkpoint-2").iterdir()}
     assert "model.safetensors" in files and "adapter_model.safetensors" not in files
     assert "checkpoint_config.json" not in files
+
+
+def test_a_state_dict_handed_over_by_deepspeed_or_fsdp_is_saved_under_the_wrapped_names(tmp_path):
+    """Under DeepSpeed / FSDP, Trainer gathers `cm.state_dict()` itself and hands it to `_save`."""
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
+    trainer = RematTrainer(model=cm, args=_args(tmp_path, steps=1))
+    trainer._save(str(tmp_path / "plain"))
+    trainer._save(str(tmp_path / "handed"), state_dict=cm.state_dict())
+    plain = safetensors.torch.load_file(tmp_path / "plain" / "adapter_model.safetensors")
+    handed = safetensors.torch.load_file(tmp_path / "handed" / "adapter_model.safetensors")
+    assert plain and set(handed) == set(plain)
+    for name, tensor in plain.items():
+        torch.testing.assert_close(handed[name], tensor, rtol=0, atol=0, msg=name)
+    assert (tmp_path / "handed" / "checkpoint_config.json").exists()
