@@ -136,6 +136,28 @@ def test_host_buffers_are_allocated_once_and_reused_every_step():
     assert pool.pooled_buffers == 3 and pool.allocated_bytes == 3 * 2**20  # whole MiB each
 
 
+def test_pinned_buffers_are_freed_when_nothing_offloads_any_more(caplog):
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    step_grads(cm, named, batch())
+    pool = cm._offloader.pools[0]
+    cm.model.gradient_checkpointing_disable()  # a toggle (generation): the pool stays for its return
+    cm.model.gradient_checkpointing_enable()
+    assert pool.pooled_buffers == 3 and pool.allocated_bytes == 3 * 2**20
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm.disable()
+    assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0
+    assert "released 3.0 MiB of pinned host memory" in caplog.text
+    cm.enable()
+    _, got = step_grads(cm, named, batch())  # refilled on demand, and exact
+    assert transport.allocations == 6 and pool.allocated_bytes == 3 * 2**20
+    reference = tiny_model()
+    _, expected = step_grads(reference, list(reference.named_parameters()), batch())
+    assert_same_grads(expected, got)
+    cm.enable(CheckpointConfig())  # still checkpointing, but nothing offloads
+    assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0
+
+
 def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):
     transport = SimulatedTransport(pin_fails=True)
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)

@@ -231,6 +231,7 @@ class CheckpointedModel(nn.Module):
         if not self.is_enabled:
             return self
         self._unswap()
+        self._offloader.release_host_memory()
         for state in reversed(self._states):
             state.restore()
         self._states.clear()
@@ -352,6 +353,10 @@ class CheckpointedModel(nn.Module):
                     self._swap()
                     raise
             self._apply_map()
+        if off_by is None and not any(plan.policy == "offload" for plan in new_map):
+            # The new plan offloads nothing (a route turning checkpointing off for a while does
+            # not count: it comes back, and re-pinning costs more than keeping the pool).
+            self._offloader.release_host_memory()
 
     def _install(self) -> None:
         self._swap()  # the step that can fail (host memory) goes first, before anything is patched

@@ -191,6 +191,7 @@ class HostPool:
         self.pageable_fallbacks = 0
         self._warned = False
         self._lock = threading.Lock()
+        self._sizes: dict[int, int] = {}  # storage pointer -> bytes counted in allocated_bytes
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._lock:
@@ -209,6 +210,7 @@ class HostPool:
         except RuntimeError as err:
             return self._pageable(nbytes, f"pinning host memory failed ({err})")
         self.allocated_bytes += size
+        self._sizes[buffer.untyped_storage().data_ptr()] = size
         return buffer
 
     def _pageable(self, nbytes: int, why: str) -> torch.Tensor:
@@ -221,6 +223,19 @@ class HostPool:
     def release(self, buffer: torch.Tensor, last_use: Event | None) -> None:
         with self._lock:
             self.free.append((buffer, last_use))
+
+    def clear(self) -> int:
+        """Let go of every free buffer (after its last copy finished); returns the pinned bytes
+        freed. Buffers still held by a pending backward come back to the pool when it is done."""
+        with self._lock:
+            free, self.free = self.free, []
+        freed = 0
+        for buffer, last_use in free:
+            if last_use is not None:
+                last_use.synchronize()
+            freed += self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
+        self.allocated_bytes -= freed
+        return freed
 
     @property
     def pooled_buffers(self) -> int:
@@ -355,6 +370,13 @@ class Offloader:
     def pools(self) -> list[HostPool]:
         routes = [self._fixed] if self._fixed is not None else list(self._routes.values())
         return [route.pool for route in routes if route is not None]
+
+    def release_host_memory(self) -> None:
+        """Free the pooled host buffers: called when no layer offloads any more, so pinned
+        memory is not held by a model that will not use it (the pool refills on demand)."""
+        freed = sum(pool.clear() for pool in self.pools)
+        if freed:
+            logger.info("offload: released %.1f MiB of pinned host memory", freed / 2**20)
 
     # -- the hooks ------------------------------------------------------------------------------
 
