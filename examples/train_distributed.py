@@ -11,6 +11,7 @@ checkpointed layers and how often each layer ran in the last step (2 = recompute
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -45,11 +46,12 @@ def main() -> None:
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-    print(
+    line = (
         f"rank {accelerator.process_index}/{accelerator.num_processes}: checkpointed {cm.checkpoint_map.checkpointed}, "
-        f"runs per layer in the last step {runs}, loss {loss.item():.3f}",
-        flush=True,
+        f"runs per layer in the last step {runs}, loss {loss.item():.3f}\n"
     )
+    sys.stdout.write(line)  # one write: the ranks share stdout, and print() writes the newline apart
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

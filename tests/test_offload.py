@@ -146,7 +146,7 @@ def test_pinned_buffers_are_freed_when_nothing_offloads_any_more(caplog):
     assert pool.pooled_buffers == 3 and pool.allocated_bytes == 3 * 2**20
     with caplog.at_level(logging.INFO, logger="remat"):
         cm.disable()
-    assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0
+    assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0 and transport.cache_emptied == 1
     assert "released 3.0 MiB of pinned host memory" in caplog.text
     cm.enable()
     _, got = step_grads(cm, named, batch())  # refilled on demand, and exact
@@ -156,6 +156,22 @@ def test_pinned_buffers_are_freed_when_nothing_offloads_any_more(caplog):
     assert_same_grads(expected, got)
     cm.enable(CheckpointConfig())  # still checkpointing, but nothing offloads
     assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0
+
+
+def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done():
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    reference = tiny_model()
+    _, expected = step_grads(reference, list(reference.named_parameters()), batch())
+    torch.manual_seed(123)
+    loss = cm(**batch()).loss
+    pool = cm._offloader.pools[0]
+    cm.disable()  # three inputs are in host buffers, held by the graph
+    assert pool.allocated_bytes == 3 * 2**20 and transport.cache_emptied == 0
+    loss.backward()
+    assert_same_grads(expected, {n: p.grad for n, p in named})
+    del loss
+    assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0 and transport.cache_emptied == 3
 
 
 def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):

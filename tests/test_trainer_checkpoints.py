@@ -185,3 +185,37 @@ def test_a_state_dict_handed_over_by_deepspeed_or_fsdp_is_saved_under_the_wrappe
     for name, tensor in plain.items():
         torch.testing.assert_close(handed[name], tensor, rtol=0, atol=0, msg=name)
     assert (tmp_path / "handed" / "checkpoint_config.json").exists()
+
+
+def test_a_folder_written_by_a_plain_trainer_resumes_with_its_weights(tmp_path, caplog):
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
+    _train(Trainer, cm, tmp_path, steps=2)  # the whole wrapper, under its own names
+    resumed = CheckpointedModel(add_lora(tiny_model(seed=4)), SAVED)
+    trainer = RematTrainer(model=resumed, args=_args(tmp_path, steps=2))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        trainer._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
+    assert "holds the whole wrapper" in caplog.text and "the current checkpoint map stays" in caplog.text
+    saved = safetensors.torch.load_file(tmp_path / "checkpoint-2" / "model.safetensors")
+    for name, value in resumed.state_dict().items():
+        torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
+
+
+def test_resuming_keeps_checkpointing_off_when_a_route_turned_it_off(tmp_path):
+    _train(RematTrainer, CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED), tmp_path, steps=2)
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)))
+    cm.model.gradient_checkpointing_disable()  # e.g. a generation toggle
+    RematTrainer(model=cm, args=_args(tmp_path, steps=2))._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
+    assert cm.config == SAVED and cm.checkpoint_map.checkpointed == []
+    cm.model.gradient_checkpointing_enable()
+    assert cm.checkpoint_map.checkpointed == [0, 2, 3]
+
+
+def test_under_deepspeed_or_fsdp_it_steps_aside_and_says_so(tmp_path, caplog):
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
+    trainer = RematTrainer(model=cm, args=_args(tmp_path, steps=1))
+    trainer.is_deepspeed_enabled = True  # what Trainer sets when DeepSpeed prepared the model
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        trainer._save(str(tmp_path / "a"))
+        trainer._save(str(tmp_path / "b"))
+    assert caplog.text.count("under FSDP/DeepSpeed") == 1
+    assert (tmp_path / "a" / "model.safetensors").exists() and not (tmp_path / "a" / "checkpoint_config.json").exists()

@@ -438,5 +438,20 @@ class CheckpointedModel(nn.Module):
     def _route_disable(self, route: str) -> None:
         self._replan(self._config, off_by=route, cause=route)
 
+    def _adopt_saved_config(self, config: CheckpointConfig, cause: str) -> None:
+        """Take a config loaded from a checkpoint folder (resume, best model, load_adapter).
+
+        It replaces the config but not the on/off state: checkpointing a route turned off stays
+        off (the saved map applies when it is turned on again), and a disabled wrapper stays
+        disabled, its config unchanged, with a warning.
+        """
+        if config == self._config:
+            return
+        if not self.is_enabled:
+            logger.warning("%s: checkpointing is disabled, the saved checkpoint config is not applied", cause)
+            return
+        logger.info("%s: applying the saved checkpoint config", cause)
+        self._replan(config, off_by=self._off_by, cause=cause)
+
     def extra_repr(self) -> str:
         return f"config={self._config!r}, map={self._map!r}, enabled={self.is_enabled}"

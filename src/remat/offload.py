@@ -66,6 +66,9 @@ class Transport(Protocol):
 
     def allocate_host(self, nbytes: int) -> torch.Tensor: ...
 
+    def return_freed_host_memory(self) -> None:
+        """Give host buffers this transport allocated and nobody references back to the system."""
+
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
         """Start copying `src` (on the device) into the host buffer `dst`."""
 
@@ -104,12 +107,28 @@ class CudaTransport:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        self._said_cache_stays = False
 
     def handles(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
 
     def allocate_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def return_freed_host_memory(self) -> None:
+        # Pinned tensors come from torch's caching host allocator: dropping them only returns
+        # the blocks to its cache. Emptying it frees every unused cached pinned block of the
+        # process (blocks in use, ours or anyone's, are untouched).
+        empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if empty_host_cache is not None:
+            empty_host_cache()
+        elif not self._said_cache_stays:  # pragma: no cover - older torch
+            self._said_cache_stays = True
+            logger.warning(
+                "offload: torch %s cannot empty its pinned-memory cache; freed buffers stay pinned "
+                "until the process ends",
+                torch.__version__,
+            )
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
         compute = torch.cuda.current_stream(self.device)
@@ -151,6 +170,7 @@ class SimulatedTransport:
         self.pin_fails = pin_fails
         self.log: list[tuple[str, int]] = []  # ("to_host" | "to_device", layer index), in order
         self.allocations = 0
+        self.cache_emptied = 0
 
     def handles(self, tensor: torch.Tensor) -> bool:
         return True
@@ -160,6 +180,9 @@ class SimulatedTransport:
             raise RuntimeError("simulated: cannot pin host memory")
         self.allocations += 1
         return torch.empty(nbytes, dtype=torch.uint8)
+
+    def return_freed_host_memory(self) -> None:
+        self.cache_emptied += 1
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
         dst[: src.nbytes].copy_(_as_bytes(src))
@@ -192,9 +215,11 @@ class HostPool:
         self._warned = False
         self._lock = threading.Lock()
         self._sizes: dict[int, int] = {}  # storage pointer -> bytes counted in allocated_bytes
+        self._draining = False  # cleared and not used since: buffers coming back are freed
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._lock:
+            self._draining = False
             fitting = [i for i, (b, _) in enumerate(self.free) if nbytes <= b.numel() <= 2 * max(nbytes, _BUCKET)]
             if fitting:
                 best = min(fitting, key=lambda i: self.free[i][0].numel())
@@ -220,21 +245,36 @@ class HostPool:
             logger.warning("offload: %s; using pageable host memory, so copies will not overlap compute", why)
         return torch.empty(nbytes, dtype=torch.uint8)
 
-    def release(self, buffer: torch.Tensor, last_use: Event | None) -> None:
+    def release(self, buffer: torch.Tensor, last_use: Event | None) -> bool:
+        """Put `buffer` back. False when the pool was cleared since it was taken (a graph that
+        outlived `clear()`): it is not pooled, and the caller drops it and then calls the
+        transport's `return_freed_host_memory()`."""
         with self._lock:
-            self.free.append((buffer, last_use))
+            if not self._draining:
+                self.free.append((buffer, last_use))
+                return True
+            self.allocated_bytes -= self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
+        if last_use is not None:
+            last_use.synchronize()
+        return False
 
     def clear(self) -> int:
-        """Let go of every free buffer (after its last copy finished); returns the pinned bytes
-        freed. Buffers still held by a pending backward come back to the pool when it is done."""
+        """Free every pooled buffer (after its last copy finished), and every buffer a pending
+        backward still holds when it comes back, until the next acquire. Returns bytes freed."""
         with self._lock:
-            free, self.free = self.free, []
+            entries, self.free = self.free, []
+            self._draining = True
         freed = 0
-        for buffer, last_use in free:
+        while entries:
+            buffer, last_use = entries.pop()
             if last_use is not None:
                 last_use.synchronize()
             freed += self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
-        self.allocated_bytes -= freed
+            del buffer, last_use  # the pool held the last reference
+        with self._lock:
+            self.allocated_bytes -= freed
+        if freed:
+            self.transport.return_freed_host_memory()
         return freed
 
     @property
@@ -330,9 +370,10 @@ class _Packed:
         self.alive = False
         self.device_tensor = None
         self.prefetched = None
-        if self.host is not None:
-            self.pool.release(self.host, self.last_event)
-            self.host = None
+        host, self.host = self.host, None
+        if host is not None and not self.pool.release(host, self.last_event):
+            del host  # the last reference: the pool was cleared while this graph was alive
+            self.transport.return_freed_host_memory()
 
 
 class Offloader:

@@ -168,9 +168,7 @@ class SaveLoadOverrides:
                 if os.path.isfile(os.path.join(folder, CONFIG_NAME)):
                     config, layers, file = read_saved(folder)
                     check_layers_match(layers, [p.name for p in cm.checkpoint_map], file)
-                    if config != cm._config:
-                        logger.info("load_adapter(%s): applying the checkpoint config saved there", folder)
-                    cm.enable(config)
+                    cm._adopt_saved_config(config, f"load_adapter({folder})")
                 return result
 
             self._patches.set(model, "load_adapter", load_adapter)

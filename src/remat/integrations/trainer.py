@@ -27,6 +27,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+import safetensors
 from transformers import Trainer
 
 from ..config import CONFIG_NAME
@@ -36,6 +37,7 @@ from ..saving import write_json_atomically
 
 logger = logging.getLogger("remat")
 _WRAPPER_PREFIX = "model."
+SAFE_WEIGHTS_NAME = "model.safetensors"  # transformers' name, the same in every version
 
 __all__ = ["RematTrainer", "RematTrainerMixin", "remat_trainer_class"]
 
@@ -49,11 +51,28 @@ class RematTrainerMixin:
 
     model: Any
 
+    def _remat_model(self) -> CheckpointedModel | None:
+        """The CheckpointedModel Trainer saves and loads, or None where the mixin steps aside."""
+        cm = self.model if isinstance(self.model, CheckpointedModel) else None
+        if cm is not None and (getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False)):
+            # FSDP and DeepSpeed save and reload the model Trainer prepared (the wrapper) through
+            # their own checkpoint code, around `_save`: swapping in `cm.model` here would leave
+            # those files and `_save`'s under different names.
+            if not getattr(self, "_remat_said_steps_aside", False):
+                self._remat_said_steps_aside = True
+                logger.warning(
+                    "RematTrainer under FSDP/DeepSpeed saves like transformers' Trainer: the wrapper's "
+                    "full state, no %s; for adapter checkpoints with the map, pass cm.model to Trainer",
+                    CONFIG_NAME,
+                )
+            return None
+        return cm
+
     @contextlib.contextmanager
     def _remat_wrapped_model(self) -> Iterator[CheckpointedModel | None]:
         """`self.model` is the wrapped model for the duration (Trainer's save/load code reads
         `self.model` in several places, so handing it an argument would not be enough)."""
-        cm = self.model if isinstance(self.model, CheckpointedModel) else None
+        cm = self._remat_model()
         if cm is None:
             yield None
             return
@@ -77,18 +96,37 @@ class RematTrainerMixin:
             write_json_atomically(os.path.join(folder, CONFIG_NAME), config_payload(cm))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        target = self.model if model is None else model
-        if not isinstance(target, CheckpointedModel):
+        cm = self._remat_model()
+        if cm is None or (model is not None and model is not cm):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
-        with self._remat_wrapped_model():
-            super()._load_from_checkpoint(resume_from_checkpoint, target.model)  # type: ignore[misc]
-        _apply_saved_config(target, resume_from_checkpoint, "resuming")
+        if _saved_whole(cm, resume_from_checkpoint):
+            logger.info(
+                "%s holds the whole wrapper (written by transformers' Trainer(model=cm)): loading it as is",
+                resume_from_checkpoint,
+            )
+            super()._load_from_checkpoint(resume_from_checkpoint, cm)  # type: ignore[misc]
+        else:
+            with self._remat_wrapped_model():
+                super()._load_from_checkpoint(resume_from_checkpoint, cm.model)  # type: ignore[misc]
+        _apply_saved_config(cm, resume_from_checkpoint, "resuming")
 
     def _load_best_model(self) -> None:
         with self._remat_wrapped_model() as cm:
             super()._load_best_model()  # type: ignore[misc]
         if cm is not None:
             _apply_saved_config(cm, self.state.best_model_checkpoint, "loading the best model")  # type: ignore[attr-defined]
+
+
+def _saved_whole(cm: CheckpointedModel, folder: str) -> bool:
+    """Whether the folder's weights are `cm.state_dict()` itself (names with the wrapper's
+    prefix), as transformers' Trainer writes them for `Trainer(model=cm)`. Loading those into
+    `cm.model` would match no name and silently keep untrained weights."""
+    file = os.path.join(folder, SAFE_WEIGHTS_NAME)
+    if not os.path.isfile(file):
+        return False
+    with safetensors.safe_open(file, framework="pt") as saved:
+        names = set(saved.keys())
+    return bool(names) and names <= set(cm.state_dict()) and not names <= set(cm.model.state_dict())
 
 
 def _relative(key: str) -> str:
@@ -102,13 +140,7 @@ def _apply_saved_config(cm: CheckpointedModel, folder: str | None, cause: str) -
         return
     config, layers, file = read_saved(folder)
     check_layers_match(layers, [plan.name for plan in cm.checkpoint_map], file)
-    if config == cm._config:
-        return
-    if not cm.is_enabled:
-        logger.warning("%s from %s: checkpointing is disabled, the saved config is not applied", cause, folder)
-        return
-    logger.info("%s from %s: applying the checkpoint config saved there", cause, folder)
-    cm.enable(config)
+    cm._adopt_saved_config(config, f"{cause} from {folder}")
 
 
 @functools.cache
