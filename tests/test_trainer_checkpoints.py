@@ -219,3 +219,21 @@ def test_under_deepspeed_or_fsdp_it_steps_aside_and_says_so(tmp_path, caplog):
         trainer._save(str(tmp_path / "b"))
     assert caplog.text.count("under FSDP/DeepSpeed") == 1
     assert (tmp_path / "a" / "model.safetensors").exists() and not (tmp_path / "a" / "checkpoint_config.json").exists()
+
+
+def test_pushing_a_checkpoint_to_the_hub_takes_the_checkpoint_config_along(tmp_path):
+    seen = []
+
+    class Probe(Trainer):  # stands in for Trainer's upload of output_dir (no hub here)
+        def _push_from_checkpoint(self, checkpoint_folder):
+            seen.append(sorted(p.name for p in (tmp_path / "out").iterdir()))
+
+    (tmp_path / "out").mkdir()
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
+    trainer = remat_trainer_class(Probe)(model=cm, args=_args(tmp_path / "out", steps=1, hub_strategy="every_save"))
+    trainer._save(str(tmp_path / "checkpoint"))
+    trainer._push_from_checkpoint(str(tmp_path / "checkpoint"))
+    assert "checkpoint_config.json" in seen[0]
+    assert (tmp_path / "out" / "checkpoint_config.json").read_text() == (
+        tmp_path / "checkpoint" / "checkpoint_config.json"
+    ).read_text()

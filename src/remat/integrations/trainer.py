@@ -24,6 +24,7 @@ import contextlib
 import functools
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -115,6 +116,18 @@ class RematTrainerMixin:
             super()._load_best_model()  # type: ignore[misc]
         if cm is not None:
             _apply_saved_config(cm, self.state.best_model_checkpoint, "loading the best model")  # type: ignore[attr-defined]
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """Trainer uploads `output_dir` after copying a fixed list of model files into it from
+        the checkpoint; the checkpoint config goes along, so the pushed adapters carry the map."""
+        saved = os.path.join(checkpoint_folder, CONFIG_NAME)
+        if self._remat_model() is not None and os.path.isfile(saved) and self._pushes_from_here():
+            shutil.copy(saved, os.path.join(self.args.output_dir, CONFIG_NAME))  # type: ignore[attr-defined]
+        super()._push_from_checkpoint(checkpoint_folder)  # type: ignore[misc]
+
+    def _pushes_from_here(self) -> bool:
+        # The conditions under which Trainer's own `_push_from_checkpoint` copies its files.
+        return self.is_world_process_zero() and self.args.hub_strategy != "end"  # type: ignore[attr-defined]
 
 
 def _saved_whole(cm: CheckpointedModel, folder: str) -> bool:
