@@ -171,7 +171,7 @@ def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done()
     loss.backward()
     assert_same_grads(expected, {n: p.grad for n, p in named})
     del loss
-    assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0 and transport.cache_emptied == 3
+    assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0 and transport.cache_emptied == 1  # once, at the last
 
 
 def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):

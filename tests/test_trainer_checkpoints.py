@@ -187,15 +187,26 @@ def test_a_state_dict_handed_over_by_deepspeed_or_fsdp_is_saved_under_the_wrappe
     assert (tmp_path / "handed" / "checkpoint_config.json").exists()
 
 
-def test_a_folder_written_by_a_plain_trainer_resumes_with_its_weights(tmp_path, caplog):
+@pytest.mark.parametrize("weights_file", ["model.safetensors", "pytorch_model.bin"])
+@pytest.mark.parametrize("route", ["resume", "best_model"])
+def test_a_folder_written_by_a_plain_trainer_loads_into_the_wrapper(tmp_path, caplog, weights_file, route):
     cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
     _train(Trainer, cm, tmp_path, steps=2)  # the whole wrapper, under its own names
+    folder = tmp_path / "checkpoint-2"
+    saved = safetensors.torch.load_file(folder / "model.safetensors")
+    if weights_file == "pytorch_model.bin":  # as transformers 4.57 writes it with save_safetensors=False
+        (folder / "model.safetensors").unlink()
+        torch.save(saved, folder / weights_file)
     resumed = CheckpointedModel(add_lora(tiny_model(seed=4)), SAVED)
     trainer = RematTrainer(model=resumed, args=_args(tmp_path, steps=2))
     with caplog.at_level(logging.INFO, logger="remat"):
-        trainer._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
-    assert "holds the whole wrapper" in caplog.text and "the current checkpoint map stays" in caplog.text
-    saved = safetensors.torch.load_file(tmp_path / "checkpoint-2" / "model.safetensors")
+        if route == "resume":
+            trainer._load_from_checkpoint(str(folder))
+            assert "holds the whole wrapper" in caplog.text
+        else:
+            trainer.state.best_model_checkpoint = str(folder)
+            trainer._load_best_model()
+    assert "the current checkpoint map stays" in caplog.text
     for name, value in resumed.state_dict().items():
         torch.testing.assert_close(value, saved[name], rtol=0, atol=0, msg=name)
 
@@ -232,8 +243,16 @@ def test_pushing_a_checkpoint_to_the_hub_takes_the_checkpoint_config_along(tmp_p
     cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
     trainer = remat_trainer_class(Probe)(model=cm, args=_args(tmp_path / "out", steps=1, hub_strategy="every_save"))
     trainer._save(str(tmp_path / "checkpoint"))
+
+    class Upload:  # the previous checkpoint's upload, still running
+        def is_done(self):
+            return False
+
+    trainer.push_in_progress = Upload()
+    trainer._push_from_checkpoint(str(tmp_path / "checkpoint"))  # Trainer skips this push: so do we
+    trainer.push_in_progress = None
     trainer._push_from_checkpoint(str(tmp_path / "checkpoint"))
-    assert "checkpoint_config.json" in seen[0]
+    assert "checkpoint_config.json" not in seen[0] and "checkpoint_config.json" in seen[1]
     assert (tmp_path / "out" / "checkpoint_config.json").read_text() == (
         tmp_path / "checkpoint" / "checkpoint_config.json"
     ).read_text()

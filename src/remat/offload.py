@@ -228,14 +228,20 @@ class HostPool:
                     last_use.synchronize()  # a copy may still read or write it
                 return buffer
         size = -(-nbytes // _BUCKET) * _BUCKET
-        if self.max_bytes is not None and self.allocated_bytes + size > self.max_bytes:
+        with self._lock:  # reserve first: releases may run on autograd threads meanwhile
+            over_budget = self.max_bytes is not None and self.allocated_bytes + size > self.max_bytes
+            if not over_budget:
+                self.allocated_bytes += size
+        if over_budget:
             return self._pageable(nbytes, f"the host budget of {self.max_bytes} bytes would be exceeded")
         try:
             buffer = self.transport.allocate_host(size)
         except RuntimeError as err:
+            with self._lock:
+                self.allocated_bytes -= size
             return self._pageable(nbytes, f"pinning host memory failed ({err})")
-        self.allocated_bytes += size
-        self._sizes[buffer.untyped_storage().data_ptr()] = size
+        with self._lock:
+            self._sizes[buffer.untyped_storage().data_ptr()] = size
         return buffer
 
     def _pageable(self, nbytes: int, why: str) -> torch.Tensor:
@@ -246,17 +252,20 @@ class HostPool:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def release(self, buffer: torch.Tensor, last_use: Event | None) -> bool:
-        """Put `buffer` back. False when the pool was cleared since it was taken (a graph that
-        outlived `clear()`): it is not pooled, and the caller drops it and then calls the
-        transport's `return_freed_host_memory()`."""
+        """Put `buffer` back into the pool. If the pool was cleared since it was taken (a graph
+        that outlived `clear()`), it is not pooled but forgotten; True then means it was the
+        last pinned buffer still out, and the caller, once it has dropped its reference, calls
+        the transport's `return_freed_host_memory()` (once for all of them, not per buffer)."""
         with self._lock:
             if not self._draining:
                 self.free.append((buffer, last_use))
-                return True
-            self.allocated_bytes -= self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
+                return False
+            size = self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
+            self.allocated_bytes -= size
+            last_pinned = size > 0 and not self._sizes
         if last_use is not None:
             last_use.synchronize()
-        return False
+        return last_pinned
 
     def clear(self) -> int:
         """Free every pooled buffer (after its last copy finished), and every buffer a pending
@@ -269,10 +278,11 @@ class HostPool:
             buffer, last_use = entries.pop()
             if last_use is not None:
                 last_use.synchronize()
-            freed += self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
+            with self._lock:
+                size = self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
+                self.allocated_bytes -= size
+            freed += size
             del buffer, last_use  # the pool held the last reference
-        with self._lock:
-            self.allocated_bytes -= freed
         if freed:
             self.transport.return_freed_host_memory()
         return freed
@@ -371,7 +381,7 @@ class _Packed:
         self.device_tensor = None
         self.prefetched = None
         host, self.host = self.host, None
-        if host is not None and not self.pool.release(host, self.last_event):
+        if host is not None and self.pool.release(host, self.last_event):
             del host  # the last reference: the pool was cleared while this graph was alive
             self.transport.return_freed_host_memory()
 

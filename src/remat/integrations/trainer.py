@@ -29,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import safetensors
+import torch
 from transformers import Trainer
 
 from ..config import CONFIG_NAME
@@ -38,7 +39,8 @@ from ..saving import write_json_atomically
 
 logger = logging.getLogger("remat")
 _WRAPPER_PREFIX = "model."
-SAFE_WEIGHTS_NAME = "model.safetensors"  # transformers' name, the same in every version
+SAFE_WEIGHTS_NAME = "model.safetensors"  # transformers' names, the same in every version
+WEIGHTS_NAME = "pytorch_model.bin"
 
 __all__ = ["RematTrainer", "RematTrainerMixin", "remat_trainer_class"]
 
@@ -112,10 +114,15 @@ class RematTrainerMixin:
         _apply_saved_config(cm, resume_from_checkpoint, "resuming")
 
     def _load_best_model(self) -> None:
-        with self._remat_wrapped_model() as cm:
-            super()._load_best_model()  # type: ignore[misc]
+        cm = self._remat_model()
+        best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
+        if cm is not None and best is not None and _saved_whole(cm, best):
+            super()._load_best_model()  # type: ignore[misc]  # a folder of a plain Trainer(model=cm)
+        else:
+            with self._remat_wrapped_model():
+                super()._load_best_model()  # type: ignore[misc]
         if cm is not None:
-            _apply_saved_config(cm, self.state.best_model_checkpoint, "loading the best model")  # type: ignore[attr-defined]
+            _apply_saved_config(cm, best, "loading the best model")
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """Trainer uploads `output_dir` after copying a fixed list of model files into it from
@@ -126,20 +133,34 @@ class RematTrainerMixin:
         super()._push_from_checkpoint(checkpoint_folder)  # type: ignore[misc]
 
     def _pushes_from_here(self) -> bool:
-        # The conditions under which Trainer's own `_push_from_checkpoint` copies its files.
-        return self.is_world_process_zero() and self.args.hub_strategy != "end"  # type: ignore[attr-defined]
+        """The conditions under which Trainer's own `_push_from_checkpoint` copies its files (a
+        config copied while the previous upload still runs could travel with older adapters)."""
+        args = self.args  # type: ignore[attr-defined]
+        if not self.is_world_process_zero() or args.hub_strategy == "end":  # type: ignore[attr-defined]
+            return False
+        pending = getattr(self, "push_in_progress", None)
+        return args.hub_always_push or pending is None or pending.is_done()
 
 
 def _saved_whole(cm: CheckpointedModel, folder: str) -> bool:
     """Whether the folder's weights are `cm.state_dict()` itself (names with the wrapper's
     prefix), as transformers' Trainer writes them for `Trainer(model=cm)`. Loading those into
     `cm.model` would match no name and silently keep untrained weights."""
-    file = os.path.join(folder, SAFE_WEIGHTS_NAME)
-    if not os.path.isfile(file):
-        return False
-    with safetensors.safe_open(file, framework="pt") as saved:
-        names = set(saved.keys())
+    names = _saved_names(folder)
     return bool(names) and names <= set(cm.state_dict()) and not names <= set(cm.model.state_dict())
+
+
+def _saved_names(folder: str) -> set[str]:
+    """Tensor names in the folder's single-file weights (safetensors, or a .bin written with
+    `save_safetensors=False`), read without loading the tensors."""
+    file = os.path.join(folder, SAFE_WEIGHTS_NAME)
+    if os.path.isfile(file):
+        with safetensors.safe_open(file, framework="pt") as saved:
+            return set(saved.keys())
+    file = os.path.join(folder, WEIGHTS_NAME)
+    if os.path.isfile(file):
+        return set(torch.load(file, map_location="meta", weights_only=True))
+    return set()
 
 
 def _relative(key: str) -> str:
