@@ -5,6 +5,7 @@ Both ranks run every case in one process group (starting processes is the slow p
 bounds the run in time and kills what is left.
 """
 
+import json
 import os
 import re
 import socket
@@ -112,3 +113,16 @@ def test_accelerate_launch_smoke_run_with_the_repository_config():
     lines = sorted(re.findall(r"rank \d/2: [^\n]*", done.stdout))
     assert [line.split(":")[0] for line in lines] == ["rank 0/2", "rank 1/2"]
     assert all("checkpointed [0, 2, 4], runs per layer in the last step [2, 1, 2, 1, 2, 1]" in line for line in lines)
+
+
+def test_remat_trainer_under_ddp_saves_adapters_with_the_config_and_every_rank_resumes_the_map(tmp_path):
+    worker = Path(__file__).parent / "distributed" / "trainer_worker.py"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_port", str(_free_port()), str(worker), str(tmp_path), str(Path(__file__).parent)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^\n]*\})", done.stdout)), key=lambda r: r["rank"])
+    assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
+    assert all(r["restored"] for r in results)
+    files = set(results[0]["files"])
+    assert {"adapter_model.safetensors", "checkpoint_config.json"} <= files and "model.safetensors" not in files

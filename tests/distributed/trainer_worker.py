@@ -1,0 +1,59 @@
+"""RematTrainer on two gloo processes (launched by torchrun): train two steps with a
+checkpoint at step 2, then resume a wrapper with another map from it and train one more.
+
+argv: out_dir tests_dir. Each rank prints one line "RESULT {json}" with its rank, the config
+the resumed wrapper ended with, and the files of checkpoint-2.
+"""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, sys.argv[2])
+
+from conftest import add_lora, batch, tiny_model
+from transformers import TrainingArguments
+
+from remat import CheckpointConfig, CheckpointedModel, RematTrainer
+from remat.integrations.transformers_compat import trainer_checkpointing_args
+
+
+def main() -> None:
+    out = sys.argv[1]
+    rows = [{k: v[0] for k, v in batch(seed=seed, size=1).items()} for seed in range(8)]
+
+    def args(steps: int) -> TrainingArguments:
+        return TrainingArguments(
+            output_dir=out,
+            max_steps=steps,
+            per_device_train_batch_size=1,
+            learning_rate=1e-2,
+            save_strategy="steps",
+            save_steps=2,
+            # transformers before 5.24 cannot reload an optimizer saved by multi-CPU runs
+            # (map_location "cpu:0"); the model files and the map are what this run checks
+            save_only_model=True,
+            report_to=[],
+            use_cpu=True,
+            ddp_backend="gloo",
+            seed=7,
+            **trainer_checkpointing_args(True, None),
+        )
+
+    saved = CheckpointConfig(every_n_layers=2, layer_policies={3: "recompute"})
+    RematTrainer(model=CheckpointedModel(add_lora(tiny_model(seed=3)), saved), args=args(2), train_dataset=rows).train()
+    resumed = CheckpointedModel(add_lora(tiny_model(seed=3)))
+    trainer = RematTrainer(model=resumed, args=args(3), train_dataset=rows)
+    trainer.train(resume_from_checkpoint=os.path.join(out, "checkpoint-2"))
+    result = {
+        "rank": trainer.args.process_index,
+        "world": trainer.args.world_size,
+        "restored": resumed.config == saved,
+        "files": sorted(os.listdir(os.path.join(out, "checkpoint-2"))),
+    }
+    sys.stdout.write(f"RESULT {json.dumps(result)}\n")  # one write: both ranks share stdout
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
