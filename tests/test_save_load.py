@@ -1,4 +1,4 @@
-"""Saving and loading the checkpoint config beside the adapters; Trainer checkpoints and resume."""
+"""Saving and loading the checkpoint config beside the adapters (Trainer: test_trainer_checkpoints.py)."""
 
 import json
 import os
@@ -6,11 +6,8 @@ import os
 import pytest
 import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, step_grads, tiny_model
-from test_trainer import _dataset
-from transformers import Trainer, TrainingArguments
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.integrations.transformers_compat import trainer_checkpointing_args
 
 EVERYTHING = CheckpointConfig(
     every_n_layers=3,
@@ -135,36 +132,3 @@ def test_wrapping_and_saving_leave_use_cache_and_parameter_names_alone(tmp_path)
     assert model.config.use_cache is True and [n for n, _ in model.named_parameters()] == names
     model.get_base_model().save_pretrained(tmp_path / "base")
     assert json.loads((tmp_path / "base" / "config.json").read_text())["use_cache"] is True
-
-
-def _train(model, output_dir, steps, resume=None):
-    args = TrainingArguments(
-        output_dir=str(output_dir),
-        max_steps=steps,
-        per_device_train_batch_size=2,
-        learning_rate=1e-2,
-        save_strategy="steps",
-        save_steps=2,
-        report_to=[],
-        use_cpu=True,
-        seed=7,
-        **trainer_checkpointing_args(True, None),
-    )
-    trainer = Trainer(model=model, args=args, train_dataset=_dataset())
-    trainer.train(resume_from_checkpoint=resume)
-    return trainer
-
-
-def test_trainer_checkpoints_hold_the_config_and_resuming_restores_the_map(tmp_path):
-    config = CheckpointConfig(every_n_layers=2, layer_policies={3: "recompute"})
-    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), config)
-    _train(cm.model, tmp_path, steps=2)
-    folder = tmp_path / "checkpoint-2"
-    assert (folder / "checkpoint_config.json").exists() and (folder / "adapter_model.safetensors").exists()
-    assert json.loads((folder / "checkpoint_config.json").read_text())["every_n_layers"] == 2
-
-    resumed = CheckpointedModel(add_lora(tiny_model(seed=3)))  # a different map before resuming
-    counter = RecomputeCounter(decoder_layers(resumed.model))
-    _train(resumed.model, tmp_path, steps=3, resume=str(folder))
-    assert resumed.config == config
-    assert counter.counts == [2, 1, 2, 2]  # the one step after resuming ran the saved map

@@ -34,11 +34,13 @@ def _args(output_dir, steps, checkpointing=True, **extra):
     )
 
 
-def _train(trainer_cls, model, output_dir, steps, resume=None, **extra):
-    """Trainer asks for checkpointing whenever remat is there to take it: without remat,
-    transformers 4.57 checkpoints reentrantly and a frozen-embedding PeftModel then has no grad."""
+def _train(trainer_cls, model, output_dir, steps, resume=None, checkpointing=None, **extra):
+    """Trainer asks for checkpointing whenever remat is there to take it (by default: a wrapper
+    that is enabled): without remat, transformers 4.57 checkpoints reentrantly and a
+    frozen-embedding PeftModel then has no grad."""
     rows = _dataset()
-    checkpointing = isinstance(model, CheckpointedModel) and model.is_enabled
+    if checkpointing is None:
+        checkpointing = isinstance(model, CheckpointedModel) and model.is_enabled
     args = _args(output_dir, steps, checkpointing, **extra)
     trainer = trainer_cls(model=model, args=args, train_dataset=rows, eval_dataset=rows)
     trainer.train(resume_from_checkpoint=resume)
@@ -63,6 +65,20 @@ def test_checkpoints_hold_adapters_and_the_config_not_the_full_weights(tmp_path)
     trained = {n.replace(".default", ""): p for n, p in _trainable(cm.model).items()}
     for name, tensor in adapters.items():
         torch.testing.assert_close(tensor, trained[name], rtol=0, atol=0, msg=name)
+
+
+def test_trainer_given_the_wrapped_model_checkpoints_the_config_and_resumes_the_map(tmp_path):
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
+    _train(Trainer, cm.model, tmp_path, steps=2, checkpointing=True)
+    folder = tmp_path / "checkpoint-2"
+    assert (folder / "checkpoint_config.json").exists() and (folder / "adapter_model.safetensors").exists()
+    assert json.loads((folder / "checkpoint_config.json").read_text())["every_n_layers"] == 2
+
+    resumed = CheckpointedModel(add_lora(tiny_model(seed=3)))  # a different map before resuming
+    counter = RecomputeCounter(decoder_layers(resumed.model))
+    _train(Trainer, resumed.model, tmp_path, steps=3, resume=str(folder), checkpointing=True)
+    assert resumed.config == SAVED
+    assert counter.counts == [2, 1, 2, 2]  # the one step after resuming ran the saved map
 
 
 def test_resuming_restores_the_map_and_continues_like_the_bare_model(tmp_path):

@@ -210,11 +210,10 @@ class HostPool:
         self.transport = transport
         self.max_bytes = max_bytes
         self.free: list[tuple[torch.Tensor, Event | None]] = []
-        self.allocated_bytes = 0
         self.pageable_fallbacks = 0
         self._warned = False
         self._lock = threading.Lock()
-        self._sizes: dict[int, int] = {}  # storage pointer -> bytes counted in allocated_bytes
+        self._sizes: dict[int, int] = {}  # storage pointer -> bytes, of every pinned buffer alive
         self._draining = False  # cleared and not used since: buffers coming back are freed
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -228,17 +227,11 @@ class HostPool:
                     last_use.synchronize()  # a copy may still read or write it
                 return buffer
         size = -(-nbytes // _BUCKET) * _BUCKET
-        with self._lock:  # reserve first: releases may run on autograd threads meanwhile
-            over_budget = self.max_bytes is not None and self.allocated_bytes + size > self.max_bytes
-            if not over_budget:
-                self.allocated_bytes += size
-        if over_budget:
+        if self.max_bytes is not None and self.allocated_bytes + size > self.max_bytes:
             return self._pageable(nbytes, f"the host budget of {self.max_bytes} bytes would be exceeded")
         try:
             buffer = self.transport.allocate_host(size)
         except RuntimeError as err:
-            with self._lock:
-                self.allocated_bytes -= size
             return self._pageable(nbytes, f"pinning host memory failed ({err})")
         with self._lock:
             self._sizes[buffer.untyped_storage().data_ptr()] = size
@@ -261,7 +254,6 @@ class HostPool:
                 self.free.append((buffer, last_use))
                 return False
             size = self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
-            self.allocated_bytes -= size
             last_pinned = size > 0 and not self._sizes
         if last_use is not None:
             last_use.synchronize()
@@ -279,13 +271,18 @@ class HostPool:
             if last_use is not None:
                 last_use.synchronize()
             with self._lock:
-                size = self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
-                self.allocated_bytes -= size
-            freed += size
+                freed += self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
             del buffer, last_use  # the pool held the last reference
         if freed:
             self.transport.return_freed_host_memory()
         return freed
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Pinned bytes alive: pooled or held by a graph (acquire runs on the forward thread
+        only, so checking the budget against this needs no reservation)."""
+        with self._lock:
+            return sum(self._sizes.values())
 
     @property
     def pooled_buffers(self) -> int:

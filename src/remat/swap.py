@@ -333,14 +333,6 @@ class WeightSwapper:
 
     # -- reading and undoing --------------------------------------------------------------------
 
-    def true_value(self, param: nn.Parameter) -> torch.Tensor | None:
-        """The host copy behind a swapped parameter (None if `param` is not swapped)."""
-        for entry in self.layers.values():
-            for candidate, host in zip(entry.params, entry.host, strict=True):
-                if candidate is param:
-                    return host
-        return None
-
     def restore(self) -> None:
         """Bring every weight home: a fresh device copy of the true values, no slots, no host copies."""
         for handle in self._handles:

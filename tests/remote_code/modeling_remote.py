@@ -101,6 +101,23 @@ def build_stack(model, config):
     model.gradient_checkpointing = False
 
 
+def run_stack(model, input_ids, attention_mask, checkpointed):
+    """The decoder loop; `checkpointed(block, hidden, mask)` is the model's checkpoint call."""
+    hidden = model.embed(input_ids)
+    for block in model.blocks:
+        if model.gradient_checkpointing and model.training:
+            hidden = checkpointed(block, hidden, attention_mask)
+        else:
+            hidden = block(hidden, attention_mask)
+    return model.norm(hidden)
+
+
+def build_causal_lm(lm, config, model_class):
+    lm.model = model_class(config)
+    lm.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    lm.post_init()
+
+
 class RemotePreTrainedModel(PreTrainedModel):
     config_class = RemoteConfig
     base_model_prefix = "model"
@@ -121,21 +138,15 @@ class RemoteModel(RemotePreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids, attention_mask=None):
-        hidden = self.embed(input_ids)
-        for block in self.blocks:
-            if self.gradient_checkpointing and self.training:
-                hidden = self._gradient_checkpointing_func(block.__call__, hidden, attention_mask)
-            else:
-                hidden = block(hidden, attention_mask)
-        return self.norm(hidden)
+        return run_stack(
+            self, input_ids, attention_mask, lambda b, h, m: self._gradient_checkpointing_func(b.__call__, h, m)
+        )
 
 
 class RemoteForCausalLM(RemotePreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
-        self.model = RemoteModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+        build_causal_lm(self, config, RemoteModel)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
         logits = self.lm_head(self.model(input_ids, attention_mask))
@@ -160,20 +171,18 @@ class RemoteOldModel(RemoteOldPreTrainedModel):
         self.post_init()
 
     def forward(self, input_ids, attention_mask=None):
-        hidden = self.embed(input_ids)
-        for block in self.blocks:
-            if self.gradient_checkpointing and self.training:
-                hidden = torch.utils.checkpoint.checkpoint(block, hidden, attention_mask, use_reentrant=False)
-            else:
-                hidden = block(hidden, attention_mask)
-        return self.norm(hidden)
+        # pre-4.35 Hub code: torch's checkpoint called directly in the loop
+        return run_stack(
+            self,
+            input_ids,
+            attention_mask,
+            lambda b, h, m: torch.utils.checkpoint.checkpoint(b, h, m, use_reentrant=False),
+        )
 
 
 class RemoteOldForCausalLM(RemoteOldPreTrainedModel):
     def __init__(self, config):
         super().__init__(config)
-        self.model = RemoteOldModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.post_init()
+        build_causal_lm(self, config, RemoteOldModel)
 
     forward = RemoteForCausalLM.forward

@@ -31,6 +31,7 @@ from typing import Any
 import safetensors
 import torch
 from transformers import Trainer
+from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from ..config import CONFIG_NAME
 from ..model import CheckpointedModel
@@ -39,8 +40,6 @@ from ..saving import write_json_atomically
 
 logger = logging.getLogger("remat")
 _WRAPPER_PREFIX = "model."
-SAFE_WEIGHTS_NAME = "model.safetensors"  # transformers' names, the same in every version
-WEIGHTS_NAME = "pytorch_model.bin"
 
 __all__ = ["RematTrainer", "RematTrainerMixin", "remat_trainer_class"]
 
@@ -147,7 +146,8 @@ def _saved_whole(cm: CheckpointedModel, folder: str) -> bool:
     prefix), as transformers' Trainer writes them for `Trainer(model=cm)`. Loading those into
     `cm.model` would match no name and silently keep untrained weights."""
     names = _saved_names(folder)
-    return bool(names) and names <= set(cm.state_dict()) and not names <= set(cm.model.state_dict())
+    wrapped = set(cm.model.state_dict())
+    return bool(names) and not names <= wrapped and names <= {_WRAPPER_PREFIX + name for name in wrapped}
 
 
 def _saved_names(folder: str) -> set[str]:
