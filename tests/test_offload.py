@@ -330,3 +330,20 @@ def test_cuda_offload_lowers_device_memory_held_after_forward():
     offload = held(CheckpointConfig(offload=True, offload_min_bytes=0))
     layer_input = 2 * 512 * 256 * 4
     assert recompute - offload >= 6 * layer_input
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_disable_gives_the_pinned_pool_back_to_the_system():
+    model = tiny_model(attention_dropout=0.0).cuda()
+    cm = CheckpointedModel(model, CheckpointConfig(offload=True, offload_min_bytes=0))
+    data = {k: v.cuda() for k, v in batch().items()}
+    torch.cuda.empty_cache()
+    torch.accelerator.empty_host_cache()
+    pinned_before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    step_grads(cm, list(model.named_parameters()), data)
+    pool = cm._offloader.pools[0]
+    assert pool.allocated_bytes == 3 * 2**20
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] >= pinned_before + pool.allocated_bytes
+    cm.disable()
+    # dropping the tensors alone would leave the blocks cached (and pinned) in torch's allocator
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] <= pinned_before
