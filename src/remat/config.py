@@ -12,7 +12,7 @@ import dataclasses
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,24 +26,62 @@ SWAP_PLACEMENTS = ("spread", "tail")
 
 CONFIG_NAME = "checkpoint_config.json"
 FORMAT_VERSION = 1
+"""The schema version written into `checkpoint_config.json`. A file from a newer schema is
+refused (its meaning may have changed); keys a newer remat added within this version are
+ignored with a warning."""
+
+META_KEYS = ("format_version", "remat_version", "layers", "adapters")
+"""Keys of a saved `checkpoint_config.json` that describe the save rather than the config:
+the layers it was planned for and the adapter files it belongs with (see `remat.persistence`)."""
 
 
-class _ReadOnlyDict(dict):
-    """A dict that refuses changes, so `config.layer_policies[3] = "none"` cannot bypass the plan.
+class FrozenPolicies(Mapping[int, str]):
+    """The read-only `{layer index: policy}` mapping a config holds.
 
-    `__reduce__` rebuilds it from a plain dict, so copy, deepcopy and pickle keep working.
+    Not a dict subclass: a dict's own methods (`dict.__setitem__(m, ...)`, `m |= {...}`) would
+    change it in place, and with it the config's hash and the plan built from it. Equal to any
+    mapping with the same items; hashable; copies and pickles as a plain value.
     """
 
-    def _refuse(self, *args: Any, **kwargs: Any) -> None:
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[int, str] | None = None):
+        object.__setattr__(self, "_items", dict(sorted((items or {}).items())))
+
+    def __getitem__(self, key: int) -> str:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self._items.items()))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
+
+    def _refuse(self, *args: Any) -> None:
         raise TypeError(
             "CheckpointConfig is immutable: build a new one with config.replace(layer_policies=...) "
             "and pass it to cm.enable(config)"
         )
 
-    __setitem__ = __delitem__ = clear = pop = popitem = setdefault = update = _refuse  # type: ignore[assignment]
+    __setattr__ = __delattr__ = __setitem__ = __delitem__ = __ior__ = _refuse  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._items)
 
     def __reduce__(self):  # type: ignore[override]
-        return (type(self), (dict(self),))
+        return (type(self), (dict(self._items),))
+
+
+def _remat_version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _check_bool(name: str, value: Any) -> None:
@@ -134,11 +172,11 @@ class CheckpointConfig:
             if index in checked:
                 raise ValueError(f"CheckpointConfig.layer_policies names layer {index} twice")
             checked[index] = policy
-        return _ReadOnlyDict(sorted(checked.items()))
+        return FrozenPolicies(checked)
 
     def _values(self) -> tuple[Any, ...]:
         return tuple(
-            tuple(v.items()) if isinstance(v, Mapping) else v
+            tuple(sorted(v.items())) if isinstance(v, Mapping) else v
             for v in (getattr(self, f.name) for f in dataclasses.fields(CheckpointConfig))
         )
 
@@ -197,9 +235,16 @@ class CheckpointConfig:
         with one warning (a newer remat may have written them); bad values raise."""
         if not isinstance(data, Mapping):
             raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        version = data.get("format_version", FORMAT_VERSION)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"{source}: format_version must be a positive int, got {version!r}")
+        if version > FORMAT_VERSION:
+            raise ValueError(
+                f"{source} has format_version {version}, but this remat ({_remat_version()}) reads format_version "
+                f"{FORMAT_VERSION} and older: it was written by a newer remat; upgrade remat to load it"
+            )
         known = {f.name for f in dataclasses.fields(cls)}
-        meta = {"format_version", "remat_version", "layers"}
-        unknown = sorted(set(data) - known - meta)
+        unknown = sorted(set(data) - known - set(META_KEYS))
         if unknown:
             logger.warning("%s: ignoring keys this remat does not know: %s", source, unknown)
         try:
@@ -208,9 +253,7 @@ class CheckpointConfig:
             raise ValueError(f"{source}: {err}") from None
 
     def to_json_string(self) -> str:
-        from . import __version__
-
-        payload = {"format_version": FORMAT_VERSION, "remat_version": __version__, **self.to_dict()}
+        payload = {"format_version": FORMAT_VERSION, "remat_version": _remat_version(), **self.to_dict()}
         return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> str:

@@ -27,13 +27,16 @@ import torch
 from torch import nn
 
 from .layers import DiscoveredLayer, calls_checkpoint_directly
+from .patches import MISSING, restore_attributes
 from .recompute import run_without_checkpoint
+from .refs import Ref
 
 logger = logging.getLogger("remat")
 
 _FLAG = "gradient_checkpointing"
 _FUNC = "_gradient_checkpointing_func"
-_MISSING = object()
+
+
 # The KV-cache arguments transformers' own layers drop while checkpointing, with their "off" values.
 _CACHE_ARGUMENTS = {
     "use_cache": False,
@@ -45,38 +48,26 @@ _CACHE_ARGUMENTS = {
 _warned: set[str] = set()
 
 
-def _restore_attributes(module: Any, saved: dict[str, Any]) -> None:
-    for key, value in saved.items():
-        if value is _MISSING:
-            module.__dict__.pop(key, None)
-        else:
-            object.__setattr__(module, key, value)
+class _Installed:
+    """Holds the module it installs on weakly (see `remat.refs`)."""
+
+    def __init__(self, module: nn.Module):
+        self._module = Ref(module)
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        if module is None:
+            raise RuntimeError("remat: a layer of the wrapped model no longer exists")
+        return module
 
 
-class InstancePatches:
-    """Attributes set on single instances (never on a class), remembered so `undo()` puts each
-    back exactly as it was, absent ones included."""
-
-    def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, Any]] = []
-
-    def set(self, target: Any, name: str, value: Any) -> None:
-        self._saved.append((target, name, target.__dict__.get(name, _MISSING)))
-        # object.__setattr__ keeps these out of nn.Module's parameter/buffer bookkeeping.
-        object.__setattr__(target, name, value)
-
-    def undo(self) -> None:
-        for target, name, previous in reversed(self._saved):
-            _restore_attributes(target, {name: previous})
-        self._saved.clear()
-
-
-class FlagInstall:
+class FlagInstall(_Installed):
     """A GradientCheckpointingLayer: drive its own flag and function."""
 
     def __init__(self, module: nn.Module):
-        self.module = module
-        self.saved = {key: module.__dict__.get(key, _MISSING) for key in (_FLAG, _FUNC)}
+        super().__init__(module)
+        self.saved = {key: module.__dict__.get(key, MISSING) for key in (_FLAG, _FUNC)}
 
     @property
     def was_checkpointing(self) -> bool:
@@ -88,7 +79,8 @@ class FlagInstall:
         object.__setattr__(self.module, _FUNC, function)
 
     def restore(self) -> None:
-        _restore_attributes(self.module, self.saved)
+        if self._module() is not None:
+            restore_attributes(self.module, self.saved)
 
 
 class HolderInstall(FlagInstall):
@@ -102,24 +94,22 @@ class HolderInstall(FlagInstall):
         super().set(enabled and self.safe, run_without_checkpoint)
 
 
-class ForwardInstall:
-    """A plain block: its forward, replaced on the instance, checkpoints through `function`."""
+class ForwardInstall(_Installed):
+    """A plain block: its forward, replaced on the instance, checkpoints through `function`.
+
+    The replacement is a `CheckpointingForward` object naming the module it runs, so a deep copy
+    or pickle of the model runs the copy; `nn.DataParallel` copies a module's `__dict__` into
+    each replica, so the replica gets a forward of its own (`_replicate_for_data_parallel`)."""
 
     def __init__(self, module: nn.Module):
-        self.module = module
-        self.saved = {"forward": module.__dict__.get("forward", _MISSING)}
-        self.original = module.forward
-        self.first_parameter = next(iter(inspect.signature(self.original).parameters), None)
+        super().__init__(module)
+        self.saved = {key: module.__dict__.get(key, MISSING) for key in ("forward", "_replicate_for_data_parallel")}
+        self.first_parameter = next(iter(inspect.signature(module.forward).parameters), None)
         self.enabled = False
         self.function: Any = run_without_checkpoint
-        run = self._forward
-
-        @functools.wraps(self.original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return run(*args, **kwargs)
-
-        self.wrapper = forward
-        object.__setattr__(module, "forward", forward)
+        self.wrapper = CheckpointingForward(self, module)
+        object.__setattr__(module, "forward", self.wrapper)
+        object.__setattr__(module, "_replicate_for_data_parallel", _ReplicateWithForward(self, module))
 
     @property
     def was_checkpointing(self) -> bool:
@@ -128,29 +118,68 @@ class ForwardInstall:
     def set(self, enabled: bool, function: Any) -> None:
         self.enabled, self.function = enabled, function
 
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not (self.enabled and self.module.training and torch.is_grad_enabled()):
-            return self.original(*args, **kwargs)
+    def original_forward(self, module: nn.Module) -> Any:
+        """The forward the module had before remat, bound to `module` (a replica, or the module)."""
+        saved = self.saved["forward"]
+        return type(module).forward.__get__(module) if saved is MISSING else saved
+
+    def run(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        original = self.original_forward(module)
+        if not (self.enabled and module.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
         dropped = [k for k, off in _CACHE_ARGUMENTS.items() if kwargs.get(k) not in (None, off)]
         for key in dropped:
             kwargs[key] = _CACHE_ARGUMENTS[key]
-        if dropped and type(self.module).__name__ not in _warned:
-            _warned.add(type(self.module).__name__)
+        if dropped and type(module).__name__ not in _warned:
+            _warned.add(type(module).__name__)
             logger.warning(
                 "%s: the KV cache is incompatible with checkpointing while training; set %s",
-                type(self.module).__name__,
+                type(module).__name__,
                 ", ".join(f"{k}={_CACHE_ARGUMENTS[k]}" for k in dropped),
             )
         if not args and self.first_parameter in kwargs:
             # The checkpoint saves (and offload moves) positional inputs: pass the hidden states so.
             args = (kwargs.pop(self.first_parameter),)
-        return self.function(functools.partial(self.original, **kwargs), *args)
+        return self.function(functools.partial(original, **kwargs), *args)
 
     def restore(self) -> None:
         # Switched off even if something patched `forward` after remat and still calls this wrapper.
         self.enabled, self.function = False, run_without_checkpoint
-        if self.module.__dict__.get("forward") is self.wrapper:
-            _restore_attributes(self.module, self.saved)
+        module = self._module()
+        if module is not None and module.__dict__.get("forward") is self.wrapper:
+            restore_attributes(module, self.saved)
+
+
+class CheckpointingForward(_Installed):
+    """What a plain block's `forward` is while remat wraps it (stored on the module, so it holds
+    the module weakly)."""
+
+    def __init__(self, install: ForwardInstall, module: nn.Module):
+        super().__init__(module)
+        self.install = install
+        self.__name__ = "forward"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.install.run(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.install.original_forward(self.module))
+
+
+class _ReplicateWithForward(_Installed):
+    """`module._replicate_for_data_parallel()` for a wrapped plain block: torch's replica, whose
+    forward runs the replica (the copied `__dict__` would run the original)."""
+
+    def __init__(self, install: ForwardInstall, module: nn.Module):
+        super().__init__(module)
+        self.install = install
+
+    def __call__(self) -> nn.Module:
+        module = self.module
+        replica = type(module)._replicate_for_data_parallel(module)
+        object.__setattr__(replica, "forward", CheckpointingForward(self.install, replica))
+        return replica
 
 
 def installer_for(discovered: DiscoveredLayer) -> FlagInstall | ForwardInstall:

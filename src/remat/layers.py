@@ -38,17 +38,30 @@ from dataclasses import dataclass
 from torch import nn
 
 from .integrations.transformers_compat import gradient_checkpointing_layer_class
+from .refs import Ref
 
 
 class NoCheckpointableLayersError(ValueError):
     """The model has no layer remat knows how to checkpoint."""
 
 
-@dataclass(frozen=True)
 class DiscoveredLayer:
-    name: str
-    module: nn.Module
-    kind: str = "flag"  # "flag": a GradientCheckpointingLayer; "wrap": a plain block; "holder"
+    """A layer (or holder) found in the model: its name, kind, and the module, held weakly
+    (remat's state never keeps the model alive, see `remat.refs`)."""
+
+    __slots__ = ("_module", "kind", "name")
+
+    def __init__(self, name: str, module: nn.Module, kind: str = "flag"):
+        self.name = name
+        self.kind = kind  # "flag": a GradientCheckpointingLayer; "wrap": a plain block; "holder"
+        self._module = Ref(module)
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        if module is None:
+            raise RuntimeError(f"remat: layer {self.name} of the wrapped model no longer exists")
+        return module
 
 
 @dataclass(frozen=True)
@@ -111,6 +124,20 @@ def calls_checkpoint_directly(module: nn.Module) -> bool:
     return "checkpoint(" in source.replace("_gradient_checkpointing_func(", "")
 
 
+def _check_classes_exist(model: nn.Module, explicit: set[str], named: list[tuple[str, nn.Module]]) -> None:
+    """Each class `layer_class` names must occur in the model: a typo would otherwise be ignored."""
+    counts: dict[str, int] = {}
+    for _, module in named:
+        counts[type(module).__name__] = counts.get(type(module).__name__, 0) + 1
+    missing = sorted(explicit - set(counts))
+    if missing:
+        repeated = sorted(name for name, count in counts.items() if count >= 2)
+        raise NoCheckpointableLayersError(
+            f"layer_class names {missing}, but {type(model).__name__} has no module of that class. "
+            f"Classes that occur more than once in it: {repeated}"
+        )
+
+
 def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | type] | None = None) -> Discovery:
     """Find the checkpointable layers of `model` (and the flag holders), in module order."""
     gc_layer = gradient_checkpointing_layer_class()
@@ -118,6 +145,7 @@ def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | t
     named = list(model.named_modules(remove_duplicate=True))
     candidates = [(n, m, "flag") for n, m in named if isinstance(m, gc_layer)]
     if explicit:
+        _check_classes_exist(model, explicit, named)
         candidates += [(n, m, "wrap") for n, m in named if type(m).__name__ in explicit and not isinstance(m, gc_layer)]
     elif not candidates:
         # No transformers layers: the model's own block classes, repeated; else the stack structure.

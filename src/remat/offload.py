@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -108,6 +108,9 @@ class CudaTransport:
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self._said_cache_stays = False
+
+    def __reduce__(self) -> Any:  # a copy gets a stream of its own
+        return (type(self), (self.device,))
 
     def handles(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
@@ -204,6 +207,11 @@ class HostPool:
     A request takes the smallest free buffer that holds it and is at most twice its size, and
     new buffers are rounded up to whole MiB, so sequence lengths that vary from batch to batch
     (dynamic padding) reuse buffers instead of pinning a new one per length.
+
+    Buffers come back through `release`, which runs from `_Handle.__del__` when a graph is
+    freed: that can be a GC pass in the middle of any method here, on this thread, or the
+    autograd engine's thread. So `release` never takes the lock: it appends to a queue (atomic),
+    and the methods that hold the lock move what the queue holds into the pool first.
     """
 
     def __init__(self, transport: Transport, max_bytes: int | None = None):
@@ -213,11 +221,18 @@ class HostPool:
         self.pageable_fallbacks = 0
         self._warned = False
         self._lock = threading.Lock()
+        self._returned: deque[tuple[torch.Tensor, Event | None]] = deque()
         self._sizes: dict[int, int] = {}  # storage pointer -> bytes, of every pinned buffer alive
         self._draining = False  # cleared and not used since: buffers coming back are freed
 
+    def _take_returned(self) -> None:
+        """Move returned buffers into the pool (the caller holds the lock)."""
+        while self._returned:
+            self.free.append(self._returned.popleft())
+
     def acquire(self, nbytes: int) -> torch.Tensor:
         with self._lock:
+            self._take_returned()
             self._draining = False
             fitting = [i for i, (b, _) in enumerate(self.free) if nbytes <= b.numel() <= 2 * max(nbytes, _BUCKET)]
             if fitting:
@@ -233,8 +248,7 @@ class HostPool:
             buffer = self.transport.allocate_host(size)
         except RuntimeError as err:
             return self._pageable(nbytes, f"pinning host memory failed ({err})")
-        with self._lock:
-            self._sizes[buffer.untyped_storage().data_ptr()] = size
+        self._sizes[buffer.untyped_storage().data_ptr()] = size
         return buffer
 
     def _pageable(self, nbytes: int, why: str) -> torch.Tensor:
@@ -249,20 +263,19 @@ class HostPool:
         that outlived `clear()`), it is not pooled but forgotten; True then means it was the
         last pinned buffer still out, and the caller, once it has dropped its reference, calls
         the transport's `return_freed_host_memory()` (once for all of them, not per buffer)."""
-        with self._lock:
-            if not self._draining:
-                self.free.append((buffer, last_use))
-                return False
-            size = self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
-            last_pinned = size > 0 and not self._sizes
+        if not self._draining:
+            self._returned.append((buffer, last_use))
+            return False
+        size = self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
         if last_use is not None:
             last_use.synchronize()
-        return last_pinned
+        return size > 0 and not self._sizes
 
     def clear(self) -> int:
         """Free every pooled buffer (after its last copy finished), and every buffer a pending
         backward still holds when it comes back, until the next acquire. Returns bytes freed."""
         with self._lock:
+            self._take_returned()
             entries, self.free = self.free, []
             self._draining = True
         freed = 0
@@ -270,8 +283,7 @@ class HostPool:
             buffer, last_use = entries.pop()
             if last_use is not None:
                 last_use.synchronize()
-            with self._lock:
-                freed += self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
+            freed += self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
             del buffer, last_use  # the pool held the last reference
         if freed:
             self.transport.return_freed_host_memory()
@@ -281,12 +293,18 @@ class HostPool:
     def allocated_bytes(self) -> int:
         """Pinned bytes alive: pooled or held by a graph (acquire runs on the forward thread
         only, so checking the budget against this needs no reservation)."""
-        with self._lock:
-            return sum(self._sizes.values())
+        return sum(list(self._sizes.values()))
 
     @property
     def pooled_buffers(self) -> int:
-        return len(self.free)
+        return len(self.pooled())
+
+    def pooled(self) -> list[torch.Tensor]:
+        """The buffers in the pool now (returned ones included)."""
+        return [buffer for buffer, _ in (*self.free, *self._returned)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a HostPool holds host buffers of one process and cannot be copied; copy its Offloader")
 
 
 @dataclass
@@ -403,6 +421,12 @@ class Offloader:
         self._live: weakref.WeakValueDictionary[int, _Packed] = weakref.WeakValueDictionary()
         self._order = 0
 
+    def __reduce__(self) -> Any:
+        """A copy (deepcopy, pickle) is a new offloader with the same settings and counters and no
+        buffers: host buffers and in-flight inputs belong to this process and this graph."""
+        transport = self._fixed.transport if self._fixed is not None else None
+        return (_rebuilt_offloader, (self.min_bytes, transport, self.max_host_bytes, dict(self.stats)))
+
     def _route(self, tensor: torch.Tensor) -> _Route | None:
         if self._fixed is not None:
             return self._fixed if self._fixed.transport.handles(tensor) else None
@@ -508,7 +532,7 @@ class Offloader:
 
     def host_storages(self) -> set[int]:
         """Data pointers of every host buffer this offloader owns (pooled or in use)."""
-        out = {buffer.untyped_storage().data_ptr() for pool in self.pools for buffer, _ in pool.free}
+        out = {buffer.untyped_storage().data_ptr() for pool in self.pools for buffer in pool.pooled()}
         for packed in list(self._live.values()):
             if packed.host is not None:
                 out.add(packed.host.untyped_storage().data_ptr())
@@ -516,6 +540,14 @@ class Offloader:
 
     def reset_stats(self) -> None:
         self.stats.clear()
+
+
+def _rebuilt_offloader(
+    min_bytes: int, transport: Transport | None, max_host_bytes: int, stats: dict[int, LayerOffloadStats]
+) -> Offloader:
+    offloader = Offloader(min_bytes, transport, max_host_bytes)
+    offloader.stats.update(stats)
+    return offloader
 
 
 class _Handle:

@@ -16,15 +16,18 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .offload import Offloader
-from .swap import WeightSwapper
+from .refs import Ref
+
+if TYPE_CHECKING:
+    from .offload import Offloader
+    from .swap import WeightSwapper
 
 logger = logging.getLogger("remat")
 
@@ -48,27 +51,28 @@ class _LayerState:
     """
 
     def __init__(self, module: nn.Module):
+        # The shim lives on the layer, so it names the layer's modules weakly (`remat.refs`).
         self.buffers = list(module.buffers())
         self.numbers = [
-            (m, key) for m in module.modules() for key, value in vars(m).items() if type(value) in (int, float)
+            (Ref(m), key) for m in module.modules() for key, value in vars(m).items() if type(value) in (int, float)
         ]
         self.changed_buffers: list[torch.Tensor] = []
-        self.changed_numbers: list[tuple[nn.Module, str]] = []
+        self.changed_numbers: list[tuple[Ref[nn.Module], str]] = []
 
     def watch_forward(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         versions = [b._version for b in self.buffers]
-        values = [vars(m).get(key) for m, key in self.numbers]
+        values = [_value(m, key) for m, key in self.numbers]
         out = function(*args, **kwargs)
         self.changed_buffers = [b for b, v in zip(self.buffers, versions, strict=True) if b._version != v]
         self.changed_numbers = [
-            (m, key) for (m, key), v in zip(self.numbers, values, strict=True) if vars(m).get(key) != v
+            (m, key) for (m, key), v in zip(self.numbers, values, strict=True) if _value(m, key) != v
         ]
         return out
 
     @contextlib.contextmanager
     def kept(self) -> Iterator[None]:
         saved = [(b, b._version, b.clone()) for b in self.changed_buffers]
-        numbers = [(m, key, vars(m).get(key)) for m, key in self.changed_numbers]
+        numbers = [(m(), key, _value(m, key)) for m, key in self.changed_numbers]
         try:
             yield
         finally:
@@ -76,8 +80,14 @@ class _LayerState:
                 for buffer, version, value in saved:
                     if buffer._version != version:
                         buffer.copy_(value)
-            for m, key, value in numbers:
-                object.__setattr__(m, key, value)
+            for module, key, value in numbers:
+                if module is not None:
+                    object.__setattr__(module, key, value)
+
+
+def _value(ref: Ref[nn.Module], key: str) -> Any:
+    module = ref()
+    return None if module is None else vars(module).get(key)
 
 
 _told: set[str] = set()

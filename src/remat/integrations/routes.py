@@ -16,12 +16,13 @@ What a route call means:
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..config import CheckpointConfig
-from ..install import InstancePatches
+from ..patches import InstancePatches
 from .transformers_compat import ENABLE_ROUTES, pretrained_model_class, routes_defined_on
 
 if TYPE_CHECKING:
@@ -72,70 +73,76 @@ def describe_changes(old: CheckpointConfig, new: CheckpointConfig) -> str:
 
 
 class RouteOverrides:
-    """Instance-level replacements of the enable/disable routes, and how to undo them."""
+    """Instance-level replacements of the enable/disable routes, and how to undo them.
 
-    def __init__(
-        self,
-        on_enable: Callable[[str, Mapping[str, Any] | None, dict[str, Any]], None],
-        on_disable: Callable[[str], None],
-    ):
-        self._on_enable = on_enable
-        self._on_disable = on_disable
+    Each replacement is a small object holding the wrapper it reports to (not a closure), so
+    a deep copy or a pickle of the model carries routes that drive the copy's own wrapper.
+    """
+
+    def __init__(self) -> None:
         self._patches = InstancePatches()
 
-    def install(self, model: nn.Module) -> None:
+    def install(self, owner: Any, model: nn.Module) -> None:
         pretrained = pretrained_model_class()
         targets = [m for m in model.modules() if isinstance(m, pretrained)]
         for module in targets:
             for name in routes_defined_on(module):
-                maker = self._enable_route if name in ENABLE_ROUTES else self._disable_route
-                self._patches.set(module, name, maker(name))
+                route = EnableRoute(owner, name) if name in ENABLE_ROUTES else DisableRoute(owner, name)
+                self._patches.set(module, name, route)
 
     def uninstall(self) -> None:
         self._patches.undo()
 
-    def _enable_route(self, route: str) -> Callable[..., None]:
-        kwargs_name = route.replace("_enable", "_kwargs")
-        on_enable = self._on_enable
 
-        def enable(*args: Any, every_n_layers: int = 1, offload: bool = False, **kwargs: Any) -> None:
-            if len(args) > 1:
-                raise TypeError(f"{route}() takes at most one positional argument ({kwargs_name}), got {len(args)}")
-            if args and kwargs_name in kwargs:
-                raise TypeError(f"{route}() got {kwargs_name} twice")
-            kwargs_dict = args[0] if args else kwargs.pop(kwargs_name, None)
-            if kwargs:
-                raise TypeError(
-                    f"{route}() got unexpected argument(s) {sorted(kwargs)}; it takes {kwargs_name}, "
-                    "every_n_layers and offload"
-                )
-            on_enable(f"{route}()", kwargs_dict, {"every_n_layers": every_n_layers, "offload": offload})
+class EnableRoute:
+    """`*_enable(kwargs_dict=None, *, every_n_layers=1, offload=False)`: updates the owner's config."""
 
-        enable.__name__ = route
-        enable.__doc__ = f"remat: `{route}` changes the checkpoint map of the CheckpointedModel that owns this model."
+    def __init__(self, owner: Any, route: str):
+        self.owner = owner
+        self.route = route
+        self.kwargs_name = route.replace("_enable", "_kwargs")
+        self.__name__ = route
+        self.__doc__ = f"remat: `{route}` changes the checkpoint map of the CheckpointedModel that owns this model."
+
+    @property
+    def __signature__(self) -> inspect.Signature:
         # PEFT inspects the signature for this parameter name before passing the dict.
-        enable.__signature__ = _enable_signature(kwargs_name)  # type: ignore[attr-defined]
-        return enable
+        P = inspect.Parameter
+        return inspect.Signature(
+            [
+                P(self.kwargs_name, P.POSITIONAL_OR_KEYWORD, default=None),
+                P("every_n_layers", P.KEYWORD_ONLY, default=1),
+                P("offload", P.KEYWORD_ONLY, default=False),
+            ]
+        )
 
-    def _disable_route(self, route: str) -> Callable[[], None]:
-        on_disable = self._on_disable
+    def __call__(self, *args: Any, every_n_layers: int = 1, offload: bool = False, **kwargs: Any) -> None:
+        route, kwargs_name = self.route, self.kwargs_name
+        if len(args) > 1:
+            raise TypeError(f"{route}() takes at most one positional argument ({kwargs_name}), got {len(args)}")
+        if args and kwargs_name in kwargs:
+            raise TypeError(f"{route}() got {kwargs_name} twice")
+        kwargs_dict = args[0] if args else kwargs.pop(kwargs_name, None)
+        if kwargs:
+            raise TypeError(
+                f"{route}() got unexpected argument(s) {sorted(kwargs)}; it takes {kwargs_name}, "
+                "every_n_layers and offload"
+            )
+        self.owner.route_enable(f"{route}()", kwargs_dict, {"every_n_layers": every_n_layers, "offload": offload})
 
-        def disable() -> None:
-            on_disable(f"{route}()")
 
-        disable.__name__ = route
-        disable.__doc__ = f"remat: `{route}` turns every layer of the checkpoint map to 'none'."
-        return disable
+class DisableRoute:
+    """`*_disable()`: every layer of the owner's map becomes "none" until the next enable."""
 
+    def __init__(self, owner: Any, route: str):
+        self.owner = owner
+        self.route = route
+        self.__name__ = route
+        self.__doc__ = f"remat: `{route}` turns every layer of the checkpoint map to 'none'."
 
-def _enable_signature(kwargs_name: str):  # type: ignore[no-untyped-def]
-    import inspect
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.Signature([])
 
-    P = inspect.Parameter
-    return inspect.Signature(
-        [
-            P(kwargs_name, P.POSITIONAL_OR_KEYWORD, default=None),
-            P("every_n_layers", P.KEYWORD_ONLY, default=1),
-            P("offload", P.KEYWORD_ONLY, default=False),
-        ]
-    )
+    def __call__(self) -> None:
+        self.owner.route_disable(f"{self.route}()")

@@ -35,8 +35,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from ..config import CONFIG_NAME
 from ..model import CheckpointedModel
-from ..persistence import check_layers_match, config_payload, read_saved
-from ..saving import write_json_atomically
+from ..persistence import adapters_to_load, check_layers_match, read_saved, write_config_beside
 
 logger = logging.getLogger("remat")
 _WRAPPER_PREFIX = "model."
@@ -95,7 +94,7 @@ class RematTrainerMixin:
         if getattr(self.args, "should_save", True):  # type: ignore[attr-defined]
             folder = output_dir if output_dir is not None else self.args.output_dir  # type: ignore[attr-defined]
             # Written here too: the model's own save_pretrained skips it while remat is disabled.
-            write_json_atomically(os.path.join(folder, CONFIG_NAME), config_payload(cm))
+            write_config_beside(cm, folder)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         cm = self._remat_model()
@@ -172,9 +171,10 @@ def _apply_saved_config(cm: CheckpointedModel, folder: str | None, cause: str) -
     if folder is None or not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
         logger.warning("%s from %s: no %s there, the current checkpoint map stays", cause, folder, CONFIG_NAME)
         return
-    config, layers, file = read_saved(folder)
-    check_layers_match(layers, [plan.name for plan in cm.checkpoint_map], file)
-    cm._adopt_saved_config(config, f"{cause} from {folder}")
+    saved = read_saved(folder)
+    check_layers_match(saved.layers, [plan.name for plan in cm.checkpoint_map], saved.file)
+    adapters_to_load(saved)
+    cm._state.adopt_saved_config(saved.config, f"{cause} from {folder}")
 
 
 @functools.cache

@@ -1,0 +1,323 @@
+"""The state behind a `CheckpointedModel`: config, map, mode, and everything installed.
+
+`CheckpointedModel` is the `nn.Module` a person holds; this controller is what it, the routes,
+the save/load overrides and the hooks on the model all talk to. It holds the model weakly and
+the model's patches hold it (see `remat.refs`), so remat and the model never form a reference
+cycle: a dropped wrapper frees its host memory at once, and a model whose wrapper was dropped
+keeps its map.
+
+Installing means, per layer and on the instance only (see `remat.install`): transformers'
+per-layer flag and function for its own layers, a wrapped `forward` for plain blocks, the flag
+of the "holder" modules that turn `use_cache` off while training; plus the route methods, the
+save/load overrides, block swap's placeholders and hooks (`remat.swap`), and two hooks on the
+model: one before each forward that re-applies the map if the model was put back into training
+behind the wrapper's back, one after it that notes a backward is owed (`remat.pending`).
+Everything set is recorded and restored by `disable()`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import CheckpointConfig
+from .install import FlagInstall, ForwardInstall, installer_for
+from .integrations.routes import RouteOverrides, config_from_route, describe_changes
+from .layers import Discovery
+from .offload import Offloader
+from .patches import InstancePatches
+from .pending import PendingBackward
+from .persistence import SaveLoadOverrides
+from .plan import CheckpointMap, plan_layers
+from .recompute import RecomputeCheckpoint, run_without_checkpoint
+from .refs import Ref
+from .swap import WeightSwapper, check_swappable
+
+logger = logging.getLogger("remat")
+
+_Mode = tuple[bool, list[tuple[Ref[nn.Module], bool]]]  # (inference, training flag of every module)
+
+
+def swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tuple[int, str, nn.Module]]:
+    return [(p.index, p.name, discovery.layers[p.index].module) for p in checkpoint_map if p.swapped]
+
+
+class Controller:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: CheckpointConfig,
+        discovery: Discovery,
+        checkpoint_map: CheckpointMap,
+        offloader: Offloader,
+        swapper: WeightSwapper,
+    ):
+        self._model = Ref(model)
+        self.config = config
+        self.discovery = discovery
+        self.checkpoint_map = checkpoint_map
+        self.off_by: str | None = None
+        self.inference = False
+        self.offloader = offloader
+        self.swapper = swapper
+        self.pending = PendingBackward()
+        self._states: list[FlagInstall | ForwardInstall] = []
+        self._routes = RouteOverrides()
+        self._save_load = SaveLoadOverrides()
+        self._model_patches = InstancePatches()
+        self._hooks: list[Any] = []
+        self._guards: list[Any] = []
+        self._mode_stack: list[_Mode] = []
+        self._mode_before_call: _Mode | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("remat: the model this wrapper checkpoints no longer exists")
+        return model
+
+    @property
+    def is_enabled(self) -> bool:
+        return bool(self._states)
+
+    # -- enable / disable ----------------------------------------------------------------------
+
+    def enable(self, config: CheckpointConfig) -> None:
+        if self.is_enabled:
+            self.replan(config, off_by=None, cause="enable()")
+            return
+        # Everything that can refuse (plan, swap checks, pending backward, host memory) comes
+        # before anything is patched.
+        new_map = plan_layers(config, self.discovery.names)
+        self._check_swap_change(new_map)
+        self._log_changes(config, new_map, "enable()")
+        self._swap_to(new_map)
+        self.config, self.off_by, self.checkpoint_map = config, None, new_map
+        self.offloader.min_bytes = config.offload_min_bytes
+        self._install()
+
+    def disable(self) -> None:
+        if not self.is_enabled:
+            return
+        self.swapper.restore()
+        self._model_patches.undo()
+        self.offloader.release_host_memory()
+        for state in reversed(self._states):
+            state.restore()
+        self._states.clear()
+        self._routes.uninstall()
+        self._save_load.uninstall()
+        self._set_guards(False)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        model = self._model()
+        if model is not None:
+            model.__dict__.pop("_remat_owner", None)
+        logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
+
+    def _install(self) -> None:
+        model = self.model
+        self._states = [installer_for(d) for d in (*self.discovery.layers, *self.discovery.holders)]
+        took_over = [s.module for s in self._states if s.was_checkpointing]
+        if took_over:
+            logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
+        self._routes.install(self, model)
+        self._save_load.install(self, model)
+        self._hooks = [
+            model.register_forward_pre_hook(self._before_forward),
+            model.register_forward_hook(self._after_forward),
+        ]
+        object.__setattr__(model, "_remat_owner", True)
+        self._exclude_swapped_from_ddp_sync()
+        self.apply_map()
+
+    # -- planning ------------------------------------------------------------------------------
+
+    def replan(self, config: CheckpointConfig, off_by: str | None, cause: str) -> None:
+        """Plan first (errors leave everything as it was), then apply."""
+        new_map = plan_layers(config, self.discovery.names, checkpointing_off_by=off_by)
+        if self.is_enabled:
+            self._check_swap_change(new_map)
+        self._log_changes(config, new_map, cause)
+        if self.is_enabled:
+            self._swap_to(new_map)
+        self.config, self.off_by, self.checkpoint_map = config, off_by, new_map
+        self.offloader.min_bytes = config.offload_min_bytes
+        if self.is_enabled:
+            self._exclude_swapped_from_ddp_sync()
+            self.apply_map()
+        if off_by is None and not any(plan.policy == "offload" for plan in new_map):
+            # The new plan offloads nothing (a route turning checkpointing off for a while does
+            # not count: it comes back, and re-pinning costs more than keeping the pool).
+            self.offloader.release_host_memory()
+
+    def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> None:
+        changes = describe_changes(self.config, config)
+        if changes:
+            logger.info("%s changed the checkpoint config: %s", cause, changes)
+        if new_map != self.checkpoint_map:
+            logger.info("%s changed the checkpoint map: %r", cause, new_map)
+
+    def _check_swap_change(self, new_map: CheckpointMap) -> None:
+        """Refuse, before anything changes, a swap that cannot be made (trainable or sharded
+        weights) or that would move weights a pending backward still needs."""
+        joining = [t for t in swap_targets(self.discovery, new_map) if t[0] not in self.swapper.layers]
+        if not joining:
+            return
+        check_swappable(joining, self.model)
+        if self.pending.pending:
+            raise RuntimeError(
+                f"cannot start swapping layers {[t[0] for t in joining]} now: a forward ran with gradients and its "
+                "backward has not (autograd still holds those weights, and moving them would change the gradients). "
+                "Call backward first, or drop the outputs of that forward; nothing was changed"
+            )
+
+    def _swap_to(self, new_map: CheckpointMap) -> None:
+        joined, left = self.swapper.update(self.model, swap_targets(self.discovery, new_map))
+        if joined:
+            logger.info(
+                "block swap: layer(s) %s keep their frozen weights in host memory; %d bytes of device slots",
+                joined,
+                self.swapper.pool_bytes,
+            )
+        if left:
+            logger.info("block swap: layer(s) %s have their weights back on the device", left)
+
+    def _exclude_swapped_from_ddp_sync(self) -> None:
+        """DDP broadcasts every parameter when it is built; a swapped weight at rest is a
+        placeholder it cannot write into. Frozen weights are the same on every rank and DDP never
+        reduces them, so they are named in DDP's ignore list (`CheckpointedModel` shows the same
+        list with its own prefix, for DDP(cm))."""
+        self._model_patches.undo()
+        if not self.swapper.layers:
+            return
+        model = self.model
+        swapped = {id(p) for entry in self.swapper.layers.values() for p in entry.params}
+        names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in swapped]
+        existing = list(model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
+        self._model_patches.set(model, "_ddp_params_and_buffers_to_ignore", existing + names)
+
+    def apply_map(self) -> None:
+        """Make the installed flags say exactly what the map says, for the current mode."""
+        if not self.is_enabled:
+            return
+        active = not self.inference
+        layer_states = self._states[: len(self.discovery.layers)]
+        holder_states = self._states[len(self.discovery.layers) :]
+        for plan, state in zip(self.checkpoint_map, layer_states, strict=True):
+            if plan.checkpointed and active:
+                shim = RecomputeCheckpoint(
+                    plan.index,
+                    use_reentrant=self.config.use_reentrant,
+                    preserve_rng_state=self.config.preserve_rng_state,
+                    offloader=self.offloader,
+                    offload=plan.policy == "offload",
+                    swapper=self.swapper,
+                    module=state.module,
+                )
+                state.set(True, shim)
+            else:
+                state.set(False, run_without_checkpoint)
+        any_checkpointed = active and bool(self.checkpoint_map.checkpointed)
+        for state in holder_states:
+            state.set(any_checkpointed, None)
+        self._set_guards(self.inference)
+
+    # -- modes ---------------------------------------------------------------------------------
+
+    def set_mode(self, inference: bool) -> None:
+        """`for_inference()` / `for_training()`: the mode before the call is what a `with` block
+        around the call restores."""
+        self._mode_before_call = self._mode()
+        self.inference = inference
+        self.model.train(not inference)
+        self.apply_map()
+
+    def enter(self) -> None:
+        mode, self._mode_before_call = self._mode_before_call or self._mode(), None
+        self._mode_stack.append(mode)
+
+    def exit(self) -> None:
+        inference, flags = self._mode_stack.pop()
+        for module, training in flags:
+            if module() is not None:
+                module().training = training
+        self.inference = inference
+        self.apply_map()
+
+    def _mode(self) -> _Mode:
+        return (self.inference, [(Ref(m), m.training) for m in self.model.modules()])
+
+    def _set_guards(self, on: bool) -> None:
+        for handle in self._guards:
+            handle.remove()
+        self._guards.clear()
+        if on:
+            for plan, layer in zip(self.checkpoint_map, self.discovery.layers, strict=True):
+                if plan.checkpointed:
+                    guard = _InferenceGuard(self, plan.index, plan.name)
+                    self._guards.append(layer.module.register_forward_pre_hook(guard, prepend=True))
+
+    def _before_forward(self, module: nn.Module, args: Any) -> None:
+        """A model put back into training after `for_inference()` (Trainer calls `model.train()`
+        every step; a submodule's `.train()` counts too) trains with its map, not without
+        checkpointing."""
+        self._mode_before_call = None  # a `with` needs the mode call right before it
+        if not self.inference:
+            return
+        if module.training or any(layer.module.training for layer in self.discovery.layers):
+            logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
+            self.inference = False
+            self.apply_map()
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            self.pending.track(output)
+
+    # -- routes and saved configs -------------------------------------------------------------
+
+    def route_enable(self, route: str, kwargs_dict: Mapping[str, Any] | None, keywords: dict[str, Any]) -> None:
+        config = config_from_route(self.config, route, kwargs_dict, keywords)
+        self.replan(config, off_by=None, cause=route)
+
+    def route_disable(self, route: str) -> None:
+        self.replan(self.config, off_by=route, cause=route)
+
+    def adopt_saved_config(self, config: CheckpointConfig, cause: str) -> None:
+        """Take a config loaded from a checkpoint folder (resume, best model, load_adapter).
+
+        It replaces the config but not the on/off state: checkpointing a route turned off stays
+        off (the saved map applies when it is turned on again), and a disabled wrapper stays
+        disabled, its config unchanged, with a warning.
+        """
+        if config == self.config:
+            return
+        if not self.is_enabled:
+            logger.warning("%s: checkpointing is disabled, the saved checkpoint config is not applied", cause)
+            return
+        logger.info("%s: applying the saved checkpoint config", cause)
+        self.replan(config, off_by=self.off_by, cause=cause)
+
+
+class _InferenceGuard:
+    """On each checkpointed layer while the wrapper is in inference mode (checkpointing off): a
+    layer that is about to run in training mode with gradients would train without its
+    checkpoint (and, if swapped, with weights that go away under autograd). A forward through
+    the model applies the map first (`_before_forward`); this catches the calls that bypass it."""
+
+    def __init__(self, controller: Controller, index: int, name: str):
+        self.controller, self.index, self.name = controller, index, name
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if self.controller.inference and module.training and torch.is_grad_enabled():
+            raise RuntimeError(
+                f"layer {self.index} ({self.name}) is in training mode with gradients enabled, but the wrapper is in "
+                "inference mode (checkpointing off), so it would train without its checkpoint. Call "
+                "cm.for_training() first, or run the whole model (cm(...) or cm.model(...)), which applies the map"
+            )

@@ -1,0 +1,48 @@
+"""Attributes remat sets on single instances (never on a class), and how they are undone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .refs import Ref
+
+
+class _Missing:
+    """Marks an attribute that was absent before remat set it. One object, also in copies and
+    pickles (`undo()` compares by identity)."""
+
+    def __reduce__(self) -> str:
+        return "MISSING"
+
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+MISSING = _Missing()
+
+
+def restore_attributes(module: Any, saved: dict[str, Any]) -> None:
+    for key, value in saved.items():
+        if value is MISSING:
+            module.__dict__.pop(key, None)
+        else:
+            object.__setattr__(module, key, value)
+
+
+class InstancePatches:
+    """Attributes set on single instances (never on a class), remembered so `undo()` puts each
+    back exactly as it was, absent ones included. Targets are held weakly (`remat.refs`)."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Ref[Any], str, Any]] = []
+
+    def set(self, target: Any, name: str, value: Any) -> None:
+        self._saved.append((Ref(target), name, target.__dict__.get(name, MISSING)))
+        # object.__setattr__ keeps these out of nn.Module's parameter/buffer bookkeeping.
+        object.__setattr__(target, name, value)
+
+    def undo(self) -> None:
+        for target, name, previous in reversed(self._saved):
+            if target() is not None:
+                restore_attributes(target(), {name: previous})
+        self._saved.clear()
