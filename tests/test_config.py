@@ -113,3 +113,26 @@ def test_unknown_keys_from_a_newer_remat_load_with_a_warning(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="remat"):
         c = CheckpointConfig.from_pretrained(tmp_path)
     assert c.every_n_layers == 2 and "planner" in caplog.text
+
+
+def test_layer_policies_cannot_be_changed_in_place_by_any_dict_route():
+    c = CheckpointConfig(layer_policies={1: "none"})
+    before = hash(c)
+    for change in (
+        lambda: c.layer_policies.__setitem__(2, "recompute"),
+        lambda: dict.__setitem__(c.layer_policies, 2, "recompute"),
+        lambda: dict.update(c.layer_policies, {2: "recompute"}),
+        lambda: c.layer_policies.__ior__({2: "recompute"}),
+    ):
+        with pytest.raises(TypeError):
+            change()
+    assert dict(c.layer_policies) == {1: "none"} and hash(c) == before
+    assert c == CheckpointConfig(layer_policies={1: "none"}) and c.layer_policies == {1: "none"}
+
+
+@pytest.mark.parametrize("version, message", [(99, r"format_version 99.*reads format_version 1"), ("1", "positive int")])
+def test_a_format_version_this_remat_cannot_read_is_an_error_naming_the_file(tmp_path, version, message):
+    (tmp_path / "checkpoint_config.json").write_text(json.dumps({"format_version": version, "every_n_layers": 2}))
+    with pytest.raises(ValueError, match=message) as info:
+        CheckpointConfig.from_pretrained(tmp_path)
+    assert "checkpoint_config.json" in str(info.value)

@@ -96,3 +96,33 @@ def test_config_fields_cannot_be_assigned_through_the_wrapper_and_model_config_p
     assert model.config.use_cache is False and cm.config.eos_token_id == model.config.eos_token_id
     assert cm.config == CheckpointConfig()
     assert torch.isfinite(cm(**batch()).loss)
+
+
+class _NoMethods:
+    pass
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"offload_host_budget": "1 gigabyte"}, ValueError, r"offload_host_budget must be a size like"),
+        ({"offload_host_budget": -1}, ValueError, r"offload_host_budget must be >= 0"),
+        ({"offload_host_budget": 1.5}, TypeError, r"offload_host_budget must be a number of bytes"),
+        ({"offload_transport": _NoMethods()}, TypeError, r"offload_transport must provide .*lacks handles"),
+        ({"swap_mover": _NoMethods()}, TypeError, r"swap_mover must provide host_copy, fetch; _NoMethods lacks"),
+        ({"layer_class": "NoSuchBlock"}, NoCheckpointableLayersError, r"NoSuchBlock.*no module of that class"),
+    ],
+)
+def test_every_wrapper_argument_is_checked_when_the_wrapper_is_built(kwargs, error, message):
+    model = tiny_model()
+    before = _fingerprint(model)
+    with pytest.raises(error, match=message):
+        CheckpointedModel(model, CheckpointConfig(offload=True), **kwargs)
+    assert _fingerprint(model) == before
+
+
+@pytest.mark.parametrize("size, expected", [("1GB", 10**9), ("1.5 GiB", 3 * 2**29), ("512MiB", 2**29), (4096, 4096)])
+def test_the_host_budget_takes_bytes_or_sizes_with_units(size, expected):
+    cm = CheckpointedModel(tiny_model(), CheckpointConfig(offload=True), offload_host_budget=size)
+    assert cm._offloader.max_host_bytes == expected
+    assert torch.isfinite(cm(**batch()).loss)

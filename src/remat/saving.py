@@ -25,6 +25,7 @@ import os
 import shutil
 import socket
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -32,6 +33,7 @@ logger = logging.getLogger("remat")
 
 STAGING_PREFIX = ".remat-staging-"
 _MANIFEST = "COMMIT"
+_FOREIGN_STAGING_AGE = 3600  # seconds
 
 
 def write_json_atomically(path: str, text: str) -> None:
@@ -109,7 +111,7 @@ def recover_staging(target: str) -> None:
         return
     for name in sorted(os.listdir(target)):
         staging = os.path.join(target, name)
-        if not (name.startswith(STAGING_PREFIX) and os.path.isdir(staging)) or _writer_alive(name):
+        if not (name.startswith(STAGING_PREFIX) and os.path.isdir(staging)) or _writer_alive(staging):
             continue
         manifest = os.path.join(staging, _MANIFEST)
         if os.path.isfile(manifest):
@@ -151,10 +153,16 @@ def _writer_id() -> str:
     return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}"
 
 
-def _writer_alive(staging_name: str) -> bool:
-    """Whether the process that made this staging folder is still running on this host."""
-    parts = staging_name[len(STAGING_PREFIX) :].split("-")
-    if len(parts) < 3 or parts[0] != socket.gethostname().replace("-", "_") or not parts[1].isdigit():
+def _writer_alive(staging: str) -> bool:
+    """Whether the process that made this staging folder may still be writing into it: on this
+    host, whether that process runs; from another host (a shared file system), whether the
+    folder changed in the last hour."""
+    parts = os.path.basename(staging)[len(STAGING_PREFIX) :].split("-")
+    if len(parts) < 3 or not parts[1].isdigit():
+        return False
+    if parts[0] != socket.gethostname().replace("-", "_"):
+        with contextlib.suppress(OSError):
+            return time.time() - os.stat(staging).st_mtime < _FOREIGN_STAGING_AGE
         return False
     pid = int(parts[1])
     if pid == os.getpid():
