@@ -47,7 +47,8 @@ def _snapshot(folder):
     for root, _, names in os.walk(folder):
         for name in names:
             path = os.path.join(root, name)
-            out[os.path.relpath(path, folder)] = (open(path, "rb").read(), os.stat(path).st_mtime_ns)
+            with open(path, "rb") as handle:
+                out[os.path.relpath(path, folder)] = (handle.read(), os.stat(path).st_mtime_ns)
     return out
 
 

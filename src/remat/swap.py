@@ -486,7 +486,7 @@ class WeightSwapper:
                 param.data = placeholder
             raise
         hosts, placeholders = [], []
-        for param, host, old, probe in zip(entry.params, entry.host, entry.placeholders, probes, strict=True):
+        for host, old, probe in zip(entry.host, entry.placeholders, probes, strict=True):
             converted = host.to(dtype=probe.dtype)
             if probe.device.type != old.device.type:  # e.g. .cuda(): the host copy is now pinned
                 converted = self._mover_for(probe.device).host_copy(converted)
