@@ -267,8 +267,12 @@ class CheckpointConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> CheckpointConfig:
-        """Read `checkpoint_config.json` from a folder (or the file itself)."""
-        from .saving import read_json_object
+        """Read `checkpoint_config.json` from a folder (or the file itself). In a folder, a save
+        that crashed there is finished or cleaned first (see `remat.saving`)."""
+        from .saving import read_json_object, recover_staging
 
-        file = os.path.join(path, CONFIG_NAME) if os.path.isdir(path) else os.fspath(path)
+        if os.path.isdir(path):
+            recover_staging(os.fspath(path))
+            path = os.path.join(path, CONFIG_NAME)
+        file = os.fspath(path)
         return cls.from_dict(read_json_object(file), source=file)
