@@ -178,3 +178,15 @@ def test_three_hundred_steps_with_offload_and_swap_keep_host_memory_flat():
     assert cm._swapper.resident_bytes == 0 and cm._offloader.live_host_bytes() == {}
     assert max(rss[-3:]) - min(rss[:3]) < 12 * 2**20, [r // 2**20 for r in rss]
     assert max(objects[-3:]) - min(objects[:3]) < 100, objects
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_wrapped_cpu_model_moved_with_cuda_swaps_from_pinned_copies_exactly():
+    cm, model = _wrapped()
+    cm.cuda()
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    assert all(t.is_pinned() for entry in cm._swapper.layers.values() for t in entry.host)
+    data = {k: v.cuda() for k, v in batch().items()}
+    got = step_grads(cm, _trainable(model), data)[1]
+    expected = _reference_grads(data, prepare=lambda m: m.cuda())
+    assert_same_grads(expected, got)
