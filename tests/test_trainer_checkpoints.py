@@ -142,7 +142,7 @@ def test_load_best_model_at_end_loads_the_best_adapters_and_the_config(tmp_path)
     loaded = {n.replace(".default", ""): p for n, p in _trainable(cm.model).items()}
     for name, tensor in best.items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
-    assert cm.config == SAVED and isinstance(trainer.model, CheckpointedModel)
+    assert cm.config == SAVED and trainer.model is cm.model and trainer.checkpointed_model is cm
 
 
 def test_any_trainer_subclass_gets_the_same_saving(tmp_path):
@@ -189,20 +189,6 @@ def test_a_plain_transformers_trainer_saves_the_whole_wrapper_state(tmp_path):
     assert "checkpoint_config.json" not in files
 
 
-def test_a_state_dict_handed_over_by_deepspeed_or_fsdp_is_saved_under_the_wrapped_names(tmp_path):
-    """Under DeepSpeed / FSDP, Trainer gathers `cm.state_dict()` itself and hands it to `_save`."""
-    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
-    trainer = RematTrainer(model=cm, args=_args(tmp_path, steps=1))
-    trainer._save(str(tmp_path / "plain"))
-    trainer._save(str(tmp_path / "handed"), state_dict=cm.state_dict())
-    plain = safetensors.torch.load_file(tmp_path / "plain" / "adapter_model.safetensors")
-    handed = safetensors.torch.load_file(tmp_path / "handed" / "adapter_model.safetensors")
-    assert plain and set(handed) == set(plain)
-    for name, tensor in plain.items():
-        torch.testing.assert_close(handed[name], tensor, rtol=0, atol=0, msg=name)
-    assert (tmp_path / "handed" / "checkpoint_config.json").exists()
-
-
 @pytest.mark.parametrize("weights_file", ["model.safetensors", "pytorch_model.bin"])
 @pytest.mark.parametrize("route", ["resume", "best_model"])
 def test_a_folder_written_by_a_plain_trainer_loads_into_the_wrapper(tmp_path, caplog, weights_file, route):
@@ -235,40 +221,3 @@ def test_resuming_keeps_checkpointing_off_when_a_route_turned_it_off(tmp_path):
     assert cm.config == SAVED and cm.checkpoint_map.checkpointed == []
     cm.model.gradient_checkpointing_enable()
     assert cm.checkpoint_map.checkpointed == [0, 2, 3]
-
-
-def test_under_deepspeed_or_fsdp_it_steps_aside_and_says_so(tmp_path, caplog):
-    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
-    trainer = RematTrainer(model=cm, args=_args(tmp_path, steps=1))
-    trainer.is_deepspeed_enabled = True  # what Trainer sets when DeepSpeed prepared the model
-    with caplog.at_level(logging.WARNING, logger="remat"):
-        trainer._save(str(tmp_path / "a"))
-        trainer._save(str(tmp_path / "b"))
-    assert caplog.text.count("under FSDP/DeepSpeed") == 1
-    assert (tmp_path / "a" / "model.safetensors").exists() and not (tmp_path / "a" / "checkpoint_config.json").exists()
-
-
-def test_pushing_a_checkpoint_to_the_hub_takes_the_checkpoint_config_along(tmp_path):
-    seen = []
-
-    class Probe(Trainer):  # stands in for Trainer's upload of output_dir (no hub here)
-        def _push_from_checkpoint(self, checkpoint_folder):
-            seen.append(sorted(p.name for p in (tmp_path / "out").iterdir()))
-
-    (tmp_path / "out").mkdir()
-    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
-    trainer = remat_trainer_class(Probe)(model=cm, args=_args(tmp_path / "out", steps=1, hub_strategy="every_save"))
-    trainer._save(str(tmp_path / "checkpoint"))
-
-    class Upload:  # the previous checkpoint's upload, still running
-        def is_done(self):
-            return False
-
-    trainer.push_in_progress = Upload()
-    trainer._push_from_checkpoint(str(tmp_path / "checkpoint"))  # Trainer skips this push: so do we
-    trainer.push_in_progress = None
-    trainer._push_from_checkpoint(str(tmp_path / "checkpoint"))
-    assert "checkpoint_config.json" not in seen[0] and "checkpoint_config.json" in seen[1]
-    assert (tmp_path / "out" / "checkpoint_config.json").read_text() == (
-        tmp_path / "checkpoint" / "checkpoint_config.json"
-    ).read_text()

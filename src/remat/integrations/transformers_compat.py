@@ -50,3 +50,9 @@ def trainer_checkpointing_args(enabled: bool = True, kwargs: dict | None = None)
     if has_activation_checkpointing_names():
         return {"activation_checkpointing": enabled, "activation_checkpointing_kwargs": kwargs}
     return {"gradient_checkpointing": enabled, "gradient_checkpointing_kwargs": kwargs}
+
+
+def trainer_asks_for_checkpointing(args: Any) -> bool:
+    """Whether these `TrainingArguments` ask Trainer to turn checkpointing on."""
+    name = "activation_checkpointing" if has_activation_checkpointing_names() else "gradient_checkpointing"
+    return bool(getattr(args, name, False) or getattr(args, "gradient_checkpointing", False))
