@@ -7,7 +7,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import time
 
 import pytest
@@ -17,7 +16,6 @@ from conftest import add_lora, assert_same_grads, batch, step_grads, tiny_model
 from remat import CheckpointConfig, CheckpointedModel
 from remat.saving import STAGING_PREFIX
 
-HOST = socket.gethostname().replace("-", "_")
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors", "checkpoint_config.json"}
 
 
@@ -144,7 +142,7 @@ def _save_forever_in_a_child(cm, folder, die_at_rename=None):
         os._exit(0)
 
 
-def _check_consistent(folder):
+def _check_consistent(folder, live_staging=False):
     """The folder loads, as one save: the adapters and the config were written together."""
     loaded = CheckpointedModel.from_pretrained(tiny_model(), folder)
     values = _lora_values(loaded.model)
@@ -152,7 +150,7 @@ def _check_consistent(folder):
     (value,) = values
     assert value == int(value) >= 0
     assert loaded.config.every_n_layers == 1 + int(value) % 2, "adapters and config come from different saves"
-    assert _no_staging_left(folder), "the load finished or removed what the crash left"
+    assert live_staging or _no_staging_left(folder), "the load finished or removed what the crash left"
     return int(value)
 
 
@@ -188,24 +186,46 @@ def test_saves_killed_at_random_moments_always_leave_a_loadable_pair(tmp_path):
     assert len(seen) > 1, "the children saved something before they were killed"
 
 
-def test_staging_left_by_a_dead_writer_is_dropped_before_its_commit_and_finished_after(tmp_path):
+def test_a_crashed_commit_is_not_finished_over_a_newer_save(tmp_path):
     out = tmp_path / "out"
     cm = _first_save(out)
-    # A crash before the manifest: a staging folder with half a save in it, left by a process of
-    # this host that no longer runs (pids stop at 2**22 on Linux).
-    half = out / f"{STAGING_PREFIX}{HOST}-4194305-abc"
-    half.mkdir()
-    (half / "adapter_model.safetensors").write_bytes(b"half")
-    cm.save_pretrained(out)
-    assert _no_staging_left(out) and _check_consistent(out) == 0
-    # A crash after the manifest: the new files are moved into place by the next load.
-    _set_lora(cm.model, 7.0)
+    pid = _save_forever_in_a_child(cm, out, die_at_rename=2)  # after the manifest, at the first move
+    os.waitpid(pid, 0)
+    assert not _no_staging_left(out), "the child left a complete, uncommitted save"
+    _set_lora(cm.model, 9.0)
     cm.enable(cm.config.replace(every_n_layers=2))
-    cm.save_pretrained(tmp_path / "new")
-    done = out / f"{STAGING_PREFIX}{HOST}-4194305-def"
-    shutil.copytree(tmp_path / "new", done)
-    (done / "COMMIT").write_text(json.dumps({"files": ["adapter_model.safetensors", "checkpoint_config.json"]}))
-    assert _check_consistent(out) == 7
+    cm.model.save_pretrained(str(out))  # a newer save, written in place (as Trainer saves)
+    assert _check_consistent(out) == 9
+
+
+def test_a_staging_folder_whose_writer_is_alive_is_left_alone(tmp_path):
+    import fcntl
+
+    out = tmp_path / "out"
+    cm = _first_save(out)
+    busy = out / f"{STAGING_PREFIX}busy"
+    busy.mkdir()
+    (busy / "adapter_model.safetensors").write_bytes(b"being written")
+    with open(busy / "LOCK", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # what a writer holds while it saves
+        assert _check_consistent(out, live_staging=True) == 0
+        cm.save_pretrained(out)
+        assert busy.is_dir() and (busy / "adapter_model.safetensors").read_bytes() == b"being written"
+    assert _check_consistent(out) == 0 and _no_staging_left(out), "once its writer is gone, it is removed"
+
+
+def test_a_manifest_naming_paths_outside_the_folder_is_ignored(tmp_path):
+    """A downloaded folder could carry a crafted staging folder: recovery moves nothing out of it."""
+    out = tmp_path / "downloaded"
+    _first_save(out)
+    (tmp_path / "precious.txt").write_text("mine")
+    (out / "precious.txt").write_text("theirs")
+    evil = out / f"{STAGING_PREFIX}evil"
+    evil.mkdir()
+    (evil / "COMMIT").write_text(json.dumps({"files": [{"path": "../precious.txt", "replaces": None}]}))
+    assert _check_consistent(out) == 0
+    assert (tmp_path / "precious.txt").read_text() == "mine" and (out / "precious.txt").read_text() == "theirs"
+    assert not evil.exists()
 
 
 def test_a_mismatched_pair_is_a_clear_error_and_changes_nothing(tmp_path):
@@ -219,6 +239,23 @@ def test_a_mismatched_pair_is_a_clear_error_and_changes_nothing(tmp_path):
     with pytest.raises(ValueError, match=r"adapter_model\.safetensors is not the adapter file .* mixes two saves"):
         CheckpointedModel.from_pretrained(model, tmp_path / "a")
     assert _model_state(model) == before
+
+
+def test_a_bin_save_beside_an_older_safetensors_one_is_refused_not_loaded_stale(tmp_path):
+    cm = _lora_cm()
+    _set_lora(cm.model, 1.0)
+    cm.save_pretrained(tmp_path / "out")
+    _set_lora(cm.model, 2.0)
+    cm.save_pretrained(tmp_path / "out", safe_serialization=False)  # PEFT would load the older .safetensors
+    model = tiny_model()
+    before = _model_state(model)
+    with pytest.raises(
+        ValueError, match=r"adapter_model\.bin, but .*adapter_model\.safetensors .* loads that one first"
+    ):
+        CheckpointedModel.from_pretrained(model, tmp_path / "out")
+    assert _model_state(model) == before
+    os.remove(tmp_path / "out" / "adapter_model.safetensors")
+    assert _lora_values(CheckpointedModel.from_pretrained(model, tmp_path / "out").model) == {2.0}
 
 
 # -- adapters are never lost silently -------------------------------------------------------------
@@ -313,11 +350,11 @@ def test_a_failure_inside_peft_loading_is_undone(tmp_path):
 def test_loading_into_a_model_that_is_already_wrapped_is_refused_before_peft_touches_it(tmp_path):
     _lora_cm().save_pretrained(tmp_path / "out")
     model = tiny_model()
-    CheckpointedModel(model)
+    cm = CheckpointedModel(model)
     before = _model_state(model)
     with pytest.raises(ValueError, match="already wrapped"):
         CheckpointedModel.from_pretrained(model, tmp_path / "out")
-    assert _model_state(model) == before
+    assert _model_state(model) == before and cm.is_enabled
 
 
 def test_a_refused_load_adapter_changes_neither_the_model_nor_the_map(tmp_path):
@@ -338,3 +375,28 @@ def test_a_config_from_a_newer_remat_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint_config\.json has format_version 99.*reads format_version 1"):
         CheckpointedModel.from_pretrained(model, tmp_path / "out")
     assert _model_state(model) == before
+
+
+@pytest.mark.parametrize("adapter", ["default", "second"])
+def test_a_load_adapter_that_fails_inside_peft_is_undone(tmp_path, adapter):
+    """Weights of which some fit and some do not: PEFT copies the ones that fit, then fails;
+    into an existing adapter or a new one, the model comes out as it went in."""
+    from safetensors.torch import load_file, save_file
+
+    from remat.saving import sha256_file
+
+    _lora_cm().save_pretrained(tmp_path / "out")
+    weights = tmp_path / "out" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    save_file({k: v + 1 if i % 2 else torch.zeros(3, 3) for i, (k, v) in enumerate(tensors.items())}, weights)
+    config = json.loads((tmp_path / "out" / "checkpoint_config.json").read_text())
+    config["adapters"]["default"]["sha256"] = sha256_file(str(weights))
+    (tmp_path / "out" / "checkpoint_config.json").write_text(json.dumps(config))
+    cm = _lora_cm()
+    before, values = _model_state(cm.model), _lora(cm.model)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        cm.model.load_adapter(str(tmp_path / "out"), adapter_name=adapter)
+    assert _model_state(cm.model) == before
+    assert _lora(cm.model).keys() == values.keys() and all(
+        torch.equal(_lora(cm.model)[k], v) for k, v in values.items()
+    )

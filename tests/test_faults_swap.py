@@ -65,20 +65,42 @@ def test_an_exception_in_forward_or_recompute_leaves_the_next_steps_exact(where,
     assert cm._swapper.resident_bytes == 0, "every slot went back after the step"
 
 
-def test_a_swap_set_change_between_forward_and_backward_is_refused_and_backward_stays_exact():
-    cm, model = _wrapped()
+def _forward(cm, model):
     for _, p in _trainable(model):
         p.grad = None
     torch.manual_seed(123)
-    loss = cm(**batch()).loss
-    with pytest.raises(RuntimeError, match=r"cannot start swapping layers \[2\].*backward has not"):
-        cm.enable(cm.config.replace(swap_layers=[1, 2, 3]))
-    assert cm.config == SWAP and sorted(cm.swap_stats) == [1, 3]
-    cm.enable(cm.config.replace(swap_layers=[3]))  # bringing weights home is always safe
+    return cm(**batch()).loss
+
+
+def _grads(model):
+    return {n: p.grad for n, p in _trainable(model)}
+
+
+def test_a_checkpointed_layer_may_join_the_swap_between_forward_and_backward_exactly():
+    cm, model = _wrapped()  # layer 2 is checkpointed: its recompute fetches whatever it needs
+    loss = _forward(cm, model)
+    cm.enable(cm.config.replace(swap_layers=[1, 2, 3]))
     loss.backward()
-    assert_same_grads(_reference_grads(), {n: p.grad for n, p in _trainable(model)})
+    assert_same_grads(_reference_grads(), _grads(model))
+
+
+@pytest.mark.parametrize("forward_while", ["layer 2 not checkpointed", "the wrapper disabled"])
+def test_a_layer_whose_weights_a_pending_backward_holds_cannot_join_the_swap(forward_while):
+    config = SWAP.replace(layer_policies={2: "none"})
+    cm, model = _wrapped(config)
+    if forward_while == "the wrapper disabled":
+        cm.disable()
+    loss = _forward(cm, model)
+    wanted = config.replace(swap_layers=[1, 2, 3])
+    with pytest.raises(RuntimeError, match=r"cannot start swapping layers \[.*2.*\].*held by an autograd graph"):
+        cm.enable(wanted)
+    assert cm.config == config and cm.is_enabled == (forward_while != "the wrapper disabled")
+    if cm.is_enabled:
+        cm.enable(config.replace(swap_layers=[3]))  # bringing weights home is always safe
+    loss.backward()
+    assert_same_grads(_reference_grads(), _grads(model))
     del loss
-    cm.enable(cm.config.replace(swap_layers=[1, 2, 3]))  # once the graph is gone, it is allowed
+    cm.enable(wanted)  # once the graph is gone, the layer may join
     assert_same_grads(_reference_grads(), step_grads(cm, _trainable(model), batch())[1])
 
 
@@ -186,7 +208,23 @@ def test_cuda_a_wrapped_cpu_model_moved_with_cuda_swaps_from_pinned_copies_exact
     cm.cuda()
     assert {p.device.type for p in model.parameters()} == {"cuda"}
     assert all(t.is_pinned() for entry in cm._swapper.layers.values() for t in entry.host)
+    cm.to(torch.bfloat16).to(torch.float32)  # dtype moves keep the host copies pinned
+    assert all(t.is_pinned() for entry in cm._swapper.layers.values() for t in entry.host)
     data = {k: v.cuda() for k, v in batch().items()}
     got = step_grads(cm, _trainable(model), data)[1]
-    expected = _reference_grads(data, prepare=lambda m: m.cuda())
+    expected = _reference_grads(data, prepare=lambda m: m.cuda().to(torch.bfloat16).to(torch.float32))
     assert_same_grads(expected, got)
+
+
+def test_adapters_load_into_a_model_with_swapped_layers_even_with_low_cpu_mem_usage(tmp_path):
+    """PEFT's low_cpu_mem_usage loads adapter weights with assign=True: allowed, as they are not
+    swapped weights (only those are refused)."""
+    cm, model = _wrapped()
+    other = add_lora(tiny_model(seed=4))
+    CheckpointedModel(other, SWAP).save_pretrained(tmp_path / "other")
+    model.load_adapter(str(tmp_path / "other"), adapter_name="second", low_cpu_mem_usage=True)
+    model.train()  # PEFT puts the model in eval mode after loading an adapter for inference
+    loaded = {n.replace(".second.", "."): p for n, p in model.named_parameters() if ".second." in n}
+    expected = {n.replace(".default.", "."): p for n, p in other.named_parameters() if ".default." in n}
+    assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
+    assert_same_grads(_reference_grads(), step_grads(cm, _trainable(model), batch())[1])

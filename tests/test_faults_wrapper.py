@@ -127,8 +127,7 @@ def test_data_parallel_replication_with_block_swap_is_refused(monkeypatch):
 # -- host memory ---------------------------------------------------------------------------------
 
 
-def _swap_and_offload():
-    model = add_lora(tiny_model())
+def _swap_and_offload(model):
     config = CheckpointConfig(offload=True, offload_min_bytes=0, swap_layers=[1])
     cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
     step_grads(cm, _trainable(model), batch())
@@ -138,16 +137,24 @@ def _swap_and_offload():
     return cm, model, host
 
 
-def test_a_dropped_wrapper_frees_its_host_memory_without_a_gc_pass():
-    tiny_model()  # transformers keeps a reference to the first model it builds
+@pytest.mark.parametrize("blocks", ["transformers layers", "plain remote-code blocks"])
+def test_a_dropped_wrapper_frees_its_host_memory_without_a_gc_pass(tmp_path, blocks):
+    def build():
+        if blocks == "transformers layers":
+            return add_lora(tiny_model())
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(load_remote(tmp_path), LoraConfig(r=4, target_modules=["q_proj"]))
+
+    build()  # transformers keeps a reference to the first model of a kind it builds
     gc.collect()
     gc.disable()
     try:
-        cm, model, host = _swap_and_offload()
+        cm, model, host = _swap_and_offload(build())
         del cm, model
         assert [r() for r in host] == [None] * len(host)
 
-        cm, model, host = _swap_and_offload()
+        cm, model, host = _swap_and_offload(build())
         state = weakref.ref(cm._state)
         cm.disable()
         assert [r() for r in host] == [None] * len(host), "disable() gives the host memory back"
@@ -229,3 +236,20 @@ def test_a_layer_run_directly_in_training_during_inference_is_refused():
     layer.eval()
     with torch.no_grad():
         layer(hidden, position_embeddings=embeddings, position_ids=position)
+
+
+def test_a_copy_of_the_wrapped_model_alone_can_be_wrapped_again():
+    """TRL's reference models and EMA copies deep-copy the model, not the wrapper: the copy keeps
+    its map until a new wrapper takes it over."""
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    twin = copy.deepcopy(cm.model)
+    counter = RecomputeCounter(decoder_layers(twin))
+    step_grads(twin, _trainable(twin), batch())
+    assert counter.recomputed() == [0, 2]
+    with pytest.raises(ValueError, match="already wrapped"):
+        CheckpointedModel(cm.model)
+    again = CheckpointedModel(twin, CheckpointConfig(every_n_layers=3))
+    counter.reset()
+    _, got = step_grads(again, _trainable(twin), batch())
+    assert counter.recomputed() == [0, 3] and cm.checkpoint_map.checkpointed == [0, 2]
+    assert_same_grads(_reference_grads(), got)

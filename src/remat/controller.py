@@ -9,9 +9,9 @@ keeps its map.
 Installing means, per layer and on the instance only (see `remat.install`): transformers'
 per-layer flag and function for its own layers, a wrapped `forward` for plain blocks, the flag
 of the "holder" modules that turn `use_cache` off while training; plus the route methods, the
-save/load overrides, block swap's placeholders and hooks (`remat.swap`), and two hooks on the
-model: one before each forward that re-applies the map if the model was put back into training
-behind the wrapper's back, one after it that notes a backward is owed (`remat.pending`).
+save/load overrides, block swap's placeholders and hooks (`remat.swap`), and a hook before each
+forward of the model that re-applies the map if the model was put back into training behind the
+wrapper's back.
 Everything set is recorded and restored by `disable()`.
 """
 
@@ -30,12 +30,11 @@ from .integrations.routes import RouteOverrides, config_from_route, describe_cha
 from .layers import Discovery
 from .offload import Offloader
 from .patches import InstancePatches
-from .pending import PendingBackward
 from .persistence import SaveLoadOverrides
 from .plan import CheckpointMap, plan_layers
 from .recompute import RecomputeCheckpoint, run_without_checkpoint
-from .refs import Ref
-from .swap import WeightSwapper, check_swappable
+from .refs import LocalRef, Ref
+from .swap import WeightSwapper, check_swappable, weights_in_use
 
 logger = logging.getLogger("remat")
 
@@ -64,7 +63,6 @@ class Controller:
         self.inference = False
         self.offloader = offloader
         self.swapper = swapper
-        self.pending = PendingBackward()
         self._states: list[FlagInstall | ForwardInstall] = []
         self._routes = RouteOverrides()
         self._save_load = SaveLoadOverrides()
@@ -73,6 +71,13 @@ class Controller:
         self._guards: list[Any] = []
         self._mode_stack: list[_Mode] = []
         self._mode_before_call: _Mode | None = None
+        self.wrapper: LocalRef[nn.Module] | None = None  # the CheckpointedModel, if it still exists
+
+    @property
+    def orphaned(self) -> bool:
+        """No CheckpointedModel holds this state any more (it was dropped, or the model was copied
+        without it): a new wrapper may take the model over."""
+        return self.wrapper is None or self.wrapper() is None
 
     @property
     def model(self) -> nn.Module:
@@ -91,7 +96,7 @@ class Controller:
         if self.is_enabled:
             self.replan(config, off_by=None, cause="enable()")
             return
-        # Everything that can refuse (plan, swap checks, pending backward, host memory) comes
+        # Everything that can refuse (plan, swap checks, weights in use, host memory) comes
         # before anything is patched.
         new_map = plan_layers(config, self.discovery.names)
         self._check_swap_change(new_map)
@@ -131,9 +136,8 @@ class Controller:
         self._save_load.install(self, model)
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward),
-            model.register_forward_hook(self._after_forward),
         ]
-        object.__setattr__(model, "_remat_owner", True)
+        object.__setattr__(model, "_remat_owner", self)  # the model keeps its state alive
         self._exclude_swapped_from_ddp_sync()
         self.apply_map()
 
@@ -166,16 +170,17 @@ class Controller:
 
     def _check_swap_change(self, new_map: CheckpointMap) -> None:
         """Refuse, before anything changes, a swap that cannot be made (trainable or sharded
-        weights) or that would move weights a pending backward still needs."""
+        weights) or that would move weights something still holds (see `weights_in_use`)."""
         joining = [t for t in swap_targets(self.discovery, new_map) if t[0] not in self.swapper.layers]
         if not joining:
             return
         check_swappable(joining, self.model)
-        if self.pending.pending:
+        held = weights_in_use(joining, self.model)
+        if held:
             raise RuntimeError(
-                f"cannot start swapping layers {[t[0] for t in joining]} now: a forward ran with gradients and its "
-                "backward has not (autograd still holds those weights, and moving them would change the gradients). "
-                "Call backward first, or drop the outputs of that forward; nothing was changed"
+                f"cannot start swapping layers {[t[0] for t in joining]} now: {held[0]} (and {len(held) - 1} more) is "
+                "held by an autograd graph whose backward has not run (a forward with gradients), and moving it out "
+                "would change those gradients. Call backward first, or drop that forward's outputs; nothing was changed"
             )
 
     def _swap_to(self, new_map: CheckpointMap) -> None:
@@ -275,10 +280,6 @@ class Controller:
             logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
             self.inference = False
             self.apply_map()
-
-    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.is_grad_enabled():
-            self.pending.track(output)
 
     # -- routes and saved configs -------------------------------------------------------------
 

@@ -49,6 +49,24 @@ def add_lora(model):
     return get_peft_model(model, lora)
 
 
+def byte_tokenizer():
+    """A tokenizer whose ids are the bytes of the text (as `batches` reads it), built here with
+    no download: `<pad>`, `<s>` and `</s>` take ids 0, 1 and 2 (bytes that text never holds), the
+    other 253 bytes their own value. It fits any model with a vocabulary of 256."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    # GPT-2's byte-level alphabet: the printable character that stands for each byte.
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    stand_in = {b: chr(b) for b in printable} | {b: chr(256 + i) for i, b in enumerate(others)}
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2} | {stand_in[b]: b for b in range(3, 256)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
 def batches(text: bytes, seq: int, size: int, seed: int):
     data = torch.tensor(list(text), dtype=torch.long)
     generator = torch.Generator().manual_seed(seed)

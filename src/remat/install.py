@@ -150,30 +150,45 @@ class ForwardInstall(_Installed):
             restore_attributes(module, self.saved)
 
 
-class CheckpointingForward(_Installed):
-    """What a plain block's `forward` is while remat wraps it (stored on the module, so it holds
-    the module weakly)."""
+class _OnTheModule(_Installed):
+    """What remat puts on a plain block (its `forward`, its `_replicate_for_data_parallel`). It
+    lives on the module, so it holds the module and its `ForwardInstall` (which holds it) weakly:
+    no reference cycle through the layer keeps the offloader's host memory alive. The install
+    lives as long as the controller that made it, which the model's hooks keep alive."""
 
     def __init__(self, install: ForwardInstall, module: nn.Module):
         super().__init__(module)
-        self.install = install
+        self._install = Ref(install)
+
+    @property
+    def install(self) -> ForwardInstall:
+        install = self._install()
+        if install is None:
+            raise RuntimeError("remat: this layer's checkpointing was removed while it was still called")
+        return install
+
+
+class CheckpointingForward(_OnTheModule):
+    """What a plain block's `forward` is while remat wraps it."""
+
+    def __init__(self, install: ForwardInstall, module: nn.Module):
+        super().__init__(install, module)
         self.__name__ = "forward"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.install.run(self.module, *args, **kwargs)
+        install, module = self._install(), self.module
+        if install is None:  # remat was disabled, and something that kept this wrapper still calls it
+            return type(module).forward(module, *args, **kwargs)
+        return install.run(module, *args, **kwargs)
 
     @property
     def __signature__(self) -> inspect.Signature:
-        return inspect.signature(self.install.original_forward(self.module))
+        return inspect.signature(type(self.module).forward.__get__(self.module))
 
 
-class _ReplicateWithForward(_Installed):
+class _ReplicateWithForward(_OnTheModule):
     """`module._replicate_for_data_parallel()` for a wrapped plain block: torch's replica, whose
     forward runs the replica (the copied `__dict__` would run the original)."""
-
-    def __init__(self, install: ForwardInstall, module: nn.Module):
-        super().__init__(module)
-        self.install = install
 
     def __call__(self) -> nn.Module:
         module = self.module

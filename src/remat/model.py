@@ -35,6 +35,7 @@ from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
 from .persistence import load_checkpointed_model, save_checkpointed_model
 from .plan import CheckpointMap, describe_map, plan_layers
+from .refs import LocalRef
 from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
 
 if TYPE_CHECKING:
@@ -54,7 +55,8 @@ def _check_model(model: Any) -> None:
             f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
             f"{type(model).__name__} contains no PreTrainedModel"
         )
-    if getattr(model, "_remat_owner", None) is not None:
+    owner = model.__dict__.get("_remat_owner")
+    if owner is not None and not owner.orphaned:
         raise ValueError("this model is already wrapped by another CheckpointedModel; call its disable() first")
 
 
@@ -179,12 +181,20 @@ class CheckpointedModel(nn.Module):
             offload_host_budget=offload_host_budget,
         )
         budget = None if offload_host_budget is None else parse_bytes(offload_host_budget, "offload_host_budget")
+        orphan = model.__dict__.get("_remat_owner")
+        if orphan is not None:
+            logger.warning(
+                "this model still carries the checkpointing of a CheckpointedModel that no longer exists (dropped, "
+                "or the model is a copy of a wrapped one); the new wrapper takes over and replaces it"
+            )
+            orphan.disable()
         super().__init__()
         self.model = model
         offloader = Offloader(config.offload_min_bytes, offload_transport, budget)
         checkpoint_map = plan_layers(config, discovery.names)
         # A plain attribute (not a submodule): the controller holds the model weakly.
         self._state = Controller(model, config, discovery, checkpoint_map, offloader, WeightSwapper(swap_mover))
+        self._state.wrapper = LocalRef(self)
         self._state.enable(config)
 
     @classmethod
@@ -216,6 +226,11 @@ class CheckpointedModel(nn.Module):
         if check_swap:
             check_swappable(swap_targets(discovery, checkpoint_map), model)
         return discovery
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy or an unpickled wrapper owns the copy of the state it carries."""
+        super().__setstate__(state)
+        self._state.wrapper = LocalRef(self)
 
     # -- delegation (PEFT's pattern) -----------------------------------------------------------
 

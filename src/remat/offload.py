@@ -260,16 +260,26 @@ class HostPool:
 
     def release(self, buffer: torch.Tensor, last_use: Event | None) -> bool:
         """Put `buffer` back into the pool. If the pool was cleared since it was taken (a graph
-        that outlived `clear()`), it is not pooled but forgotten; True then means it was the
-        last pinned buffer still out, and the caller, once it has dropped its reference, calls
-        the transport's `return_freed_host_memory()` (once for all of them, not per buffer)."""
-        if not self._draining:
-            self._returned.append((buffer, last_use))
-            return False
-        size = self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
-        if last_use is not None:
-            last_use.synchronize()
-        return size > 0 and not self._sizes
+        that outlived `clear()`), it is not pooled but forgotten; True then means the last
+        pinned buffer is now free, and the caller, once it has dropped its reference, calls the
+        transport's `return_freed_host_memory()` (once for all of them, not per buffer)."""
+        self._returned.append((buffer, last_use))
+        return self._forget_returned() if self._draining else False
+
+    def _forget_returned(self) -> bool:
+        """While draining: free what came back (whoever pops a buffer frees it: no lock needed).
+        True if that left no pinned buffer alive."""
+        freed = False
+        while True:
+            try:
+                buffer, last_use = self._returned.popleft()
+            except IndexError:
+                break
+            if last_use is not None:
+                last_use.synchronize()
+            freed |= self._sizes.pop(buffer.untyped_storage().data_ptr(), 0) > 0
+            del buffer, last_use
+        return freed and not self._sizes
 
     def clear(self) -> int:
         """Free every pooled buffer (after its last copy finished), and every buffer a pending
@@ -285,7 +295,7 @@ class HostPool:
                 last_use.synchronize()
             freed += self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
             del buffer, last_use  # the pool held the last reference
-        if freed:
+        if self._forget_returned() or freed:  # a buffer may have come back while this ran
             self.transport.return_freed_host_memory()
         return freed
 
@@ -301,7 +311,7 @@ class HostPool:
 
     def pooled(self) -> list[torch.Tensor]:
         """The buffers in the pool now (returned ones included)."""
-        return [buffer for buffer, _ in (*self.free, *self._returned)]
+        return [buffer for buffer, _ in list(self.free) + list(self._returned)]
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError("a HostPool holds host buffers of one process and cannot be copied; copy its Offloader")

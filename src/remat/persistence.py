@@ -27,6 +27,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .config import CONFIG_NAME, CheckpointConfig
 from .patches import InstancePatches
 from .saving import read_json_object, recover_staging, sha256_file, staged_save, write_json_atomically
@@ -151,6 +153,12 @@ def adapters_to_load(saved: Saved) -> list[SavedAdapter]:
         )
     for adapter in saved.adapters:
         weights, config = adapter.path(saved.folder), adapter.path(saved.folder, ADAPTER_CONFIG)
+        preferred = adapter.path(saved.folder, ADAPTER_WEIGHTS[0])
+        if adapter.weights != ADAPTER_WEIGHTS[0] and os.path.isfile(preferred):
+            raise ValueError(
+                f"{saved.file} was saved with {weights}, but {preferred} (from another save) is beside it and PEFT "
+                f"loads that one first; remove {os.path.basename(preferred)} or save again. Nothing was loaded"
+            )
         for needed in (weights, config):
             if not os.path.isfile(needed):
                 raise FileNotFoundError(f"{saved.file} names adapter {adapter.name!r}, but {needed} is missing")
@@ -346,8 +354,8 @@ def _tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
 
 class _ModelChanges:
     """What loading adapters may change on a model, recorded so a failure can put it back:
-    which module sits where (PEFT replaces targets by its layers), requires_grad, and the
-    adapters a PeftModel has."""
+    which module sits where (PEFT replaces targets by its layers), requires_grad, the adapters
+    a PeftModel has and their weights (loading into an existing adapter overwrites them)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -355,6 +363,8 @@ class _ModelChanges:
         self.requires_grad = [(p, p.requires_grad) for p in model.parameters()]
         self.attributes = set(model.__dict__)
         self.adapters = list(model.peft_config) if is_peft_model(model) else None
+        marks = [f".{name}." for name in self.adapters or ()]
+        self.values = [(p, p.detach().clone()) for n, p in model.named_parameters() if any(m in n for m in marks)]
 
     def revert(self) -> None:
         if self.adapters is not None:
@@ -367,6 +377,9 @@ class _ModelChanges:
             module._modules.update(children)
         for param, flag in self.requires_grad:
             param.requires_grad_(flag)
+        with torch.no_grad():
+            for param, value in self.values:
+                param.copy_(value)
         for name in set(self.model.__dict__) - self.attributes:
             if name == "_require_grads_hook":
                 self.model._require_grads_hook.remove()
@@ -411,7 +424,13 @@ class _LoadAdapterWithConfig:
                 saved = read_saved(folder)
                 check_layers_match(saved.layers, [p.name for p in self.owner.checkpoint_map], saved.file)
                 adapters_to_load(saved)
-        result = original_method(self.owner.model, "load_adapter")(model_id, *args, **kwargs)
+        model = self.owner.model
+        undo = _ModelChanges(model)
+        try:
+            result = original_method(model, "load_adapter")(model_id, *args, **kwargs)
+        except BaseException:
+            undo.revert()  # PEFT failed halfway (a half-added adapter): the model is as it was
+            raise
         if saved is not None:
             self.owner.adopt_saved_config(saved.config, f"load_adapter({folder})")
         return result

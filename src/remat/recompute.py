@@ -135,7 +135,8 @@ class RecomputeCheckpoint:
         self.preserve_rng_state = preserve_rng_state
         self.offloader = offloader
         self.offload = offload and offloader is not None
-        self.swapper = swapper if swapper is not None and index in swapper.layers else None
+        # Asked at recompute time, not now: the swapped set may change between forward and backward.
+        self.swapper = swapper
         self.state = _LayerState(module) if module is not None else None
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

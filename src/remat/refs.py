@@ -42,3 +42,13 @@ class _Dead:
 
 def _dead() -> _Dead:
     return _Dead()
+
+
+class LocalRef(Ref[T]):
+    """A weak reference that copies and pickles as a dead one: for the wrapper a model's state
+    belongs to, which a copy of the model alone does not have."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> Any:
+        return (_dead, ())

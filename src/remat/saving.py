@@ -5,27 +5,26 @@ anything else there (a training log, `checkpoint-500/`, the user's README). A cr
 moment leaves either the previous save or the new one, never a mix:
 
 1. every file of the save is written into a staging folder inside the target folder
-   (`.remat-staging-<host>-<pid>-<random>/`), so the final renames stay on one file system;
+   (`.remat-staging-<random>/`, locked by its writer), so the final renames stay on one file system;
 2. once all of them are on disk, a manifest (`COMMIT`) naming them is written there, atomically;
 3. each file is renamed into place; then the staging folder, which holds nothing else, goes.
 
 A crash before step 2 leaves the target untouched (the staging folder is dropped by the next
 save or load); a crash after it is finished by the next save or load ("rolled forward"), which
-moves the remaining files into place. A staging folder whose writer is still alive (another
-process on this host saving right now) is left alone.
+moves the remaining files into place, unless a newer save has written them since. A staging
+folder whose writer is still alive (it holds the folder's lock) is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
-import socket
 import tempfile
-import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,7 +32,7 @@ logger = logging.getLogger("remat")
 
 STAGING_PREFIX = ".remat-staging-"
 _MANIFEST = "COMMIT"
-_FOREIGN_STAGING_AGE = 3600  # seconds
+_LOCK = "LOCK"
 
 
 def write_json_atomically(path: str, text: str) -> None:
@@ -89,43 +88,84 @@ def staged_save(target: str, write: Callable[[str], Iterable[str] | None], *, ke
     """
     os.makedirs(target, exist_ok=True)
     recover_staging(target)
-    staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{_writer_id()}-", dir=target)
+    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target)
+    lock = _lock(staging, wait=True)  # held until the commit is done: the folder is in use
     try:
-        order = write(staging)
-        files = list(order) if order is not None else _files_under(staging)
-        keep = set(keep)
-        files = [f for f in files if not (f in keep and os.path.exists(os.path.join(target, f)))]
-        for relative in files:
-            _fsync_file(os.path.join(staging, relative))
-        write_json_atomically(os.path.join(staging, _MANIFEST), json.dumps({"files": files}))
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    _commit(staging, target, files)
+        try:
+            order = write(staging)
+            files = list(order) if order is not None else _files_under(staging)
+            keep = set(keep)
+            files = [f for f in files if not (f in keep and os.path.exists(os.path.join(target, f)))]
+            for relative in files:
+                _fsync_file(os.path.join(staging, relative))
+            # Each file with the state of the one it replaces: recovery finishes this commit only
+            # if nothing newer was written there since (see `recover_staging`).
+            manifest = [{"path": f, "replaces": _state(os.path.join(target, f))} for f in files]
+            write_json_atomically(os.path.join(staging, _MANIFEST), json.dumps({"files": manifest}))
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        _commit(staging, target, files)
+    finally:
+        lock.close()
     return files
 
 
 def recover_staging(target: str) -> None:
-    """Finish the commits and drop the half-written stagings that crashed saves left in `target`."""
+    """Finish the commits and drop the half-written stagings that crashed saves left in `target`.
+
+    A staging folder is left alone while its writer lives (it holds the folder's lock: another
+    process, or another thread of this one). A commit is finished only if the files it was
+    about to replace are still the ones it saw; if a newer save has written there since, the
+    older one is dropped.
+    """
     if not os.path.isdir(target):
         return
     for name in sorted(os.listdir(target)):
         staging = os.path.join(target, name)
-        if not (name.startswith(STAGING_PREFIX) and os.path.isdir(staging)) or _writer_alive(staging):
+        if not name.startswith(STAGING_PREFIX) or os.path.islink(staging) or not os.path.isdir(staging):
             continue
-        manifest = os.path.join(staging, _MANIFEST)
-        if os.path.isfile(manifest):
-            try:
-                with open(manifest, encoding="utf-8") as handle:
-                    files = json.load(handle)["files"]
-            except (OSError, ValueError, KeyError, TypeError):
-                files = None  # a manifest is written atomically: unreadable means not ours
-            if files is not None:
+        try:
+            lock = _lock(staging, wait=False)
+        except OSError:
+            continue  # another writer holds it, or the folder cannot be written: leave it
+        try:
+            entries = _read_manifest(staging, target)
+            remaining = [e for e in entries or () if os.path.lexists(os.path.join(staging, e["path"]))]
+            if entries is None:
+                logger.warning("%s: removing the staging folder of a save that was interrupted (%s)", target, name)
+            elif any(_state(os.path.join(target, e["path"])) != e["replaces"] for e in remaining):
+                logger.warning("%s: a newer save overtook an interrupted one (%s); dropping the older", target, name)
+            else:
                 logger.warning("%s: finishing a save that was interrupted after it was complete on disk", target)
-                _commit(staging, target, [f for f in files if os.path.exists(os.path.join(staging, f))])
+                _commit(staging, target, [e["path"] for e in remaining])
                 continue
-        logger.warning("%s: removing the staging folder of a save that was interrupted (%s)", target, name)
-        shutil.rmtree(staging, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
+        finally:
+            lock.close()
+
+
+def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
+    """The manifest's entries, or None if there is none (the save never completed) or it is
+    not one remat wrote: every path must stay inside the staging and target folders."""
+    try:
+        with open(os.path.join(staging, _MANIFEST), encoding="utf-8") as handle:
+            entries = json.load(handle)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(entries, list):
+        return None
+    roots = [os.path.realpath(staging), os.path.realpath(target)]
+    for entry in entries:
+        path = entry.get("path") if isinstance(entry, dict) else None
+        if not isinstance(path, str) or os.path.isabs(path) or os.path.normpath(path) != path:
+            return None
+        if ".." in path.split(os.sep) or path.startswith(STAGING_PREFIX) or os.path.islink(os.path.join(staging, path)):
+            return None
+        for root in roots:
+            if not os.path.realpath(os.path.join(root, path)).startswith(root + os.sep):
+                return None
+    return entries
 
 
 def _commit(staging: str, target: str, files: list[str]) -> None:
@@ -137,7 +177,16 @@ def _commit(staging: str, target: str, files: list[str]) -> None:
         folders.add(os.path.dirname(destination))
     for folder in folders:
         _fsync_folder(folder)
-    shutil.rmtree(staging, ignore_errors=True)  # the manifest and what was not committed (kept files)
+    shutil.rmtree(staging, ignore_errors=True)  # the manifest, the lock and what was not committed
+
+
+def _state(path: str) -> list[int] | None:
+    """What a file is, to tell later whether it was rewritten: size and modification time."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return [stat.st_size, stat.st_mtime_ns]
 
 
 def _files_under(folder: str) -> list[str]:
@@ -146,34 +195,20 @@ def _files_under(folder: str) -> list[str]:
     found = []
     for root, _, names in os.walk(folder):
         found += [os.path.relpath(os.path.join(root, n), folder) for n in names]
+    found = [f for f in found if f not in (_MANIFEST, _LOCK)]
     return sorted(found, key=lambda f: (f == CONFIG_NAME, f))
 
 
-def _writer_id() -> str:
-    return f"{socket.gethostname().replace('-', '_')}-{os.getpid()}"
-
-
-def _writer_alive(staging: str) -> bool:
-    """Whether the process that made this staging folder may still be writing into it: on this
-    host, whether that process runs; from another host (a shared file system), whether the
-    folder changed in the last hour."""
-    parts = os.path.basename(staging)[len(STAGING_PREFIX) :].split("-")
-    if len(parts) < 3 or not parts[1].isdigit():
-        return False
-    if parts[0] != socket.gethostname().replace("-", "_"):
-        with contextlib.suppress(OSError):
-            return time.time() - os.stat(staging).st_mtime < _FOREIGN_STAGING_AGE
-        return False
-    pid = int(parts[1])
-    if pid == os.getpid():
-        return False  # this process is not saving into it now: it is left from an earlier save
+def _lock(staging: str, *, wait: bool) -> Any:
+    """An exclusive lock on the staging folder's lock file (raises OSError if `wait` is False
+    and someone holds it). Closing the returned file releases it; so does the holder's death."""
+    handle = open(os.path.join(staging, _LOCK), "a+b")  # noqa: SIM115 - held across the commit
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except BaseException:
+        handle.close()
+        raise
+    return handle
 
 
 def _fsync_file(path: str) -> None:

@@ -148,6 +148,22 @@ def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module |
             raise BlockSwapError(f"layer {index} ({name}) has no frozen weights of its own to swap")
 
 
+def weights_in_use(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -> list[str]:
+    """The frozen weights of these layers that something besides their parameter holds: above
+    all an autograd graph whose backward has not run, which saved them when a layer ran without
+    checkpointing (torch counts those holders on the tensor itself). Swapping such a weight out
+    would change what that backward computes. A checkpointed layer saves no weights (its
+    recompute fetches them again), so it never shows here."""
+    owners = _parameter_owners(model)
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    return [
+        names.get(id(p), f"layer {index}")
+        for index, name, layer in layers
+        for p in _own_frozen_params(layer, name, owners)
+        if p._use_count() > 1
+    ]
+
+
 def _own_frozen_params(layer: nn.Module, name: str, owners: dict[int, set[str]]) -> list[nn.Parameter]:
     """The frozen parameters held by this layer alone (tied or shared weights stay resident)."""
     inside = {name} | {f"{name}.{n}" for n, _ in layer.named_modules() if n}
@@ -196,6 +212,7 @@ class WeightSwapper:
         self._callback_queued = False
         self._model_patches = InstancePatches()
         self._model_handles: list[Any] = []
+        self._swapped_names: set[str] = set()  # the swapped parameters' names in the model
 
     def __reduce__(self) -> Any:
         """A copy of a wrapper that swaps nothing gets a swapper of its own, with the same mover
@@ -224,6 +241,8 @@ class WeightSwapper:
             self._move_out(entry, module)
             self.layers[entry.index] = entry
         self.layers = dict(sorted(self.layers.items()))
+        swapped = {id(p) for entry in self.layers.values() for p in entry.params}
+        self._swapped_names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in swapped}
         self._forget_unused_slots()
         if self.layers and not self._model_handles:
             self._guard_model(model)
@@ -451,6 +470,10 @@ class WeightSwapper:
     def _load_pre_hook(self, index: int):
         def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
             entry = self.layers[index]
+            mine = {id(p) for p in entry.params}
+            names = [prefix + n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in mine]
+            if not any(name in state_dict for name in names):
+                return  # nothing of this layer's swapped weights is loaded (adapter weights, say)
             if local_metadata.get("assign_to_params_buffers"):
                 raise RuntimeError(_assign_refusal([entry.index]))
             # torch copies the loaded values into `p.data`: point it at the host copy for the load.
@@ -488,7 +511,8 @@ class WeightSwapper:
         hosts, placeholders = [], []
         for host, old, probe in zip(entry.host, entry.placeholders, probes, strict=True):
             converted = host.to(dtype=probe.dtype)
-            if probe.device.type != old.device.type:  # e.g. .cuda(): the host copy is now pinned
+            if probe.device.type != old.device.type or (host.is_pinned() and not converted.is_pinned()):
+                # e.g. .cuda(), or a dtype change of a pinned copy: the new copy is made (pinned) by the mover
                 converted = self._mover_for(probe.device).host_copy(converted)
             hosts.append(converted)
             placeholders.append(_placeholder(old.shape, probe.dtype, probe.device))
@@ -513,7 +537,9 @@ class WeightSwapper:
         self._model_patches.undo()
 
     def _root_load_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args):
-        if local_metadata.get("assign_to_params_buffers") and self.layers:
+        """Refuse before any module loads (the layers' own hooks would refuse halfway through)."""
+        swapped_loaded = any(prefix + n in state_dict for n in self._swapped_names)
+        if local_metadata.get("assign_to_params_buffers") and swapped_loaded:
             raise RuntimeError(_assign_refusal(list(self.layers)))
 
     def _merge_refusal(self, *args: Any, **kwargs: Any) -> None:

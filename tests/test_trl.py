@@ -1,0 +1,175 @@
+"""TRL's trainers (GRPO, SFT, DPO) with `model=cm` and `model=cm.model`, run for real on a tiny
+model with a byte tokenizer built locally: the map holds at every optimizer step through TRL's
+generation and reference-pass toggles, checkpoints carry it, resuming restores it.
+
+"Which layers ran again inside backward" is measured per optimizer step: a layer that starts
+while autograd's engine is running a backward is being recomputed."""
+
+import os
+
+import pytest
+import torch
+from conftest import add_lora, tiny_model
+from transformers import TrainerCallback
+
+from remat import CheckpointConfig, CheckpointedModel, remat_trainer_class
+from remat.demo import byte_tokenizer
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+EVERY_2ND = [0, 2, 4]
+
+
+def _model():
+    return add_lora(tiny_model(num_hidden_layers=6, vocab_size=256, attention_dropout=0.0), dropout=0.0)
+
+
+class RecomputedPerStep(TrainerCallback):
+    """The layers that started inside a backward, for each optimizer step."""
+
+    def __init__(self, cm):
+        self.steps, self._seen = [], set()
+        for index, layer in enumerate(cm.layers):
+            next(iter(layer.children())).register_forward_pre_hook(self._hook(index))
+
+    def _hook(self, index):
+        def hook(module, args):
+            if torch._C._current_graph_task_id() != -1:  # autograd's engine is running a backward
+                self._seen.add(index)
+
+        return hook
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps.append(sorted(self._seen))
+        self._seen = set()
+
+
+def _lora(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n and ".default." in n}
+
+
+def _common(tmp_path, **extra):
+    return {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 3,
+        "per_device_train_batch_size": 4,
+        "learning_rate": 1e-2,
+        "logging_steps": 1,
+        "save_steps": 3,
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        **extra,
+    }
+
+
+def _grpo(tmp_path, cm, hand, checkpointing_kwargs=None, **extra):
+    def reward(completions, **kwargs):  # varies between completions, so advantages are not zero
+        return [float(sum(c.encode()) % 7) for c in completions]
+
+    args = trl.GRPOConfig(
+        num_generations=2,
+        max_completion_length=6,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs=checkpointing_kwargs,
+        **_common(tmp_path, **extra),
+    )
+    data = datasets.Dataset.from_dict({"prompt": ["The cat", "A dog", "Hello", "Once upon"] * 4})
+    counter = RecomputedPerStep(cm)
+    cls = remat_trainer_class(trl.GRPOTrainer) if hand == "cm" else trl.GRPOTrainer
+    model = cm if hand == "cm" else cm.model
+    trainer = cls(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=data,
+        processing_class=byte_tokenizer(),
+        callbacks=[counter],
+    )
+    return trainer, counter
+
+
+@pytest.mark.parametrize("hand", ["cm", "cm.model"])
+@pytest.mark.parametrize("where", ["wrapper config", "GRPOConfig kwargs"])
+def test_grpo_recomputes_exactly_layers_0_2_4_at_every_step_through_generation_toggles(tmp_path, hand, where):
+    config = CheckpointConfig(every_n_layers=2) if where == "wrapper config" else CheckpointConfig()
+    cm = CheckpointedModel(_model(), config)
+    kwargs = {"every_n_layers": 2} if where == "GRPOConfig kwargs" else None
+    trainer, counter = _grpo(tmp_path, cm, hand, kwargs)
+    toggles = []
+    route = cm.model.base_model.model
+    original = route.gradient_checkpointing_disable
+    route.gradient_checkpointing_disable = lambda: (toggles.append(1), original())[1]
+    before = _lora(cm.model)
+    trainer.train()
+    assert counter.steps == [EVERY_2ND] * 3
+    assert len(toggles) >= 3, "TRL turned checkpointing off for generation at every step"
+    assert cm.checkpoint_map.checkpointed == EVERY_2ND
+    after = _lora(cm.model)
+    assert any(not torch.equal(before[name], after[name]) for name in before), "the LoRA weights trained"
+    files = set(os.listdir(tmp_path / "out" / "checkpoint-3"))
+    assert {"adapter_model.safetensors", "adapter_config.json", "checkpoint_config.json"} <= files
+    assert "model.safetensors" not in files
+
+
+def test_grpo_with_a_kl_term_uses_the_adapter_as_reference_not_a_second_model(tmp_path):
+    cm = CheckpointedModel(_model(), CheckpointConfig(every_n_layers=2))
+    trainer, counter = _grpo(tmp_path, cm, "cm", beta=0.1)
+    assert trainer.ref_model is None and "ref" in cm.model.peft_config
+    trainer.train()
+    assert counter.steps == [EVERY_2ND] * 3
+    assert trainer.model is cm.model and trainer.checkpointed_model is cm
+
+
+def _sft(tmp_path, cm, steps, resume=None):
+    args = trl.SFTConfig(
+        max_length=32,
+        gradient_checkpointing=True,
+        **_common(tmp_path, max_steps=steps, save_steps=2),
+    )
+    text = "the quick brown fox jumps over the lazy dog. " * 3
+    data = datasets.Dataset.from_dict({"text": [text[i:] for i in range(16)]})
+    counter = RecomputedPerStep(cm)
+    trainer = remat_trainer_class(trl.SFTTrainer)(
+        model=cm, args=args, train_dataset=data, processing_class=byte_tokenizer(), callbacks=[counter]
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer, counter
+
+
+def test_sft_resumes_into_a_differently_configured_wrapper_with_the_saved_map_and_step(tmp_path):
+    saved = CheckpointConfig(every_n_layers=2)
+    first, counter = _sft(tmp_path, CheckpointedModel(_model(), saved), steps=2)
+    assert counter.steps == [EVERY_2ND] * 2
+    assert "checkpoint_config.json" in os.listdir(tmp_path / "out" / "checkpoint-2")
+
+    cm = CheckpointedModel(_model(), CheckpointConfig(every_n_layers=1))
+    resumed, counter = _sft(tmp_path, cm, steps=4, resume=str(tmp_path / "out" / "checkpoint-2"))
+    assert cm.config == saved and resumed.state.global_step == 4
+    assert counter.steps == [EVERY_2ND] * 2, "the two steps after the saved one, with the saved map"
+
+
+def test_dpo_keeps_the_map_through_its_reference_pass_at_every_step(tmp_path):
+    cm = CheckpointedModel(_model(), CheckpointConfig(every_n_layers=2))
+    args = trl.DPOConfig(
+        max_length=32,
+        gradient_checkpointing=True,
+        gradient_checkpointing_kwargs={"use_reentrant": False},
+        **_common(tmp_path),
+    )
+    data = datasets.Dataset.from_dict(
+        {
+            "prompt": ["Say yes:", "Say no:", "Pick one:", "Answer:"] * 2,
+            "chosen": [" yes", " no", " one", " it"] * 2,
+            "rejected": [" no", " yes", " two", " not"] * 2,
+        }
+    )
+    counter = RecomputedPerStep(cm)
+    trainer = remat_trainer_class(trl.DPOTrainer)(
+        model=cm, args=args, train_dataset=data, processing_class=byte_tokenizer(), callbacks=[counter]
+    )
+    assert trainer.ref_model is None, "the reference is the model with its adapter disabled"
+    trainer.train()
+    assert counter.steps == [EVERY_2ND] * 3
+    assert cm.checkpoint_map.checkpointed == EVERY_2ND
