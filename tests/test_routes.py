@@ -120,9 +120,20 @@ def test_bad_route_calls_are_clear_errors_that_change_nothing(kwargs, error):
     before_map, before_hooks = cm.checkpoint_map, hook_snapshot(model)
     with pytest.raises(error) as info:
         model.gradient_checkpointing_enable(**kwargs)
-    assert "gradient_checkpointing_enable" in str(info.value) or error is NotImplementedError
+    assert "gradient_checkpointing_enable" in str(info.value)
     assert cm.config == config and cm.checkpoint_map == before_map
     assert hook_snapshot(model) == before_hooks
+    assert _recomputed(cm, model) == [0, 2]
+
+
+def test_a_refused_enable_after_a_generation_toggle_says_checkpointing_is_still_off():
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    model.gradient_checkpointing_disable()  # what TRL does before generating
+    with pytest.raises(ValueError, match=r"still OFF \(turned off by gradient_checkpointing_disable\(\)\)"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"determinism_check": "none"})
+    assert cm.checkpoint_map.checkpointed == []
+    model.gradient_checkpointing_enable()
     assert _recomputed(cm, model) == [0, 2]
 
 
@@ -149,21 +160,25 @@ def test_routes_through_peft_model_and_wrapper_reach_the_map():
     assert _recomputed(cm, peft_model) == []
 
 
-def test_peft_prepare_model_for_kbit_training_on_a_quantized_model():
-    """PEFT's k-bit preparation calls gradient_checkpointing_enable; on a real 8-bit model
-    (bitsandbytes runs on CPU) that call must land in the map, with the user's every_n_layers."""
-    import tempfile
-
+def _quantized_8bit(folder):
+    """A real 8-bit model: bitsandbytes runs on the CPU."""
     import bitsandbytes  # noqa: F401  (a test dependency: the quantized model needs it)
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    with tempfile.TemporaryDirectory() as folder:
-        tiny_model("llama", attention_dropout=0.0, hidden_size=64, intermediate_size=128).save_pretrained(folder)
-        quantized = AutoModelForCausalLM.from_pretrained(
-            folder, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu"
-        )
+    tiny_model("llama", attention_dropout=0.0, hidden_size=64, intermediate_size=128).save_pretrained(folder)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        folder, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu"
+    )
     assert quantized.is_loaded_in_8bit
+    return quantized
+
+
+def test_peft_prepare_model_for_kbit_training_on_a_quantized_model(tmp_path):
+    """PEFT's k-bit preparation calls gradient_checkpointing_enable; on a real 8-bit model
+    that call must land in the map, with the user's every_n_layers."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    quantized = _quantized_8bit(tmp_path)
     cm = CheckpointedModel(quantized, CheckpointConfig(every_n_layers=2))
     prepare_model_for_kbit_training(quantized, gradient_checkpointing_kwargs={"use_reentrant": False})
     assert cm.config.every_n_layers == 2
@@ -176,16 +191,15 @@ def test_peft_prepare_model_for_kbit_training_on_a_quantized_model():
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in peft_model.named_parameters() if "lora_" in n)
 
 
-def test_prepare_model_for_kbit_training_called_on_a_peft_model():
-    """The same route, called on a PeftModel over the wrapped model (PEFT forwards the call)."""
+def test_prepare_model_for_kbit_training_called_on_a_peft_model_over_a_quantized_model(tmp_path):
+    """The same route, called on the PeftModel the wrapper holds (PEFT forwards the call)."""
     from peft import prepare_model_for_kbit_training
 
-    model = tiny_model()
-    model.is_loaded_in_8bit = True  # the attribute PEFT reads; the real 8-bit model is the test above
-    peft_model = add_lora(model)
+    peft_model = add_lora(_quantized_8bit(tmp_path))
     cm = CheckpointedModel(peft_model, CheckpointConfig(every_n_layers=3))
     prepare_model_for_kbit_training(peft_model, gradient_checkpointing_kwargs={"every_n_layers": 2})
     assert cm.config.every_n_layers == 2
-    counter = RecomputeCounter(decoder_layers(model))
+    peft_model.train()
+    counter = RecomputeCounter(decoder_layers(peft_model))
     cm(**batch()).loss.backward()  # PEFT made the embedding output require grad, so backward runs
     assert counter.recomputed() == [0, 2]

@@ -284,8 +284,18 @@ class Controller:
     # -- routes and saved configs -------------------------------------------------------------
 
     def route_enable(self, route: str, kwargs_dict: Mapping[str, Any] | None, keywords: dict[str, Any]) -> None:
-        config = config_from_route(self.config, route, kwargs_dict, keywords)
-        self.replan(config, off_by=None, cause=route)
+        try:
+            config = config_from_route(self.config, route, kwargs_dict, keywords)
+            self.replan(config, off_by=None, cause=route)
+        except (TypeError, ValueError) as err:
+            if self.off_by is None:
+                raise
+            # A generation toggle turned checkpointing off and its re-enable is what failed:
+            # training would go on without checkpointing unless the user hears it here.
+            raise type(err)(
+                f"{err} Checkpointing is still OFF (turned off by {self.off_by}); turn it back on with {route} "
+                "and options remat accepts, or with cm.enable()."
+            ) from None
 
     def route_disable(self, route: str) -> None:
         self.replan(self.config, off_by=route, cause=route)

@@ -1,8 +1,10 @@
 """RematTrainer on two gloo processes (launched by torchrun): train two steps with a
 checkpoint at step 2, then resume a wrapper with another map from it and train one more.
 
-argv: out_dir tests_dir. Each rank prints one line "RESULT {json}" with its rank, the config
-the resumed wrapper ended with, and the files of checkpoint-2.
+argv: out_dir tests_dir [fsdp]. Each rank prints one line "RESULT {json}" with its rank, the
+config the resumed wrapper ended with, the files of checkpoint-2, and the engine Trainer wrapped
+the model in. With "fsdp", Trainer shards with accelerate's FSDP2 (it needs GPUs: on CPUs
+accelerate runs DDP instead, or refuses FSDP).
 """
 
 import json
@@ -20,6 +22,12 @@ from remat.integrations.transformers_compat import trainer_checkpointing_args
 
 def main() -> None:
     out = sys.argv[1]
+    fsdp = sys.argv[3:] == ["fsdp"]
+    engine = (
+        {"fsdp": "full_shard", "fsdp_config": {"version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}
+        if fsdp
+        else {"use_cpu": True, "ddp_backend": "gloo"}
+    )
     rows = [{k: v[0] for k, v in batch(seed=seed, size=1).items()} for seed in range(8)]
 
     def args(steps: int) -> TrainingArguments:
@@ -34,9 +42,8 @@ def main() -> None:
             # (map_location "cpu:0"); the model files and the map are what this run checks
             save_only_model=True,
             report_to=[],
-            use_cpu=True,
-            ddp_backend="gloo",
             seed=7,
+            **engine,
             **trainer_checkpointing_args(True, None),
         )
 
@@ -50,6 +57,7 @@ def main() -> None:
         "world": trainer.args.world_size,
         "restored": resumed.config == saved,
         "files": sorted(os.listdir(os.path.join(out, "checkpoint-2"))),
+        "engine": type(trainer.model_wrapped).__name__,
     }
     sys.stdout.write(f"RESULT {json.dumps(result)}\n")  # one write: both ranks share stdout
     sys.stdout.flush()
