@@ -8,7 +8,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 NEWEST_TRANSFORMERS ?= 5.24.0
 OLDER_TRANSFORMERS ?= 4.57.6 5.17.0
-PINS = peft==0.21.2 accelerate==1.15.0 safetensors==0.8.0 pytest==9.2.0 bitsandbytes==0.50.2 matplotlib==3.11.2 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0
+PINS = peft==0.21.2 accelerate==1.15.0 trl==1.16.0 safetensors==0.8.0 pytest==9.2.0 bitsandbytes==0.50.2 matplotlib==3.11.2 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0
 VENV = .venv
 
 .PHONY: demo test compat lint clean

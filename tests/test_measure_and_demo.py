@@ -1,5 +1,8 @@
 """The activation-bytes measurement against hand-computed counts, and a demo smoke run."""
 
+import subprocess
+import sys
+
 import pytest
 from conftest import batch, tiny_model
 
@@ -40,6 +43,25 @@ def test_demo_runs_end_to_end(capsys):
     for row in ("no checkpointing", "every layer", "every second layer"):
         assert row in out
     assert "sample:" in out
+
+
+def test_the_demo_prints_nothing_on_stderr():
+    """`make demo` shows the map, the loss and the table; nothing a user would take for an error."""
+    command = [sys.executable, "-m", "remat.demo", "--steps", "2", "--repeats", "1", "--seq", "16", "--batch-size", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "step   1  loss" in done.stdout
+    assert done.stderr == ""
+
+
+def test_third_party_import_noise_is_quieted_for_the_scripts(capfd):
+    """What bitsandbytes logs at import on CPUs with AVX512-BF16 (this one may not have them)."""
+    import logging
+
+    from remat.demo import quiet_third_party_noise
+
+    quiet_third_party_noise()
+    logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load CPU gemm_4bit_forward")
+    assert "gemm_4bit_forward" not in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("every_n", [1, 2])

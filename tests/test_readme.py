@@ -9,26 +9,31 @@ import re
 import socket
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import add_lora, batch, tiny_model
 from transformers import TrainingArguments
 
-from remat import CheckpointConfig, CheckpointedModel, RematTrainer
+from remat import CheckpointConfig, CheckpointedModel, RematTrainer, remat_trainer_class
+from remat.demo import byte_tokenizer
 
 README = Path(__file__).parents[1] / "README.md"
 EXAMPLES = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
 LAYERS = 6  # the API example names layer 5
+VOCAB = 256  # the byte tokenizer's
 
 
 def _given(tmp_path):
-    base = tiny_model(num_hidden_layers=LAYERS)
+    base = tiny_model(num_hidden_layers=LAYERS, vocab_size=VOCAB)
     base.save_pretrained(tmp_path / "base")
     prompt_ids = batch(seed=3)["input_ids"][:, :4]
     return {
-        "model": add_lora(tiny_model(num_hidden_layers=LAYERS)),
-        "cm": CheckpointedModel(add_lora(tiny_model(num_hidden_layers=LAYERS)), CheckpointConfig(every_n_layers=2)),
+        "model": add_lora(tiny_model(num_hidden_layers=LAYERS, vocab_size=VOCAB)),
+        "cm": CheckpointedModel(
+            add_lora(tiny_model(num_hidden_layers=LAYERS, vocab_size=VOCAB)), CheckpointConfig(every_n_layers=2)
+        ),
         "config": CheckpointConfig(every_n_layers=2),
         "batch": batch(),
         "prompt": {
@@ -48,10 +53,13 @@ def _given(tmp_path):
         ),
         "data": [{k: v[0] for k, v in batch(seed=i, size=1).items()} for i in range(4)],
         "BASE": str(tmp_path / "base"),
+        "prompts": datasets.Dataset.from_dict({"prompt": ["The cat", "A dog", "Hello", "Once"] * 2}),
+        "tokenizer": byte_tokenizer(),
         # what the first example imports
         "CheckpointConfig": CheckpointConfig,
         "CheckpointedModel": CheckpointedModel,
         "RematTrainer": RematTrainer,
+        "remat_trainer_class": remat_trainer_class,
     }
 
 

@@ -173,3 +173,16 @@ def test_dpo_keeps_the_map_through_its_reference_pass_at_every_step(tmp_path):
     trainer.train()
     assert counter.steps == [EVERY_2ND] * 3
     assert cm.checkpoint_map.checkpointed == EVERY_2ND
+
+
+def test_the_grpo_example_runs_and_shows_the_map_holding_at_every_step(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parents[1] / "examples" / "grpo.py"
+    command = [sys.executable, str(example), "--steps", "2", "--output-dir", str(tmp_path / "out")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("recomputed layers [0, 2, 4]") == 2
+    assert done.stderr == ""

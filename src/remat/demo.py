@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import warnings
 from importlib import resources
@@ -20,6 +21,17 @@ import transformers
 from . import CheckpointConfig, CheckpointedModel
 from .measure import measure_step
 from .plan import render_table
+
+
+def quiet_third_party_noise() -> None:
+    """Keep what the demo and the examples print theirs. Libraries installed beside remat for
+    the test suite say things at import that a user would take for an error: bitsandbytes (which
+    PEFT imports) warns, on CPUs with AVX512-BF16, that an optional kernel from the Hub cannot be
+    loaded; transformers warns about deprecations. Called by scripts, before those imports; the
+    library itself never touches other libraries' logging."""
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    transformers.logging.set_verbosity_error()
 
 
 def load_assets() -> tuple[dict, bytes]:
@@ -114,8 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
-    transformers.logging.set_verbosity_error()  # its use_cache notice would repeat what the map says
+    quiet_third_party_noise()  # transformers' use_cache notice, too, would repeat what the map says
     config, text = load_assets()
     model = add_lora(build_model(config, args.seed))
     model.train()
