@@ -16,11 +16,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .policies import CHECKPOINT_POLICIES
+from .policies import NAMES as POLICIES
+from .policies import policy as _policy
+
 logger = logging.getLogger("remat")
 
-POLICIES = ("none", "recompute", "offload")
-"""Per-layer policies: keep activations, recompute from inputs on the device, recompute from
-inputs held in host memory."""
 
 SWAP_PLACEMENTS = ("spread", "tail")
 
@@ -121,8 +122,14 @@ class CheckpointConfig:
             weights in host memory between uses.
         swap_placement: where a count of swapped layers goes: "spread" evenly over the stack, or
             "tail" (the last ones). Ignored when `swap_layers` is a list.
-        layer_policies: {layer index: "none" | "recompute" | "offload"}, overrides for single layers.
-        use_reentrant: use torch's reentrant checkpoint instead of the default non-reentrant one.
+        layer_policies: {layer index: "none" | "recompute" | "offload" | "selective"}, overrides for
+            single layers (see `remat.policies`).
+        checkpoint_policy: how every checkpointed layer not named in `layer_policies` runs:
+            "recompute" (the whole layer again in backward; "offload" with `offload=True`) or
+            "selective" (matmul and attention outputs kept, the rest recomputed; its input in host
+            memory with `offload=True`).
+        use_reentrant: use torch's reentrant checkpoint instead of the default non-reentrant one
+            (not with "selective", which torch supports only non-reentrantly).
         preserve_rng_state: replay the forward's RNG state during recompute, so dropout masks match.
     """
 
@@ -132,6 +139,7 @@ class CheckpointConfig:
     swap_layers: int | tuple[int, ...] = 0
     swap_placement: str = "spread"
     layer_policies: Mapping[int, str] = field(default_factory=dict)
+    checkpoint_policy: str = "recompute"
     use_reentrant: bool = False
     preserve_rng_state: bool = True
 
@@ -147,6 +155,19 @@ class CheckpointConfig:
             )
         object.__setattr__(self, "swap_layers", self._validated_swap_layers(self.swap_layers))
         object.__setattr__(self, "layer_policies", self._validated_layer_policies(self.layer_policies))
+        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
+            raise ValueError(
+                f"CheckpointConfig.checkpoint_policy must be one of {CHECKPOINT_POLICIES}, "
+                f"got {self.checkpoint_policy!r}"
+            )
+        if self.use_reentrant:
+            chosen = {self.checkpoint_policy, *self.layer_policies.values()}
+            picky = sorted(name for name in chosen if _policy(name).needs_non_reentrant)
+            if picky:
+                raise ValueError(
+                    f"CheckpointConfig.use_reentrant=True cannot run the {picky} policy: torch supports it only in "
+                    "non-reentrant checkpointing; use use_reentrant=False (the default)"
+                )
 
     @staticmethod
     def _validated_swap_layers(value: Any) -> int | tuple[int, ...]:

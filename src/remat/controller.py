@@ -32,7 +32,8 @@ from .offload import Offloader
 from .patches import InstancePatches
 from .persistence import SaveLoadOverrides
 from .plan import CheckpointMap, plan_layers
-from .recompute import RecomputeCheckpoint, run_without_checkpoint
+from .policies import policy as policy_named
+from .recompute import LayerCheckpoint, run_without_checkpoint
 from .refs import LocalRef, Ref
 from .swap import WeightSwapper, check_swappable, weights_in_use
 
@@ -156,7 +157,7 @@ class Controller:
         if self.is_enabled:
             self._exclude_swapped_from_ddp_sync()
             self.apply_map()
-        if off_by is None and not any(plan.policy == "offload" for plan in new_map):
+        if off_by is None and not any(plan.offloaded for plan in new_map):
             # The new plan offloads nothing (a route turning checkpointing off for a while does
             # not count: it comes back, and re-pinning costs more than keeping the pool).
             self.offloader.release_host_memory()
@@ -217,12 +218,13 @@ class Controller:
         holder_states = self._states[len(self.discovery.layers) :]
         for plan, state in zip(self.checkpoint_map, layer_states, strict=True):
             if plan.checkpointed and active:
-                shim = RecomputeCheckpoint(
+                shim = LayerCheckpoint(
                     plan.index,
+                    policy_named(plan.policy),
                     use_reentrant=self.config.use_reentrant,
                     preserve_rng_state=self.config.preserve_rng_state,
                     offloader=self.offloader,
-                    offload=plan.policy == "offload",
+                    offload=plan.offloaded,
                     swapper=self.swapper,
                     module=state.module,
                 )

@@ -19,8 +19,8 @@ import torch
 import transformers
 
 from . import CheckpointConfig, CheckpointedModel
+from .display import render_table
 from .measure import measure_step
-from .plan import render_table
 
 
 def quiet_third_party_noise() -> None:

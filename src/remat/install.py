@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .integrations.transformers_compat import CACHE_ARGUMENTS, LAYER_FLAG, LAYER_FUNCTION
 from .layers import DiscoveredLayer, calls_checkpoint_directly
 from .patches import MISSING, restore_attributes
 from .recompute import run_without_checkpoint
@@ -33,18 +34,6 @@ from .refs import Ref
 
 logger = logging.getLogger("remat")
 
-_FLAG = "gradient_checkpointing"
-_FUNC = "_gradient_checkpointing_func"
-
-
-# The KV-cache arguments transformers' own layers drop while checkpointing, with their "off" values.
-_CACHE_ARGUMENTS = {
-    "use_cache": False,
-    "past_key_value": None,
-    "past_key_values": None,
-    "layer_past": None,
-    "cache": None,
-}
 _warned: set[str] = set()
 
 
@@ -67,16 +56,16 @@ class FlagInstall(_Installed):
 
     def __init__(self, module: nn.Module):
         super().__init__(module)
-        self.saved = {key: module.__dict__.get(key, MISSING) for key in (_FLAG, _FUNC)}
+        self.saved = {key: module.__dict__.get(key, MISSING) for key in (LAYER_FLAG, LAYER_FUNCTION)}
 
     @property
     def was_checkpointing(self) -> bool:
-        return self.saved[_FLAG] is True
+        return self.saved[LAYER_FLAG] is True
 
     def set(self, enabled: bool, function: Any) -> None:
         # object.__setattr__ keeps these out of nn.Module's parameter/buffer bookkeeping.
-        object.__setattr__(self.module, _FLAG, enabled)
-        object.__setattr__(self.module, _FUNC, function)
+        object.__setattr__(self.module, LAYER_FLAG, enabled)
+        object.__setattr__(self.module, LAYER_FUNCTION, function)
 
     def restore(self) -> None:
         if self._module() is not None:
@@ -127,15 +116,15 @@ class ForwardInstall(_Installed):
         original = self.original_forward(module)
         if not (self.enabled and module.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        dropped = [k for k, off in _CACHE_ARGUMENTS.items() if kwargs.get(k) not in (None, off)]
+        dropped = [k for k, off in CACHE_ARGUMENTS.items() if kwargs.get(k) not in (None, off)]
         for key in dropped:
-            kwargs[key] = _CACHE_ARGUMENTS[key]
+            kwargs[key] = CACHE_ARGUMENTS[key]
         if dropped and type(module).__name__ not in _warned:
             _warned.add(type(module).__name__)
             logger.warning(
                 "%s: the KV cache is incompatible with checkpointing while training; set %s",
                 type(module).__name__,
-                ", ".join(f"{k}={_CACHE_ARGUMENTS[k]}" for k in dropped),
+                ", ".join(f"{k}={CACHE_ARGUMENTS[k]}" for k in dropped),
             )
         if not args and self.first_parameter in kwargs:
             # The checkpoint saves (and offload moves) positional inputs: pass the hidden states so.

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .integrations.transformers_compat import gradient_checkpointing_layer_class
+from .integrations.transformers_compat import LAYER_FLAG, LAYER_FUNCTION, gradient_checkpointing_layer_class
 from .refs import Ref
 
 
@@ -121,7 +121,7 @@ def calls_checkpoint_directly(module: nn.Module) -> bool:
         source = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return True  # cannot tell: do not risk a nested checkpoint
-    return "checkpoint(" in source.replace("_gradient_checkpointing_func(", "")
+    return "checkpoint(" in source.replace(f"{LAYER_FUNCTION}(", "")
 
 
 def _check_classes_exist(model: nn.Module, explicit: set[str], named: list[tuple[str, nn.Module]]) -> None:
@@ -181,8 +181,6 @@ def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | t
     holders = tuple(
         DiscoveredLayer(name, module, "holder")
         for name, module in named
-        if hasattr(module, "gradient_checkpointing")
-        and id(module) not in layer_ids
-        and not isinstance(module, gc_layer)
+        if hasattr(module, LAYER_FLAG) and id(module) not in layer_ids and not isinstance(module, gc_layer)
     )
     return Discovery(tuple(layers), holders)

@@ -30,11 +30,12 @@ from torch import nn
 from .arguments import MOVER_METHODS, TRANSPORT_METHODS, check_implements, parse_bytes
 from .config import CheckpointConfig
 from .controller import Controller, swap_targets
+from .display import describe_map
 from .integrations.transformers_compat import pretrained_model_class
 from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
 from .persistence import load_checkpointed_model, save_checkpointed_model
-from .plan import CheckpointMap, describe_map, plan_layers
+from .plan import CheckpointMap, plan_layers
 from .refs import LocalRef
 from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
 
@@ -58,6 +59,13 @@ def _check_model(model: Any) -> None:
     owner = model.__dict__.get("_remat_owner")
     if owner is not None and not owner.orphaned:
         raise ValueError("this model is already wrapped by another CheckpointedModel; call its disable() first")
+
+
+def state_of(cm: CheckpointedModel) -> Controller:
+    """The state behind a wrapper (`remat.controller.Controller`): how remat's own modules
+    (the memory report, Trainer support) and tests reach the map, the offloader and the swapper
+    without reading the wrapper's private attributes."""
+    return cm._state
 
 
 class _ModelAwareConfig(CheckpointConfig):
@@ -340,14 +348,6 @@ class CheckpointedModel(nn.Module):
     def summary(self) -> str:
         """The map's table with what offload and block swap did per layer."""
         return describe_map(self.checkpoint_map, self._state.offloader.stats, self.swap_stats)
-
-    @property
-    def _offloader(self) -> Offloader:
-        return self._state.offloader
-
-    @property
-    def _swapper(self) -> WeightSwapper:
-        return self._state.swapper
 
     # -- measurement ---------------------------------------------------------------------------
 

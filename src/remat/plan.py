@@ -12,24 +12,27 @@ Every invariant of the contract lives here, so it can be tested with no model at
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import overload
 
 from .config import CheckpointConfig
-
-CHECKPOINTED = ("recompute", "offload")
+from .policies import CHECKPOINTED, NAMES
+from .policies import policy as policy_named
 
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """What happens to one layer: its place in the stack, its name, its policy and why."""
+    """What happens to one layer: its place in the stack, its name, its policy and why.
+    `offloaded`: its saved input waits in host memory (the "offload" policy, or "selective"
+    with `offload=True`)."""
 
     index: int
     name: str
     policy: str
     swapped: bool = False
     reason: str = ""
+    offloaded: bool = False
 
     @property
     def checkpointed(self) -> bool:
@@ -75,25 +78,17 @@ class CheckpointMap(Sequence[LayerPlan]):
         return [p.index for p in self._plans if p.checkpointed]
 
     def __repr__(self) -> str:
-        groups = ", ".join(f"{policy} {self.indices(policy)}" for policy in (*CHECKPOINTED, "none"))
+        # the classic three always (a log reader compares them), any other policy when used
+        shown = [name for name in NAMES if name in ("none", "recompute", "offload") or self.indices(name)]
+        shown = [name for name in shown if name != "none"] + ["none"]
+        groups = ", ".join(f"{policy} {self.indices(policy)}" for policy in shown)
         swapped = [p.index for p in self._plans if p.swapped]
         return f"CheckpointMap({len(self)} layers: {groups}, swapped {swapped})"
 
     def __str__(self) -> str:
-        return render_table(
-            ("index", "name", "policy", "swapped", "why"),
-            [(str(p.index), p.name, p.policy, "yes" if p.swapped else "no", p.reason) for p in self._plans],
-        )
+        from .display import map_table
 
-
-def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain fixed-width table; the last column is left unpadded."""
-    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
-    lines = []
-    for row in (header, tuple("-" * w for w in widths), *rows):
-        cells = [str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+        return map_table(self)
 
 
 def swapped_indices(config: CheckpointConfig, num_layers: int) -> list[int]:
@@ -140,7 +135,9 @@ def plan_layers(
             f"layer_policies names layer(s) {missing}, but the model has {num_layers} layers (0..{num_layers - 1})"
         )
     swapped = set(swapped_indices(config, num_layers))
-    checkpoint_policy = "offload" if config.offload else "recompute"
+    checkpoint_policy = config.checkpoint_policy
+    if checkpoint_policy == "recompute" and config.offload:
+        checkpoint_policy = "offload"
     n = config.every_n_layers
 
     plans = []
@@ -155,32 +152,8 @@ def plan_layers(
             policy, reason = "none", f"every_n_layers={n} skips it"
         if index in swapped and policy == "none":
             policy, reason = checkpoint_policy, f"swapped layers are always checkpointed ({reason})"
-        if policy == "offload" and reason.startswith("every"):
+        offloaded = policy_named(policy).offloads_input(config.offload)
+        if offloaded and reason.startswith("every"):
             reason += ", offload=True"
-        plans.append(LayerPlan(index, name, policy, index in swapped, reason))
+        plans.append(LayerPlan(index, name, policy, index in swapped, reason, offloaded))
     return CheckpointMap(plans)
-
-
-def describe_map(
-    checkpoint_map: CheckpointMap, offload_stats: Mapping[int, Any], swap_stats: Mapping[int, Any] | None = None
-) -> str:
-    """The map's table plus per-layer counters: offload (bytes offloaded / kept and why, copies)
-    and block swap (weight fetches and bytes fetched)."""
-    mib = lambda b: f"{b / 2**20:.2f}"
-    swap_stats = swap_stats or {}
-    rows = []
-    for p in checkpoint_map:
-        stats = offload_stats.get(p.index)
-        if stats is None:
-            moved = kept = copies = why = ""
-        else:
-            moved, kept = mib(stats.offloaded_bytes), mib(stats.kept_bytes)
-            copies = f"{stats.copies_to_host}/{stats.copies_to_device}"
-            why = "; ".join(stats.kept_because)
-        swap = swap_stats.get(p.index)
-        fetched = f"{swap.fetches} ({mib(swap.bytes_fetched)} MiB)" if swap is not None else ""
-        swapped = "yes" if p.swapped else "no"
-        rows.append((str(p.index), p.name, p.policy, swapped, moved, kept, copies, fetched, why or p.reason))
-    header = ("index", "name", "policy", "swapped", "offloaded MiB", "kept MiB", "copies out/in", "weight fetches")
-    header += ("why",)
-    return render_table(header, rows)

@@ -27,6 +27,7 @@ from .refs import Ref
 
 if TYPE_CHECKING:
     from .offload import Offloader
+    from .policies import Policy
     from .swap import WeightSwapper
 
 logger = logging.getLogger("remat")
@@ -109,8 +110,10 @@ def _distributed() -> bool:
     return True
 
 
-class RecomputeCheckpoint:
-    """Checkpoint one layer: keep its inputs, drop its activations, recompute them in backward.
+class LayerCheckpoint:
+    """Checkpoint one layer as its policy says (`remat.policies`): keep its inputs (on the device,
+    or in host memory when the plan offloads them), drop its activations, or with "selective"
+    only those of cheap ops, and recompute them in backward.
 
     Non-reentrant by default (torch's recommendation; it follows gradients into keyword
     arguments and supports nested autograd). With `use_reentrant=True`, a layer whose inputs do
@@ -122,6 +125,7 @@ class RecomputeCheckpoint:
     def __init__(
         self,
         index: int,
+        policy: Policy,
         *,
         use_reentrant: bool,
         preserve_rng_state: bool,
@@ -131,7 +135,8 @@ class RecomputeCheckpoint:
         module: nn.Module | None = None,
     ):
         self.index = index
-        self.use_reentrant = use_reentrant
+        self.policy = policy
+        self.use_reentrant = use_reentrant and not policy.needs_non_reentrant
         self.preserve_rng_state = preserve_rng_state
         self.offloader = offloader
         self.offload = offload and offloader is not None
@@ -177,7 +182,10 @@ class RecomputeCheckpoint:
             if torch.is_grad_enabled() and not any(_needs_grad(a) for a in args):
                 args = self._first_float_requires_grad(args)
             return checkpoint(function, *args, use_reentrant=True, preserve_rng_state=self.preserve_rng_state)
-        return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **kwargs)
+        options = self.policy.checkpoint_options()
+        return checkpoint(
+            function, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **options, **kwargs
+        )
 
     @staticmethod
     def _first_float_requires_grad(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -190,6 +198,7 @@ class RecomputeCheckpoint:
 
     def __repr__(self) -> str:
         return (
-            f"RecomputeCheckpoint(layer={self.index}, offload={self.offload}, use_reentrant={self.use_reentrant}, "
+            f"LayerCheckpoint(layer={self.index}, policy={self.policy.name}, offload={self.offload}, "
+            f"use_reentrant={self.use_reentrant}, "
             f"preserve_rng_state={self.preserve_rng_state})"
         )

@@ -26,8 +26,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .display import render_table
 from .measure import storage_key, track_outputs, weight_storages
-from .plan import render_table
+from .model import state_of
 
 if TYPE_CHECKING:
     from .model import CheckpointedModel
@@ -205,7 +206,8 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
     plans = list(cm.checkpoint_map)
     param = next(model.parameters())
     device = param.device
-    swapper = cm._swapper
+    state = state_of(cm)
+    swapper = state.swapper if state.swapper.layers else None
     before_fetches = {i: (e.stats.fetches, e.stats.bytes_fetched) for i, e in swapper.layers.items()} if swapper else {}
     if swapper is not None:
         swapper.peak_resident_bytes = swapper.resident_bytes
@@ -225,8 +227,8 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
             torch.cuda.synchronize(device)
             allocator = torch.cuda.memory_allocated(device) - before
         gc.collect()
-        offloaded = cm._offloader.live_host_bytes()  # host buffers come from a pool, not from ops
-        exclude |= cm._offloader.host_storages()
+        offloaded = state.offloader.live_host_bytes()  # host buffers come from a pool, not from ops
+        exclude |= state.offloader.host_storages()
         held: dict[int, tuple[int, int | None, bool]] = {}  # storage -> (bytes, layer, on host)
         for tensor, layer in tracker.alive():
             key = storage_key(tensor)

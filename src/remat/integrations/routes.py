@@ -6,12 +6,19 @@ caller (user code, Trainer, PEFT's `prepare_model_for_kbit_training`, TRL's gene
 ends up changing remat's config and map and nothing else. `disable()` puts the originals back.
 
 What a route call means:
-- the options it may carry are `every_n_layers`, `offload`, `use_reentrant` and
-  `preserve_rng_state`, as keywords or as keys of the kwargs dict; anything else is an error,
-  never passed silently into layer calls;
-- a value equal to remat's default (`every_n_layers=1`, `offload=False`, ...) expresses no
-  wish: Trainer and PEFT pass those on every call, so they keep the wrapper's config;
+- the options it may carry are `every_n_layers`, `offload`, `use_reentrant`,
+  `preserve_rng_state` and `selective`, as keywords or as keys of the kwargs dict; anything else
+  is an error, never passed silently into layer calls;
+- a value equal to remat's default (`every_n_layers=1`, `offload=False`, `selective=False`, ...)
+  expresses no wish: Trainer and PEFT pass those on every call, so they keep the wrapper's config;
 - a non-default value updates the config, and the change is logged.
+
+`selective=True` is TRL's switch for op-level selective checkpointing, and chooses remat's
+"selective" policy for every checkpointed layer (`checkpoint_policy="selective"`). TRL's
+SFTTrainer does not pass the switch itself: it wraps the model's enable method to pass a
+`context_fn` over torch's selective checkpoint contexts instead (with `use_reentrant=False`);
+that context is recognised and means the same. Any other `context_fn` is refused: what each
+layer saves is the map's to say.
 """
 
 from __future__ import annotations
@@ -30,13 +37,30 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("remat")
 
-ROUTE_OPTIONS = ("every_n_layers", "offload", "use_reentrant", "preserve_rng_state")
+ROUTE_OPTIONS = ("every_n_layers", "offload", "use_reentrant", "preserve_rng_state", "selective")
 _DEFAULTS = CheckpointConfig()
 
 
 def _is_default(key: str, value: Any) -> bool:
-    default = getattr(_DEFAULTS, key)
+    default = False if key == "selective" else getattr(_DEFAULTS, key)
     return type(value) is type(default) and value == default
+
+
+def _selective_from_context(route: str, options: dict[str, Any]) -> None:
+    """TRL's selective checkpointing arrives as a `context_fn` (see the module docstring)."""
+    if "context_fn" not in options:
+        return
+    context_fn = options.pop("context_fn")
+    func = getattr(context_fn, "func", None)
+    if getattr(func, "__name__", "") != "create_selective_checkpoint_contexts":
+        raise ValueError(
+            f"{route}: remat does not take a context_fn ({context_fn!r}): which activations each layer keeps is "
+            "the checkpoint map's to say. For op-level selective checkpointing use checkpoint_policy='selective' "
+            "(or the route option selective=True). Nothing was changed."
+        )
+    if options.get("selective") is not True:
+        logger.info("%s: TRL's selective checkpointing context selects remat's 'selective' policy", route)
+    options["selective"] = True
 
 
 def config_from_route(
@@ -54,6 +78,7 @@ def config_from_route(
             raise ValueError(f"{route}: {key} is given twice with different values ({options[key]!r} and {value!r})")
         if key not in options or not _is_default(key, value):
             options[key] = value
+    _selective_from_context(route, options)
     unknown = sorted(set(options) - set(ROUTE_OPTIONS))
     if unknown:
         raise ValueError(
@@ -62,6 +87,10 @@ def config_from_route(
             "unknown keys into layer calls.)"
         )
     changes = {key: value for key, value in options.items() if not _is_default(key, value)}
+    if "selective" in changes:
+        if not isinstance(changes["selective"], bool):
+            raise TypeError(f"{route}: selective must be True or False, got {changes['selective']!r}")
+        changes["checkpoint_policy"] = "selective" if changes.pop("selective") else "recompute"
     try:
         return current.replace(**changes)
     except (TypeError, ValueError) as err:

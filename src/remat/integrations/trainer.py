@@ -36,7 +36,7 @@ from transformers import Trainer
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from ..config import CONFIG_NAME
-from ..model import CheckpointedModel
+from ..model import CheckpointedModel, state_of
 from ..persistence import adapters_to_load, check_layers_match, read_saved, write_config_beside
 from .transformers_compat import trainer_asks_for_checkpointing
 
@@ -138,7 +138,7 @@ def _apply_saved_config(cm: CheckpointedModel, folder: str | None, cause: str) -
     saved = read_saved(folder)
     check_layers_match(saved.layers, [plan.name for plan in cm.checkpoint_map], saved.file)
     adapters_to_load(saved)
-    cm._state.adopt_saved_config(saved.config, f"{cause} from {folder}")
+    state_of(cm).adopt_saved_config(saved.config, f"{cause} from {folder}")
 
 
 @functools.cache

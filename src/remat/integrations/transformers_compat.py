@@ -20,6 +20,19 @@ from typing import Any
 
 import transformers
 
+# The attributes transformers' layers and stack modules carry: the flag their code reads, and
+# the function a flagged layer (or a stack's loop) calls to checkpoint.
+LAYER_FLAG = "gradient_checkpointing"
+LAYER_FUNCTION = "_gradient_checkpointing_func"
+# The KV-cache arguments transformers' own layers drop while checkpointing, with their "off" values.
+CACHE_ARGUMENTS = {
+    "use_cache": False,
+    "past_key_value": None,
+    "past_key_values": None,
+    "layer_past": None,
+    "cache": None,
+}
+
 ENABLE_ROUTES = ("gradient_checkpointing_enable", "activation_checkpointing_enable")
 DISABLE_ROUTES = ("gradient_checkpointing_disable", "activation_checkpointing_disable")
 

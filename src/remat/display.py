@@ -1,0 +1,53 @@
+"""Tables for people: the map, the map with offload and swap counters. Display only; the
+plan itself (`remat.plan`) knows nothing of how it is shown."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .plan import CheckpointMap
+
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain fixed-width table; the last column is left unpadded."""
+    widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
+    lines = []
+    for row in (header, tuple("-" * w for w in widths), *rows):
+        cells = [str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def map_table(checkpoint_map: CheckpointMap) -> str:
+    """One row per layer: index, name, policy, swapped, why."""
+    return render_table(
+        ("index", "name", "policy", "swapped", "why"),
+        [(str(p.index), p.name, p.policy, "yes" if p.swapped else "no", p.reason) for p in checkpoint_map],
+    )
+
+
+def describe_map(
+    checkpoint_map: CheckpointMap, offload_stats: Mapping[int, Any], swap_stats: Mapping[int, Any] | None = None
+) -> str:
+    """The map's table plus per-layer counters: offload (bytes offloaded / kept and why, copies)
+    and block swap (weight fetches and bytes fetched)."""
+    mib = lambda b: f"{b / 2**20:.2f}"
+    swap_stats = swap_stats or {}
+    rows = []
+    for p in checkpoint_map:
+        stats = offload_stats.get(p.index)
+        if stats is None:
+            moved = kept = copies = why = ""
+        else:
+            moved, kept = mib(stats.offloaded_bytes), mib(stats.kept_bytes)
+            copies = f"{stats.copies_to_host}/{stats.copies_to_device}"
+            why = "; ".join(stats.kept_because)
+        swap = swap_stats.get(p.index)
+        fetched = f"{swap.fetches} ({mib(swap.bytes_fetched)} MiB)" if swap is not None else ""
+        swapped = "yes" if p.swapped else "no"
+        rows.append((str(p.index), p.name, p.policy, swapped, moved, kept, copies, fetched, why or p.reason))
+    header = ("index", "name", "policy", "swapped", "offloaded MiB", "kept MiB", "copies out/in", "weight fetches")
+    header += ("why",)
+    return render_table(header, rows)

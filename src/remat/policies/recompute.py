@@ -1,0 +1,21 @@
+""" "recompute" and "offload": the layer keeps only its input and runs again in backward.
+
+"offload" is the same recompute with the input waiting in host memory (`remat.offload` moves
+it out after the next checkpointed layer starts, and back one layer ahead of backward).
+"""
+
+from .base import Policy
+
+RECOMPUTE = Policy(
+    name="recompute",
+    checkpointed=True,
+    input_on_host=False,
+    summary="only the input kept (on the device); backward runs the layer again",
+)
+
+OFFLOAD = Policy(
+    name="offload",
+    checkpointed=True,
+    input_on_host=True,
+    summary="like recompute, with the input waiting in host memory",
+)
