@@ -38,6 +38,12 @@ def run_without_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: A
     return function(*args, **kwargs)
 
 
+def _outside_dispatch_modes() -> contextlib.AbstractContextManager[Any]:
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    return _disable_current_modes()
+
+
 def _needs_grad(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.requires_grad
 
@@ -167,9 +173,21 @@ class LayerCheckpoint:
             calls[0] += 1
             if calls[0] == 1:
                 return state.watch_forward(function, *args, **kwargs) if state else function(*args, **kwargs)
-            swapping = swapper.recomputing(index) if swapper is not None else contextlib.nullcontext()
-            with swapping, state.kept() if state else contextlib.nullcontext():
+            # Fetching swapped weights and saving the layer's counters are remat's bookkeeping, not
+            # the layer's computation: they run outside torch's dispatch modes (the "selective"
+            # policy's recompute expects exactly the forward's ops, and a memory measurement must
+            # not count weights as activations).
+            around = contextlib.ExitStack()
+            with _outside_dispatch_modes():
+                if swapper is not None:
+                    around.enter_context(swapper.recomputing(index))
+                if state is not None:
+                    around.enter_context(state.kept())
+            try:
                 return function(*args, **kwargs)
+            finally:
+                with _outside_dispatch_modes():
+                    around.close()
 
         return run
 

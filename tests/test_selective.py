@@ -1,0 +1,181 @@
+"""The "selective" policy: matmul and attention outputs kept, the rest recomputed in backward.
+
+Exact fp32 gradients on every model family of the suite (MoE, VLM and remote code included),
+alone, mixed with other policies, with the layer input offloaded and with block swap; what it
+holds, measured against bytes counted by hand; and every route that asks for it."""
+
+import pytest
+import torch
+from conftest import ARCHS, RecomputeCounter, add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
+from test_discovery import tiny_llava
+from test_remote_code import _llava_batch, blocks, load_remote
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.integrations.transformers_compat import trainer_checkpointing_args
+from remat.offload import SimulatedTransport
+
+SELECTIVE = CheckpointConfig(checkpoint_policy="selective")
+
+
+def _exact(model, config, data=None, **wrapper):
+    """One step wrapped, checked against one step of the same model unwrapped."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    data = data or batch()
+    ref_loss, ref = step_grads(model, named, data)
+    cm = CheckpointedModel(model, config, **wrapper)
+    counter = RecomputeCounter(cm.layers)
+    loss, got = step_grads(cm, named, data)
+    counter.remove()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert_same_grads(ref, got)
+    return cm, counter
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_selective_gradients_equal_no_checkpointing_on_every_family(arch, lora):
+    model = tiny_model(arch)  # attention and LoRA dropout on: the RNG is replayed
+    model = add_lora(model) if lora else model
+    cm, counter = _exact(model, SELECTIVE)
+    assert counter.recomputed() == [0, 1, 2, 3]
+    assert {p.policy for p in cm.checkpoint_map} == {"selective"}
+
+
+def test_selective_mixes_with_the_other_policies_per_layer():
+    config = CheckpointConfig(layer_policies={0: "selective", 1: "none", 2: "recompute", 3: "selective"})
+    cm, counter = _exact(add_lora(tiny_model()), config)
+    assert counter.recomputed() == [0, 2, 3]
+    assert [p.policy for p in cm.checkpoint_map] == ["selective", "none", "recompute", "selective"]
+
+
+@pytest.mark.parametrize("vision", ["selective", "recompute"])
+def test_selective_on_a_vlm_covers_both_towers(vision):
+    model = tiny_llava()
+    model.train()
+    config = CheckpointConfig(checkpoint_policy="selective", layer_policies={0: vision, 1: vision})
+    cm, counter = _exact(model, config, _llava_batch())
+    assert counter.recomputed() == [0, 1, 2, 3, 4]
+    assert [p.policy for p in cm.checkpoint_map] == [vision, vision, "selective", "selective", "selective"]
+
+
+@pytest.mark.parametrize("cls", ["RemoteForCausalLM", "RemoteOldForCausalLM"])
+def test_selective_on_remote_code_blocks(tmp_path, cls):
+    model = load_remote(tmp_path, cls)
+    _, counter = _exact(model, CheckpointConfig(every_n_layers=2, checkpoint_policy="selective"))
+    assert counter.recomputed() == [0, 2]
+
+
+def test_selective_on_remote_moe_blocks_counts_the_router_once(tmp_path):
+    plain = load_remote(tmp_path, num_experts=4, dropout=0.0)
+    step_grads(plain, list(plain.named_parameters()), batch())
+    expected = [b.mlp.tokens_per_expert.clone() for b in blocks(plain)]
+    model = load_remote(tmp_path, num_experts=4, dropout=0.0)
+    _, counter = _exact(model, SELECTIVE)  # a step without the wrapper, then one with it
+    assert counter.recomputed() == [0, 1, 2, 3]
+    assert all(torch.equal(b.mlp.tokens_per_expert, 2 * t) for b, t in zip(blocks(model), expected, strict=True))
+
+
+def test_selective_with_the_layer_input_offloaded_and_with_block_swap():
+    config = CheckpointConfig(checkpoint_policy="selective", offload=True, offload_min_bytes=0, swap_layers=[1, 3])
+    transport = SimulatedTransport()
+    cm, counter = _exact(add_lora(tiny_model()), config, offload_transport=transport)
+    assert counter.recomputed() == [0, 1, 2, 3]
+    assert all(p.policy == "selective" and p.offloaded for p in cm.checkpoint_map)
+    assert [layer for op, layer in transport.log if op == "to_host"] == [0, 1, 2], "the last input stays"
+    assert "offload=True" in cm.checkpoint_map[0].reason
+
+
+def _held(policy):
+    model = tiny_model(attention_dropout=0.0)
+    cm = CheckpointedModel(model, CheckpointConfig(layer_policies={i: policy for i in range(4)}))
+    return cm.memory_report(batch(size=2, seq=16))
+
+
+def test_selective_holds_the_layer_input_and_the_outputs_of_its_matmuls():
+    """Counted by hand for the tiny Llama (batch 2, 16 tokens, hidden 32, 4 heads of 8, 2 KV
+    heads, MLP 48, fp32): the input, q/k/v/o projections, the two attention matmuls (scores and
+    weighted values) and the three MLP projections; norms, rotary, softmax, SiLU are recomputed."""
+    b, s, h, heads, kv, d, mlp = 2, 16, 32, 4, 2, 8, 48
+    projections = b * s * (h + 2 * kv * d + h) + b * s * (2 * mlp + h)
+    attention = b * heads * s * s + b * heads * s * d
+    expected = 4 * (b * s * h + projections + attention)
+    selective, recompute, none = _held("selective"), _held("recompute"), _held("none")
+    assert [layer.device_bytes for layer in selective.layers] == [expected] * 4
+    assert [layer.device_bytes for layer in recompute.layers] == [4 * b * s * h] * 4
+    assert all(n.device_bytes > expected for n in none.layers)
+    assert [layer.runs for layer in selective.layers] == [2, 2, 2, 2]
+
+
+# -- routes and configuration ----------------------------------------------------------------------
+
+
+def test_the_route_option_selective_chooses_the_policy():
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"selective": True})
+    assert cm.config.checkpoint_policy == "selective" and cm.config.every_n_layers == 2
+    assert [p.policy for p in cm.checkpoint_map] == ["selective", "none", "selective", "none"]
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"selective": False})  # no wish
+    assert cm.config.checkpoint_policy == "selective"
+
+
+def test_a_foreign_context_fn_is_refused_and_trls_selective_context_is_understood():
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    model = tiny_model()
+    cm = CheckpointedModel(model)
+    with pytest.raises(ValueError, match="does not take a context_fn"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"context_fn": lambda: None})
+    assert cm.config == CheckpointConfig()
+    trl_like = functools.partial(create_selective_checkpoint_contexts, lambda *a, **k: CheckpointPolicy.MUST_SAVE)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": trl_like})
+    assert cm.config.checkpoint_policy == "selective"
+
+
+def test_trainer_gradient_checkpointing_kwargs_selective_reaches_the_map(tmp_path):
+    from test_trainer import _dataset
+    from transformers import TrainingArguments
+
+    from remat import RematTrainer
+
+    cm = CheckpointedModel(add_lora(tiny_model()))
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        **trainer_checkpointing_args(True, {"selective": True, "every_n_layers": 2}),
+    )
+    counter = RecomputeCounter(decoder_layers(cm.model))
+    RematTrainer(model=cm, args=args, train_dataset=_dataset()).train()
+    assert cm.config.checkpoint_policy == "selective" and counter.recomputed() == [0, 2]
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(checkpoint_policy="selective", use_reentrant=True), "non-reentrant"),
+        (dict(layer_policies={1: "selective"}, use_reentrant=True), "non-reentrant"),
+        (dict(checkpoint_policy="offload"), "checkpoint_policy must be one of"),
+        (dict(checkpoint_policy="none"), "checkpoint_policy must be one of"),
+    ],
+)
+def test_configs_selective_cannot_run_are_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        CheckpointConfig(**config)
+
+
+def test_the_policy_keeps_matmuls_and_attention_and_recomputes_the_rest():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from remat.policies.selective import _keep_matmuls_and_attention
+
+    aten = torch.ops.aten
+    for op in (aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_dot_product_efficient_attention):
+        assert _keep_matmuls_and_attention(None, op) == CheckpointPolicy.MUST_SAVE
+    for op in (aten.silu.default, aten.mul.Tensor, aten.softmax.int, aten.native_dropout.default):
+        assert _keep_matmuls_and_attention(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
