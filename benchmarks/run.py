@@ -360,6 +360,47 @@ def swap_sweep(args, preset) -> list[dict]:
     ]
 
 
+def policy_table(args, preset) -> list[dict]:
+    """Each policy on every layer of the same model and batch: median step time over alternated
+    repeats, and the bytes each layer holds for backward after forward (device / host), from
+    `cm.memory_report`. Offload only where there is a device to offload from."""
+    dtype = getattr(torch, args.dtype)
+    cm = CheckpointedModel(build(preset, preset["layers"], dtype, args.device))
+    batch = make_batch(preset, preset["seq"], args.device)
+    names = ["none", "selective", "recompute"] + (["offload"] if args.device == "cuda" else [])
+    configs = {
+        name: CheckpointConfig(layer_policies=dict.fromkeys(range(preset["layers"]), name), offload_min_bytes=0)
+        for name in names
+    }
+    reports = {}
+    for name, config in configs.items():
+        cm.enable(config)
+        step(cm, batch)
+        reports[name] = cm.memory_report(batch)
+        cm.zero_grad(set_to_none=True)
+    times = {name: [] for name in configs}
+    for _ in tqdm(range(args.policy_repeats), desc="policies", disable=args.quiet):
+        for name, config in configs.items():
+            cm.enable(config)
+            times[name].append(step(cm, batch))
+    base = statistics.median(times["none"])
+    rows = []
+    for name, report in reports.items():
+        layers = report.layers
+        rows.append(
+            {
+                "policy": name,
+                "median_step_s": statistics.median(times[name]),
+                "vs_none": statistics.median(times[name]) / base,
+                "layer_device_bytes": statistics.median(layer.device_bytes for layer in layers),
+                "layer_host_bytes": statistics.median(layer.host_bytes for layer in layers),
+                "layers_device_bytes": sum(layer.device_bytes for layer in layers),
+                "runs": [layer.runs for layer in layers],
+            }
+        )
+    return rows
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -399,10 +440,13 @@ def _mib(value) -> str:
 
 
 def markdown(results: dict) -> str:
-    lines = [
-        "| setting | median step ms | vs none | vs native, same layers | activation MiB held | peak MiB of the step |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
+    lines = []
+    if results.get("compare"):
+        lines += [
+            "| setting | median step ms | vs none | vs native, same layers | activation MiB held "
+            "| peak MiB of the step |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
     fmt = lambda v, spec: "" if v is None else format(v, spec)
     for r in results["compare"]:
         if r["error"]:
@@ -412,6 +456,18 @@ def markdown(results: dict) -> str:
             f"| {r['setting']} | {r['median_step_s'] * 1e3:.1f} | {fmt(r['vs_none'], '.3f')} | "
             f"{fmt(r['vs_native'], '.3f')} | {r['activation_bytes'] / 2**20:.2f} | {_mib(r['peak_bytes'])} |"
         )
+    if results.get("policies"):
+        lines += [
+            "",
+            "| policy (every layer) | median step ms | vs none | held per layer MiB (device / host) | all layers MiB |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for r in results["policies"]:
+            lines.append(
+                f"| {r['policy']} | {r['median_step_s'] * 1e3:.1f} | {r['vs_none']:.3f} | "
+                f"{r['layer_device_bytes'] / 2**20:.2f} / {r['layer_host_bytes'] / 2**20:.2f} | "
+                f"{r['layers_device_bytes'] / 2**20:.2f} |"
+            )
     if results.get("swap"):
         lines += [
             "",
@@ -439,6 +495,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--swap-counts", type=int, nargs="*", default=[2, 4, 8], help="swapped layers to compare")
     parser.add_argument("--swap-repeats", type=int, default=7)
     parser.add_argument("--peak-repeats", type=int, default=3, help="CPU: fresh processes per setting (median)")
+    parser.add_argument("--policy-repeats", type=int, default=9, help="alternated repeats of the policy table")
+    parser.add_argument(
+        "--sections",
+        nargs="*",
+        default=["compare", "sweep", "swap", "policies"],
+        choices=["compare", "sweep", "swap", "policies"],
+        help="what to measure (default: everything)",
+    )
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--no-peak", dest="peak", action="store_false", help="CPU: skip the per-setting peak runs")
     parser.add_argument("--peak-of", help=argparse.SUPPRESS)  # internal: one setting's peak, in this process
@@ -464,9 +528,10 @@ def main(argv: list[str] | None = None) -> dict:
             "python": platform.python_version(),
         },
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "threads": torch.get_num_threads()},
-        "compare": compare(args, preset),
-        "sweep": sweep(args, preset) if args.sweep_depths and args.sweep_seqs else [],
-        "swap": swap_sweep(args, preset) if args.swap_counts else [],
+        "compare": compare(args, preset) if "compare" in args.sections else [],
+        "sweep": sweep(args, preset) if "sweep" in args.sections and args.sweep_depths and args.sweep_seqs else [],
+        "swap": swap_sweep(args, preset) if "swap" in args.sections and args.swap_counts else [],
+        "policies": policy_table(args, preset) if "policies" in args.sections else [],
     }
     if args.device == "cuda":
         results["machine"]["gpu"] = torch.cuda.get_device_name()

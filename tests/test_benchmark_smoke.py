@@ -25,7 +25,7 @@ def bench():
 
 def test_smallest_benchmark_runs_and_writes_json_and_plot(bench, tmp_path):
     args = ["--preset", "tiny", "--repeats", "1", "--sweep-depths", "1", "2", "--sweep-seqs", "16"]
-    args += ["--swap-counts", "2", "4", "--swap-repeats", "1"]
+    args += ["--swap-counts", "2", "4", "--swap-repeats", "1", "--policy-repeats", "1"]
     results = bench.main([*args, "--sweep-repeats", "1", "--out", str(tmp_path), "--quiet", "--no-peak"])
     written = json.loads((tmp_path / "results-tiny-cpu.json").read_text())
     assert written["compare"] == json.loads(json.dumps(results["compare"]))
@@ -46,6 +46,12 @@ def test_smallest_benchmark_runs_and_writes_json_and_plot(bench, tmp_path):
     depths = sorted({r["depth"] for r in results["sweep"]})
     assert depths == [1, 2] and len(results["sweep"]) == 2 * 3
     assert "| remat every layer |" in bench.markdown(results)
+    policies = {r["policy"]: r for r in results["policies"]}
+    assert list(policies) == ["none", "selective", "recompute"]  # no offload row without a device
+    held = [policies[name]["layer_device_bytes"] for name in ("none", "selective", "recompute")]
+    assert held[0] > held[1] > held[2] > 0
+    assert policies["none"]["runs"] == [1] * 4 and policies["selective"]["runs"] == [2] * 4
+    assert "| selective |" in bench.markdown(results)
     swap = {r["swapped_layers"]: r for r in results["swap"]}
     assert sorted(swap) == [0, 2, 4]
     assert (

@@ -186,3 +186,27 @@ def test_the_grpo_example_runs_and_shows_the_map_holding_at_every_step(tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("recomputed layers [0, 2, 4]") == 2
     assert done.stderr == ""
+
+
+@pytest.mark.parametrize("trainer", ["sft", "grpo"])
+def test_trls_selective_option_selects_the_selective_policy(tmp_path, trainer):
+    """TRL's `gradient_checkpointing_kwargs={"selective": True}`: SFTTrainer turns it into a
+    context_fn over torch's selective checkpoint contexts, GRPO passes it through; either way
+    the wrapper's map runs remat's "selective" policy, and never crashes inside TRL."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(every_n_layers=2))
+    kwargs = {"selective": True}
+    if trainer == "grpo":
+        run, counter = _grpo(tmp_path, cm, "cm", kwargs)
+    else:
+        args = trl.SFTConfig(
+            max_length=32, gradient_checkpointing=True, gradient_checkpointing_kwargs=kwargs, **_common(tmp_path)
+        )
+        data = datasets.Dataset.from_dict({"text": ["the quick brown fox jumps over the lazy dog"] * 16})
+        counter = RecomputedPerStep(cm)
+        run = remat_trainer_class(trl.SFTTrainer)(
+            model=cm, args=args, train_dataset=data, processing_class=byte_tokenizer(), callbacks=[counter]
+        )
+    run.train()
+    assert cm.config.checkpoint_policy == "selective"
+    assert [p.policy for p in cm.checkpoint_map] == ["selective", "none"] * 3
+    assert counter.steps == [EVERY_2ND] * 3
