@@ -74,3 +74,25 @@ def test_cpu_peak_of_one_setting_is_measured_in_a_fresh_process(bench):
     args = bench.argparse.Namespace(preset="tiny", device="cpu", dtype="float32")
     peak = bench.peak_in_fresh_process(args, "remat every layer")
     assert isinstance(peak, int), f"the fresh process did not report its peak: {peak}"
+
+
+def test_the_gpu_check_script_runs_its_cpu_fallback_and_writes_the_tables(tmp_path):
+    """benchmarks/gpu_check.sh, as a session with a device would run it; here, its CPU fallback."""
+    import os
+    import subprocess
+
+    script = RUN.parent / "gpu_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    done = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "CPU fallback" in done.stdout and "gpu_check: done (cpu, preset tiny)" in done.stdout
+    policies = (tmp_path / "gpu-check-run.log").read_text()
+    assert "| selective |" in policies and "| recompute |" in policies
+    pareto = json.loads((tmp_path / "pareto-tiny-cpu.json").read_text())
+    assert [r["setting"] for r in pareto["native"]] == [
+        "native every_n_layers=1",
+        "native every_n_layers=2",
+        "native none",
+    ]
+    assert all(r["planned_held_bytes"] <= r["budget_bytes"] for r in pareto["budgets"])
+    assert (tmp_path / "pareto-tiny-cpu.png").stat().st_size > 10_000

@@ -40,6 +40,7 @@ from .refs import LocalRef
 from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
 
 if TYPE_CHECKING:
+    from .planner import PlannedConfig
     from .report import MemoryReport
 
 logger = logging.getLogger("remat")
@@ -360,6 +361,17 @@ class CheckpointedModel(nn.Module):
         if self._state.inference or not self.model.training:
             raise RuntimeError("memory_report measures a training step: call cm.for_training() first")
         return memory_report(self, dict(batch))
+
+    def plan_for_budget(self, batch: Mapping[str, Any], budget: int | str, repeats: int = 3) -> PlannedConfig:
+        """The fastest map whose activations held for backward fit `budget` on the device (bytes,
+        or a size like "6GiB"), chosen per layer among "none", "selective", "recompute" and, on an
+        accelerator, "offload", from what one step under each measures on `batch`. Returns a
+        `CheckpointConfig` (print it for the plan: per layer the policy, predicted bytes and time);
+        `cm.enable(planned)` applies it. Raises ValueError naming the smallest budget that fits if
+        none does. The measuring leaves the model as it was (see `remat.planner`)."""
+        from .planner import plan_for_budget
+
+        return plan_for_budget(self, batch, budget, repeats)
 
     # -- save / load ---------------------------------------------------------------------------
 

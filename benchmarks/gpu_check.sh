@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU check, for the day a session is lent a device (run it once, record the numbers):
+#
+#     bash benchmarks/gpu_check.sh [out_dir]          # about 6 minutes on one H200
+#
+# 1. the CUDA tests (streams, pinned memory, swap from pinned copies, FSDP2 through Trainer),
+#    which skip everywhere else;
+# 2. the 1B preset (a 1.2B-parameter Llama from a config, bf16, 4096 tokens): remat against native
+#    (every layer, every 2nd, offload), the per-policy table (none, selective, recompute, offload),
+#    the block-swap sweep;
+# 3. the planner's Pareto run against native's every_n_layers options on the same preset.
+#
+# Everything lands in out_dir (default benchmarks/out): JSON, PNGs, and a log per part; the
+# tables for RESULTS.md are in the logs. Without a GPU it runs the policy table and the Pareto
+# run on the CPU at the tiny preset (the suite runs it that way), so the script itself is tested
+# wherever it lives.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-benchmarks/out}"
+mkdir -p "$out"
+python="${PYTHON:-python}"
+
+if "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    device=cuda preset=1b dtype=bfloat16 repeats=5 every_n=(1 2 3 4) sections=(compare policies swap)
+    "$python" -m pytest -q -k "cuda" tests/ 2>&1 | tee "$out/gpu-check-tests.log"
+else
+    echo "gpu_check: no CUDA device, running the CPU fallback (tiny preset, one repeat)"
+    device=cpu preset=tiny dtype=float32 repeats=1 every_n=(1 2) sections=(policies)
+fi
+
+common=(--preset "$preset" --device "$device" --dtype "$dtype" --out "$out" --quiet)
+"$python" benchmarks/run.py "${common[@]}" --repeats "$repeats" --policy-repeats "$repeats" \
+    --swap-repeats "$repeats" --sections "${sections[@]}" --no-peak
+"$python" - "$out/results-$preset-$device.json" <<'EOF' | tee "$out/gpu-check-run.log"
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("run", "benchmarks/run.py")
+run = importlib.util.module_from_spec(spec); sys.modules["run"] = run; spec.loader.exec_module(run)
+print(run.markdown(json.load(open(sys.argv[1]))))
+EOF
+"$python" benchmarks/pareto.py --preset "$preset" --device "$device" --dtype "$dtype" --out "$out" \
+    --repeats "$repeats" --plan-repeats "$repeats" --every-n "${every_n[@]}" --quiet
+"$python" - "$out/pareto-$preset-$device.json" <<'EOF' | tee "$out/gpu-check-pareto.log"
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("pareto", "benchmarks/pareto.py")
+pareto = importlib.util.module_from_spec(spec); sys.modules["pareto"] = pareto; spec.loader.exec_module(pareto)
+print(pareto.markdown(json.load(open(sys.argv[1]))))
+EOF
+echo "gpu_check: done ($device, preset $preset); results in $out"

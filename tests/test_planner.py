@@ -1,0 +1,136 @@
+"""`cm.plan_for_budget(batch, budget)`: the map it returns fits the budget and holds what it
+predicted (checked with `memory_report`, an independent measurement), the smallest budget it
+names is the smallest that works, and planning leaves the model as it was."""
+
+import json
+import re
+
+import pytest
+import torch
+from conftest import add_lora, assert_same_grads, batch, step_grads, tiny_model
+from test_discovery import tiny_llava
+from test_remote_code import _llava_batch
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.model import state_of
+from remat.planner import PlannedConfig
+
+
+def _llama():
+    model = add_lora(tiny_model(num_hidden_layers=6))
+    return CheckpointedModel(model), batch(size=2, seq=32)
+
+
+def _llava():
+    model = tiny_llava()
+    model.train()
+    return CheckpointedModel(model), _llava_batch()
+
+
+def _span(cm, data):
+    """The held bytes of the smallest and of the largest plan (all recompute, all none)."""
+    n = len(cm.checkpoint_map)
+    low = cm.enable(CheckpointConfig(layer_policies=dict.fromkeys(range(n), "recompute"))).memory_report(data)
+    high = cm.enable(CheckpointConfig(layer_policies=dict.fromkeys(range(n), "none"))).memory_report(data)
+    cm.enable(CheckpointConfig())
+    for p in cm.model.parameters():
+        p.grad = None
+    return low.device_bytes, high.device_bytes
+
+
+@pytest.mark.parametrize("family", [_llama, _llava], ids=["llama-lora", "llava"])
+@pytest.mark.parametrize("fraction", [0.2, 0.5, 0.85])
+def test_the_planned_map_fits_the_budget_and_holds_what_was_predicted(family, fraction):
+    cm, data = family()
+    low, high = _span(cm, data)
+    budget = int(low + fraction * (high - low))
+    planned = cm.plan_for_budget(data, budget, repeats=1)
+    assert isinstance(planned, PlannedConfig) and planned.predicted_device_bytes <= budget
+    cm.enable(planned)
+    assert [p.policy for p in cm.checkpoint_map] == [c.policy for c in planned.choices]
+    measured = cm.memory_report(data).device_bytes
+    assert measured <= budget
+    assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
+    assert len({c.policy for c in planned.choices}) > 1 or fraction > 0.8, "a budget between the ends mixes policies"
+
+
+def test_a_budget_that_nothing_fits_names_the_smallest_one_that_does():
+    cm, data = _llama()
+    low, _ = _span(cm, data)
+    with pytest.raises(ValueError, match=r"the smallest is (\d+) bytes") as info:
+        cm.plan_for_budget(data, low // 2, repeats=1)
+    smallest = int(re.search(r"the smallest is (\d+) bytes", str(info.value)).group(1))
+    assert smallest == low
+    planned = cm.plan_for_budget(data, smallest, repeats=1)
+    assert {c.policy for c in planned.choices} == {"recompute"}
+    with pytest.raises(ValueError, match="smallest is"):
+        cm.plan_for_budget(data, smallest - 1, repeats=1)
+
+
+def test_the_ends_of_the_range_give_all_none_and_all_recompute():
+    cm, data = _llama()
+    low, high = _span(cm, data)
+    assert {c.policy for c in cm.plan_for_budget(data, "1GiB", repeats=1).choices} == {"none"}
+    assert {c.policy for c in cm.plan_for_budget(data, low, repeats=1).choices} == {"recompute"}
+
+
+def test_swapped_layers_stay_checkpointed_and_a_cpu_model_gets_no_offload():
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(swap_layers=[1]))
+    planned = cm.plan_for_budget(batch(), "1GiB", repeats=1)
+    assert [c.policy for c in planned.choices][1] != "none"
+    assert [c.policy for c in planned.choices][:1] + [c.policy for c in planned.choices][2:] == ["none"] * 3
+    assert "offload" not in {c.policy for c in planned.choices}
+    assert "offload not considered: the model runs on the CPU" in str(planned)
+    cm.enable(planned)
+    assert cm.checkpoint_map[1].swapped and cm.checkpoint_map[1].checkpointed
+
+
+def test_planning_leaves_the_model_as_it_was():
+    cm, data = _llama()
+    config = CheckpointConfig(every_n_layers=2)
+    cm.enable(config)
+    cm.model.gradient_checkpointing_disable()  # a route has checkpointing off
+    named = [(n, p) for n, p in cm.model.named_parameters() if p.requires_grad]
+    marker = torch.full_like(named[0][1], 7.0)
+    named[0][1].grad = marker
+    rng = torch.random.get_rng_state()
+    cm.plan_for_budget(data, "1GiB", repeats=1)
+    assert cm.config == config and cm.checkpoint_map.checkpointed == [] and named[0][1].grad is marker
+    assert all(p.grad is None for _, p in named[1:])
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    cm.model.gradient_checkpointing_enable()
+    assert cm.checkpoint_map.checkpointed == [0, 2, 4]
+    reference = add_lora(tiny_model(num_hidden_layers=6))
+    _, expected = step_grads(reference, [(n, p) for n, p in reference.named_parameters() if p.requires_grad], data)
+    assert_same_grads(expected, step_grads(cm, named, data)[1])
+
+
+def test_the_plan_prints_per_layer_and_is_a_config_like_any_other(tmp_path):
+    cm, data = _llama()
+    low, high = _span(cm, data)
+    planned = cm.plan_for_budget(data, (low + high) // 2, repeats=1)
+    text = str(planned)
+    assert text.count("base_model.model.model.layers.") == 6 and "total (predicted)" in text and "budget" in text
+    path = planned.save_pretrained(tmp_path)
+    loaded = CheckpointConfig.from_pretrained(tmp_path)
+    with open(path) as handle:
+        assert loaded == planned and json.load(handle)["layer_policies"]
+    cm.enable(loaded)
+    cm.model.gradient_checkpointing_disable()
+    cm.model.gradient_checkpointing_enable()  # a generation toggle: the plan comes back as it was
+    assert [p.policy for p in cm.checkpoint_map] == [c.policy for c in planned.choices]
+
+
+@pytest.mark.parametrize("budget, error", [("lots", ValueError), (-5, ValueError), (1.5, TypeError)])
+def test_bad_budgets_are_clear_errors_that_change_nothing(budget, error):
+    cm, data = _llama()
+    with pytest.raises(error, match="budget"):
+        cm.plan_for_budget(data, budget)
+    assert cm.config == CheckpointConfig() and state_of(cm).is_enabled
+
+
+def test_planning_a_model_in_inference_mode_is_refused():
+    cm, data = _llama()
+    cm.for_inference()
+    with pytest.raises(RuntimeError, match="for_training"):
+        cm.plan_for_budget(data, "1GiB")
