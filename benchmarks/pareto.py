@@ -179,36 +179,32 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> None:
+    """Measured step time against measured held bytes, for native's options and the planner's
+    maps; each drawn with its frontier: the fastest step available at each budget (a staircase,
+    since a budget between two options gets the one below)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    native = sorted(results["native"], key=lambda r: r["held_bytes"])
-    ax.plot(
-        [r["held_bytes"] / 2**20 for r in native],
-        [r["step_s"] * 1e3 for r in native],
-        marker="s",
-        color="#d08c40",
-        label="native: every_n_layers 1..4, none",
-    )
-    for r in native:
-        ax.annotate(r["setting"].replace("native ", ""), (r["held_bytes"] / 2**20, r["step_s"] * 1e3), fontsize=7)
-    planned = sorted(results["budgets"], key=lambda r: r["planned_held_bytes"])
-    ax.plot(
-        [r["planned_held_bytes"] / 2**20 for r in planned],
-        [r["planned_step_s"] * 1e3 for r in planned],
-        marker="o",
-        color="#3a78b5",
-        label="remat plan_for_budget",
-    )
-    for r in planned:
-        ax.axvline(r["budget_bytes"] / 2**20, color="#cccccc", linewidth=0.6, zorder=0)
+    native = sorted((r["held_bytes"] / 2**20, r["step_s"] * 1e3, r["setting"]) for r in results["native"])
+    planned = sorted((r["planned_held_bytes"] / 2**20, r["planned_step_s"] * 1e3) for r in results["budgets"])
+    right = max(x for x, *_ in native + planned) * 1.03
+    for points, color, marker, label in (
+        (native, "#d08c40", "s", "native: every_n_layers 1..4, none"),
+        (planned, "#3a78b5", "o", "remat plan_for_budget"),
+    ):
+        xs, ys = [p[0] for p in points], [p[1] for p in points]
+        frontier = [min(ys[: i + 1]) for i in range(len(ys))]
+        ax.step([*xs, right], [*frontier, frontier[-1]], where="post", color=color, alpha=0.5, linewidth=1)
+        ax.scatter(xs, ys, color=color, marker=marker, label=label, zorder=3)
+    for x, y, name in native:
+        ax.annotate(name.replace("native ", ""), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set(
         xlabel="activation MiB held for backward (measured)",
         ylabel="median step ms",
-        title=f"{results['preset']} on {results['device']}: time against memory (grey: budgets)",
+        title=f"{results['preset']} on {results['device']}: the fastest step at each budget",
     )
     ax.legend(fontsize=8)
     fig.tight_layout()
