@@ -369,10 +369,10 @@ def test_a_refused_load_adapter_changes_neither_the_model_nor_the_map(tmp_path):
 def test_a_config_from_a_newer_remat_is_a_clear_error(tmp_path):
     _lora_cm().save_pretrained(tmp_path / "out")
     file = tmp_path / "out" / "checkpoint_config.json"
-    file.write_text(file.read_text().replace('"format_version": 1', '"format_version": 99'))
+    file.write_text(file.read_text().replace('"format_version": 2', '"format_version": 99'))
     model = tiny_model()
     before = _model_state(model)
-    with pytest.raises(ValueError, match=r"checkpoint_config\.json has format_version 99.*reads format_version 1"):
+    with pytest.raises(ValueError, match=r"checkpoint_config\.json has format_version 99.*reads format_version 2"):
         CheckpointedModel.from_pretrained(model, tmp_path / "out")
     assert _model_state(model) == before
 

@@ -137,6 +137,23 @@ def test_a_refused_enable_after_a_generation_toggle_says_checkpointing_is_still_
     assert _recomputed(cm, model) == [0, 2]
 
 
+def test_a_route_kept_by_other_code_after_disable_drives_the_new_wrapper_not_the_old():
+    """TRL keeps the enable method it wraps; after cm.disable() and a new wrapper, calls through
+    the kept route reach the model's current route."""
+    model = add_lora(tiny_model())
+    old = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    kept_enable, kept_disable = model.gradient_checkpointing_enable, model.gradient_checkpointing_disable
+    old.disable()
+    new = CheckpointedModel(model, CheckpointConfig(every_n_layers=3))
+    kept_disable()
+    assert new.checkpoint_map.checkpointed == []
+    kept_enable()
+    assert new.checkpoint_map.checkpointed == [0, 3] and not old.is_enabled
+    new.disable()
+    kept_enable()  # no wrapper at all: transformers' own method
+    assert model.is_gradient_checkpointing
+
+
 def test_repeated_route_calls_add_no_hooks():
     model = add_lora(tiny_model())
     cm = CheckpointedModel(model)

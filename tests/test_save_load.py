@@ -43,7 +43,7 @@ def test_round_trip_with_lora_and_every_option(tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors", "checkpoint_config.json"} <= set(files)
     saved = json.loads((tmp_path / "save" / "checkpoint_config.json").read_text())
     assert saved["layers"] == [p.name for p in cm.checkpoint_map] and list(saved) == sorted(saved)
-    assert saved["format_version"] == 1 and saved["remat_version"]
+    assert saved["format_version"] == 2 and saved["remat_version"]
 
     loaded = CheckpointedModel.from_pretrained(tiny_model(seed=0), tmp_path / "save")
     assert loaded.config == EVERYTHING and loaded.checkpoint_map == cm.checkpoint_map

@@ -118,19 +118,34 @@ def test_the_route_option_selective_chooses_the_policy():
     assert cm.config.checkpoint_policy == "selective"
 
 
-def test_a_foreign_context_fn_is_refused_and_trls_selective_context_is_understood():
+def test_a_foreign_context_fn_is_refused():
     import functools
 
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     model = tiny_model()
     cm = CheckpointedModel(model)
-    with pytest.raises(ValueError, match="does not take a context_fn"):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"context_fn": lambda: None})
+    own = functools.partial(create_selective_checkpoint_contexts, lambda *a, **k: CheckpointPolicy.MUST_SAVE)
+    for context_fn in (lambda: None, own):
+        with pytest.raises(ValueError, match="does not take a context_fn"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"context_fn": context_fn})
     assert cm.config == CheckpointConfig()
-    trl_like = functools.partial(create_selective_checkpoint_contexts, lambda *a, **k: CheckpointPolicy.MUST_SAVE)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": trl_like})
-    assert cm.config.checkpoint_policy == "selective"
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_trls_selective_wrapper_selects_the_policy_even_from_a_reentrant_config(reentrant, remat_logs):
+    """TRL's SFTTrainer wraps the model's enable method to pass its selective context with
+    use_reentrant=False: that is remat's selective policy, non-reentrant."""
+    trl_models = pytest.importorskip("trl.models")
+    model = add_lora(tiny_model())
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2, use_reentrant=reentrant))
+    trl_models.enable_selective_activation_checkpointing(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"selective": True})
+    assert cm.config.checkpoint_policy == "selective" and not cm.config.use_reentrant
+    assert "TRL's own policy keeps attention only" in remat_logs.text
+    counter = RecomputeCounter(decoder_layers(model))
+    step_grads(cm, [(n, p) for n, p in model.named_parameters() if p.requires_grad], batch())
+    assert counter.recomputed() == [0, 2]
 
 
 def test_trainer_gradient_checkpointing_kwargs_selective_reaches_the_map(tmp_path):
@@ -178,3 +193,24 @@ def test_the_policy_keeps_projections_and_fused_attention_and_recomputes_the_res
         assert _keep_projections_and_attention(None, op) == CheckpointPolicy.MUST_SAVE
     for op in (aten.bmm.default, aten.silu.default, aten.mul.Tensor, aten.softmax.int, aten.native_dropout.default):
         assert _keep_projections_and_attention(None, op) == CheckpointPolicy.PREFER_RECOMPUTE
+
+
+@pytest.mark.parametrize("through", ["a tensor sharing the storage", "a view"])
+def test_a_layer_that_changes_a_kept_output_in_place_is_refused_naming_it(through):
+    """In-place changes of a projection's output (some PEFT variants, some remote code): backward
+    would get the changed value (torch's own check sees only changes through views; through the
+    3-d output of a linear it would silently give wrong gradients). The forward refuses."""
+
+    def change(module, args, out):
+        (out if through == "a tensor sharing the storage" else out[..., :1]).add_(1.0)
+
+    model = tiny_model(attention_dropout=0.0)
+    decoder_layers(model)[2].mlp.down_proj.register_forward_hook(change)
+    cm = CheckpointedModel(model, CheckpointConfig(layer_policies={2: "selective"}))
+    with pytest.raises(RuntimeError, match=r"layer 2 changes in place .*layer_policies=\{2: 'recompute'\}"):
+        cm(**batch())
+    cm.enable(CheckpointConfig(layer_policies={2: "recompute"}))
+    reference = tiny_model(attention_dropout=0.0)
+    decoder_layers(reference)[2].mlp.down_proj.register_forward_hook(change)
+    expected = step_grads(reference, list(reference.named_parameters()), batch())[1]
+    assert_same_grads(expected, step_grads(cm, list(model.named_parameters()), batch())[1])

@@ -221,3 +221,18 @@ def test_resuming_keeps_checkpointing_off_when_a_route_turned_it_off(tmp_path):
     assert cm.config == SAVED and cm.checkpoint_map.checkpointed == []
     cm.model.gradient_checkpointing_enable()
     assert cm.checkpoint_map.checkpointed == [0, 2, 3]
+
+
+def test_a_model_init_that_returns_a_wrapper_is_unwrapped_like_a_model_argument(tmp_path):
+    made = []
+
+    def model_init():
+        made.append(CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED))
+        return made[-1]
+
+    trainer = RematTrainer(model_init=model_init, args=_args(tmp_path, steps=2), train_dataset=_dataset())
+    trainer.train()
+    cm = made[-1]
+    assert trainer.checkpointed_model is cm and trainer.model is cm.model
+    files = {p.name for p in (tmp_path / "checkpoint-2").iterdir()}
+    assert {"adapter_model.safetensors", "checkpoint_config.json"} <= files and "model.safetensors" not in files

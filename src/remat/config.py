@@ -26,10 +26,11 @@ logger = logging.getLogger("remat")
 SWAP_PLACEMENTS = ("spread", "tail")
 
 CONFIG_NAME = "checkpoint_config.json"
-FORMAT_VERSION = 1
-"""The schema version written into `checkpoint_config.json`. A file from a newer schema is
-refused (its meaning may have changed); keys a newer remat added within this version are
-ignored with a warning."""
+FORMAT_VERSION = 2
+"""The schema version written into `checkpoint_config.json`: 1 the first; 2 added
+`checkpoint_policy` and the "selective" policy (a remat that reads only 1 would run those
+layers as plain recompute). A file from a newer schema is refused (its meaning may have
+changed); keys a newer remat added within this version are ignored with a warning."""
 
 META_KEYS = ("format_version", "remat_version", "layers", "adapters")
 """Keys of a saved `checkpoint_config.json` that describe the save rather than the config:

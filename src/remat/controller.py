@@ -168,6 +168,11 @@ class Controller:
             logger.info("%s changed the checkpoint config: %s", cause, changes)
         if new_map != self.checkpoint_map:
             logger.info("%s changed the checkpoint map: %r", cause, new_map)
+        elif changes and config.layer_policies and "layer_policies" not in changes:
+            # A planned config names every layer: options such as every_n_layers change nothing.
+            logger.info(
+                "%s: the map stays as it was: layer_policies names the layers these options would change", cause
+            )
 
     def _check_swap_change(self, new_map: CheckpointMap) -> None:
         """Refuse, before anything changes, a swap that cannot be made (trainable or sharded

@@ -2,39 +2,44 @@
 
 How a budget becomes a map:
 
-1. Measure. Each candidate policy runs on every layer at once, on the batch given: one step
-   under `memory_report` gives the bytes each layer holds for backward after forward (on the
-   device and in host memory) and the bytes held outside the layers (embeddings, logits,
-   loss); then the candidates' steps are timed, alternated over `repeats`, medians. A
-   forward with a timer on each layer says how the step's time divides among the layers, and a
-   policy's extra time is shared out accordingly. What is held outside the layers depends only
-   on whether any layer is checkpointed (a checkpoint keeps the position ids it was called
-   with), so it is taken from the "none" run for a map without checkpoints, from the others for
-   a map with some. Candidates: "none", "selective",
-   "recompute", and "offload" only when the model runs on an accelerator (on a CPU model there
-   is no device memory for offload to free: it would hold what recompute holds). Swapped layers
-   are never "none".
+1. Measure, on the batch given. Each candidate policy runs on a group of layers at once (every
+   layer, unless that does not fit on the device: then halves, quarters, ... down to single
+   layers), the other layers recomputing: one step under `memory_report` gives the bytes each
+   layer holds for backward after forward, on the device and in host memory, and the bytes
+   held outside the layers (embeddings, logits, loss; they depend only on whether any layer is
+   checkpointed). Then these maps are timed against "recompute everywhere", alternated over
+   `repeats`, medians; a forward with a timer on each layer says how a group's time divides
+   among its layers. Physics sets floors under the noise: recomputing a layer costs at least one
+   forward of it, offloading at least recomputing, "selective" something. Candidates: "none",
+   "selective", "recompute", and "offload" only when the model runs on an accelerator (on a CPU
+   model there is no device memory for offload to free). Swapped layers are never "none".
 2. Choose. A layer's held bytes depend on its own policy only (the measurement counts a layer's
-   input for that layer, whatever produced it), so a map's bytes and time are sums over layers.
-   The planner keeps, layer by layer, every combination that is not beaten in both bytes and
-   time, and picks the fastest whose device bytes, with the bytes outside the layers, fit the
-   budget. One correction is applied exactly: with offload, the input of the last checkpointed
-   layer stays on the device (backward needs it first).
+   input for that layer, whatever produced it), so a map's bytes and time are sums over layers,
+   with one exact correction: with offload, the input of the last checkpointed layer stays on
+   the device (backward needs it first). Layer by layer, the planner keeps every combination no
+   other beats in both bytes and time (combinations that may still owe the correction apart
+   from those that do not), and picks the fastest whose device bytes, with the bytes outside
+   the layers, fit the budget; on equal time, the one that holds more (fewer layers recomputed).
 3. Hand back a config. The result is a `CheckpointConfig` naming every layer's policy in
    `layer_policies`, like any other config (saved, loaded, re-applied by routes); printing it
    shows the plan: per layer the policy, predicted bytes and time, and the totals.
 
-The measuring leaves the model as it was: config and on/off state, gradients, buffers (an MoE
-router's counters) and the RNG state are put back. The prediction is checked in the suite
-against `cm.memory_report` after `cm.enable(planned)` (within 5%, and within the budget).
+Measuring leaves the model as it was: config and on/off state, gradients, buffers (an MoE
+router's counters), the RNG state, the offload and swap counters. A model whose parameters
+step their optimizer from a gradient hook (optimizer in backward) is refused: measuring would
+train it. The prediction is checked in the suite against `cm.memory_report` after
+`cm.enable(planned)` (within 5%, and within the budget).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import gc
+import logging
 import statistics
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,8 +53,13 @@ from .policies import LayerProfile, policy
 if TYPE_CHECKING:
     from .model import CheckpointedModel
 
+logger = logging.getLogger("remat")
+
 CANDIDATES = ("none", "selective", "recompute", "offload")
 _FRONT_LIMIT = 20_000  # combinations kept per layer; far above what identical layers produce
+_SELECTIVE_FLOOR = 0.01  # of a layer's forward: what "selective" recomputes costs something
+_BUFFER_COPY_LIMIT = 64 * 2**20  # larger buffers are weights (quantized models), not counters
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 @dataclass(frozen=True)
@@ -118,6 +128,13 @@ def plan_for_budget(
     state = state_of(cm)
     if not state.is_enabled or state.inference or not cm.model.training:
         raise RuntimeError("plan_for_budget measures training steps: call cm.enable() and cm.for_training() first")
+    stepping = [n for n, p in cm.model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
+    if stepping:
+        raise RuntimeError(
+            f"plan_for_budget runs training steps, and {stepping[0]} (and {len(stepping) - 1} more) has a "
+            "post-accumulate-grad hook (an optimizer stepping in backward): measuring would train the model. "
+            "Plan before registering those hooks"
+        )
     device = next(cm.model.parameters()).device
     config = state.config
     candidates = [
@@ -132,26 +149,30 @@ def plan_for_budget(
     if config.use_reentrant and "selective" not in candidates:
         notes.append("selective not considered: it needs use_reentrant=False")
     with _left_as_it_was(cm):
-        profiles, outside, base = _measure(cm, dict(batch), candidates, repeats)
+        measured = _Measurement(cm, dict(batch), candidates, repeats)
+    notes += measured.notes
     swapped = {p.index for p in state.checkpoint_map if p.swapped}
-    options = [[n for n in candidates if not (n == "none" and p.index in swapped)] for p in profiles]
-    choices = _choose(profiles, options, limit, outside, [p.name for p in state.checkpoint_map])
+    options = [
+        [n for n in candidates if n in p.held and not (n == "none" and p.index in swapped)] for p in measured.profiles
+    ]
+    names = [p.name for p in state.checkpoint_map]
+    front = _front(measured.profiles, options)
+    choices = _fastest_fitting(front, measured.profiles, limit, measured.outside, names)
     if choices is None:
-        smallest = outside[True] + _smallest(profiles, options)
-        outside = outside[True]
+        smallest = min(b + owed + measured.outside[_checkpoints(chosen)] for b, owed, _, chosen in front)
         raise ValueError(
             f"no map fits a budget of {limit} bytes ({limit / 2**20:.1f} MiB) for this model and batch: the smallest "
-            f"is {smallest} bytes ({smallest / 2**20:.1f} MiB), {outside / 2**20:.1f} MiB of it outside the layers "
-            "(embeddings, logits, loss), which no checkpointing policy changes"
+            f"is {smallest} bytes ({smallest / 2**20:.1f} MiB), {measured.outside[True] / 2**20:.1f} MiB of it "
+            "outside the layers (embeddings, logits, loss), which no checkpointing policy changes"
         )
     planned = config.replace(layer_policies={c.index: c.policy for c in choices}, offload=False)
     checkpointing = any(policy(c.policy).checkpointed for c in choices)
     return PlannedConfig.of(
         planned,
         choices=tuple(choices),
-        outside_bytes=outside[checkpointing],
+        outside_bytes=measured.outside[checkpointing],
         budget=limit,
-        base_seconds=base,
+        base_seconds=measured.base_seconds,
         notes=tuple(notes),
     )
 
@@ -159,43 +180,153 @@ def plan_for_budget(
 # -- measuring --------------------------------------------------------------------------------
 
 
-def _measure(
-    cm: CheckpointedModel, batch: dict[str, Any], candidates: Sequence[str], repeats: int
-) -> tuple[list[LayerProfile], dict[bool, int], float]:
-    """Per-layer profiles, the bytes held outside the layers (by whether any layer is
-    checkpointed), and the step time with no layer checkpointed."""
-    n = len(cm.checkpoint_map)
-    base = cm.config.replace(offload=False)
-    configs = {name: base.replace(layer_policies=dict.fromkeys(range(n), name)) for name in candidates}
-    held: dict[str, list[tuple[int, int]]] = {}
-    outside = {False: 0, True: 0}
-    for name, config in configs.items():
-        cm.enable(config)
-        report = cm.memory_report(batch)
+class _Measurement:
+    """Per-layer profiles (bytes held, seconds added, per policy), the bytes held outside the
+    layers by whether any layer is checkpointed, and the step time with nothing checkpointed."""
+
+    def __init__(self, cm: CheckpointedModel, batch: dict[str, Any], candidates: Sequence[str], repeats: int):
+        self.cm, self.batch, self.notes = cm, batch, []
+        n = len(cm.checkpoint_map)
+        self.base = cm.config.replace(offload=False, layer_policies=dict.fromkeys(range(n), "recompute"))
+        self.outside = {False: 0, True: 0}
+        held: dict[str, dict[int, tuple[int, int]]] = {}
+        groups: dict[str, list[list[int]]] = {}
+        everything = self._held(list(range(n)), "recompute")  # what the others do while a group is measured
+        if everything is None:
+            raise RuntimeError(
+                "plan_for_budget: even with every layer recomputed, one step of this batch does not fit on the "
+                "device; no map can fit it (try a smaller batch)"
+            )
+        held["recompute"], groups["recompute"] = everything, [list(range(n))]
+        for name in candidates:
+            if name != "recompute":
+                held[name], groups[name] = self._held_in_groups(name, n)
+        self.outside[False] = self.outside[False] or self.outside[True]
+        forward = self._forward_seconds()
+        seconds = self._seconds(groups, forward, repeats)
+        inputs = held["recompute"]
+        self.profiles = [
+            LayerProfile(
+                index=i,
+                input_bytes=sum(inputs[i]),
+                held={name: held[name][i] for name in candidates if i in held[name]},
+                seconds={name: seconds[name][i] for name in candidates if i in held[name]},
+            )
+            for i in range(n)
+        ]
+
+    def _config(self, layers: Sequence[int], name: str) -> CheckpointConfig:
+        return self.base.replace(layer_policies={**self.base.layer_policies, **dict.fromkeys(layers, name)})
+
+    def _held(self, layers: list[int], name: str) -> dict[int, tuple[int, int]] | None:
+        """One step with `layers` under `name`, the others recomputing; None if it runs out of memory."""
+        self.cm.enable(self._config(layers, name))
+        report = _fitting(lambda: self.cm.memory_report(self.batch), self.cm)
+        _drop_grads(self.cm)
+        if report is None:
+            return None
+        checkpointing = any(plan.checkpointed for plan in self.cm.checkpoint_map)
+        self.outside[checkpointing] = max(self.outside[checkpointing], report.outside_device_bytes)
+        return {i: (report.layers[i].device_bytes, report.layers[i].host_bytes) for i in layers}
+
+    def _held_in_groups(self, name: str, n: int) -> tuple[dict[int, tuple[int, int]], list[list[int]]]:
+        held: dict[int, tuple[int, int]] = {}
+        done: list[list[int]] = []
+        pending = [list(range(n))]
+        while pending:
+            layers = pending.pop(0)
+            found = self._held(layers, name)
+            if found is not None:
+                held.update(found)
+                done.append(layers)
+            elif len(layers) > 1:
+                half = len(layers) // 2
+                pending += [layers[:half], layers[half:]]
+            else:
+                self.notes.append(f"layer {layers[0]} cannot run {name!r} on this device with this batch")
+        if len(done) > 1:
+            self.notes.append(f"{name!r} on every layer at once ran out of memory: measured in {len(done)} groups")
+        return held, done
+
+    def _forward_seconds(self) -> list[float]:
+        """Each layer's forward time (timers on its entry and exit, in a forward without grad)."""
+        cm = self.cm
+        device = next(cm.model.parameters()).device
+        spent = [0.0] * len(cm.layers)
+        started: dict[int, float] = {}
+        handles = []
+        for i, layer in enumerate(cm.layers):
+
+            def enter(module: Any, args: Any, i: int = i) -> None:
+                _synchronize(device)
+                started[i] = time.perf_counter()
+
+            def leave(module: Any, args: Any, output: Any, i: int = i) -> None:
+                _synchronize(device)
+                spent[i] += time.perf_counter() - started.pop(i, time.perf_counter())
+
+            handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
+        cm.enable(self.base)
+        try:
+            with torch.no_grad():
+                cm(**self.batch)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return spent
+
+    def _seconds(
+        self, groups: dict[str, list[list[int]]], forward: list[float], repeats: int
+    ) -> dict[str, dict[int, float]]:
+        """Seconds each policy adds per layer, from steps timed against "recompute everywhere"."""
+        maps = {
+            (name, tuple(layers)): self._config(layers, name)
+            for name in groups
+            if name != "recompute"  # the baseline itself
+            for layers in groups[name]
+        }
+        times: dict[Any, list[float]] = {key: [] for key in [*maps, "base"]}
+        for _ in range(repeats):
+            for key, config in [*maps.items(), ("base", self.base)]:
+                self.cm.enable(config)
+                times[key].append(_timed_step(self.cm, self.batch))
+        base = statistics.median(times["base"])
+        change = {key: statistics.median(values) - base for key, values in times.items() if key != "base"}
+
+        def spread(name: str) -> dict[int, float]:
+            """The change of each group, shared among its layers by their forward time."""
+            out = {}
+            for layers in groups[name]:
+                total = sum(forward[i] for i in layers) or 1.0
+                for i in layers:
+                    out[i] = change[(name, tuple(layers))] * forward[i] / total
+            return out
+
+        saved_by_none = spread("none")  # negative: what not recomputing saves
+        recompute = {i: max(-s, forward[i]) for i, s in saved_by_none.items()}  # at least one more forward
+        recompute.update({i: forward[i] for i in range(len(forward)) if i not in recompute})
+        self.base_seconds = base - sum(recompute.values())
+        out: dict[str, dict[int, float]] = {"none": dict.fromkeys(range(len(forward)), 0.0), "recompute": recompute}
+        for name in groups:
+            if name in out:
+                continue
+            measured = {i: recompute[i] + s for i, s in spread(name).items()}
+            floor = {"offload": lambda i: recompute[i], "selective": lambda i: _SELECTIVE_FLOOR * forward[i]}
+            lowest = floor.get(name, lambda i: 0.0)
+            out[name] = {i: max(value, lowest(i)) for i, value in measured.items()}
+        return out
+
+
+def _fitting(run: Callable[[], Any], cm: CheckpointedModel) -> Any:
+    """`run()`, or None if the device ran out of memory (what it allocated is given back)."""
+    try:
+        return run()
+    except _OUT_OF_MEMORY:
         _drop_grads(cm)
-        held[name] = [(layer.device_bytes, layer.host_bytes) for layer in report.layers]
-        checkpointing = any(plan.checkpointed for plan in cm.checkpoint_map)  # swapped layers always are
-        outside[checkpointing] = max(outside[checkpointing], report.outside_device_bytes)
-    outside[False] = outside[False] or outside[True]
-    cm.enable(configs["none"])
-    shares = _forward_shares(cm, batch)
-    times: dict[str, list[float]] = {name: [] for name in configs}
-    for _ in range(repeats):
-        for name, config in configs.items():
-            cm.enable(config)
-            times[name].append(_timed_step(cm, batch))
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    inputs = held.get("recompute", held[candidates[-1]])
-    profiles = [
-        LayerProfile(
-            index=i,
-            input_bytes=inputs[i][0] + inputs[i][1],
-            held={name: held[name][i] for name in candidates},
-            seconds={name: max(0.0, medians[name] - medians["none"]) * shares[i] for name in candidates},
-        )
-        for i in range(n)
-    ]
-    return profiles, outside, medians["none"]
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return None
 
 
 def _timed_step(cm: CheckpointedModel, batch: dict[str, Any]) -> float:
@@ -207,33 +338,6 @@ def _timed_step(cm: CheckpointedModel, batch: dict[str, Any]) -> float:
     seconds = time.perf_counter() - start
     _drop_grads(cm)
     return seconds
-
-
-def _forward_shares(cm: CheckpointedModel, batch: dict[str, Any]) -> list[float]:
-    """How one forward's time divides among the layers (timers on each layer's entry and exit)."""
-    device = next(cm.model.parameters()).device
-    spent = [0.0] * len(cm.layers)
-    started: dict[int, float] = {}
-    handles = []
-    for i, layer in enumerate(cm.layers):
-
-        def enter(module: Any, args: Any, i: int = i) -> None:
-            _synchronize(device)
-            started[i] = time.perf_counter()
-
-        def leave(module: Any, args: Any, output: Any, i: int = i) -> None:
-            _synchronize(device)
-            spent[i] += time.perf_counter() - started.pop(i, time.perf_counter())
-
-        handles += [layer.register_forward_pre_hook(enter), layer.register_forward_hook(leave)]
-    try:
-        with torch.no_grad():
-            cm(**batch)
-    finally:
-        for handle in handles:
-            handle.remove()
-    total = sum(spent)
-    return [s / total if total > 0 else 1 / len(spent) for s in spent]
 
 
 def _synchronize(device: torch.device) -> None:
@@ -248,77 +352,141 @@ def _drop_grads(cm: CheckpointedModel) -> None:
 
 @contextlib.contextmanager
 def _left_as_it_was(cm: CheckpointedModel) -> Iterator[None]:
-    """Measuring runs training steps: put back the config and on/off state, gradients, buffers
-    and the RNG state, whatever happens."""
+    """Measuring runs training steps: put back the config and on/off state, gradients, buffers,
+    the RNG state and the offload and swap counters, whatever happens (each restored on its own,
+    so one that fails does not keep the others from being put back)."""
     from .model import state_of
 
     state = state_of(cm)
     config, off_by = state.config, state.off_by
     grads = [(p, p.grad) for p in cm.model.parameters()]
-    buffers = [(b, b.detach().clone()) for b in cm.model.buffers()]
+    buffers = [
+        (module, name, buffer, buffer._version, _small_copy(buffer))
+        for module in cm.model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    ]
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    offload_stats = copy.deepcopy(dict(state.offloader.stats))
+    swap_stats = {i: copy.copy(e.stats) for i, e in state.swapper.layers.items()}
+    swap_peak = state.swapper.peak_resident_bytes
     _drop_grads(cm)
-    try:
-        yield
-    finally:
-        state.replan(config, off_by=off_by, cause="plan_for_budget() (restoring)")
+
+    def grads_back() -> None:
         for param, grad in grads:
             param.grad = grad
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
+
+    def buffers_back() -> None:
+        for module, name, buffer, version, value in buffers:
+            if module._buffers.get(name) is not buffer:
+                module._buffers[name] = buffer  # replaced by a new tensor (a rotary cache, say)
+            if buffer._version != version:
+                if value is None:
+                    logger.warning(
+                        "plan_for_budget: buffer %s changed while measuring and is too large to restore", name
+                    )
+                else:
+                    with torch.no_grad():
+                        buffer.copy_(value)
+
+    def rng_back() -> None:
         torch.random.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
 
+    def counters_back() -> None:
+        state.offloader.stats.clear()
+        state.offloader.stats.update(offload_stats)
+        for index, stats in swap_stats.items():
+            if index in state.swapper.layers:
+                state.swapper.layers[index].stats = stats
+        state.swapper.peak_resident_bytes = swap_peak
+
+    def config_back() -> None:
+        state.replan(config, off_by=off_by, cause="plan_for_budget() (restoring)")
+
+    try:
+        yield
+    finally:
+        failures = []
+        for restore in (grads_back, buffers_back, rng_back, counters_back, config_back):
+            try:
+                restore()
+            except Exception as err:
+                failures.append(err)
+        if failures:
+            raise failures[0]
+
+
+def _small_copy(buffer: torch.Tensor) -> torch.Tensor | None:
+    """A host copy of a buffer to restore it from, unless it is large (weights kept as buffers)."""
+    if buffer.numel() * buffer.element_size() > _BUFFER_COPY_LIMIT:
+        return None
+    return buffer.detach().to("cpu", copy=True)
+
 
 # -- choosing ---------------------------------------------------------------------------------
 
+# A combination: device bytes counted so far, bytes still owed if its last checkpointed layer is
+# offloaded and no later layer is checkpointed (that input then stays on the device), time, the
+# policies chosen so far.
+_State = tuple[int, int, float, tuple[str, ...]]
 
-def _smallest(profiles: Sequence[LayerProfile], options: Sequence[Sequence[str]]) -> int:
-    return sum(
-        min(policy(name).cost(p).device_bytes for name in names) for p, names in zip(profiles, options, strict=True)
-    )
+
+def _front(profiles: Sequence[LayerProfile], options: Sequence[Sequence[str]]) -> list[_State]:
+    """Every combination that no other beats in bytes and time, layer by layer."""
+    last = len(profiles) - 1
+    front: list[_State] = [(0, 0, 0.0, ())]
+    for profile, names in zip(profiles, options, strict=True):
+        grown = []
+        for name in names:
+            cost = policy(name).cost(profile)
+            if not policy(name).checkpointed:
+                grown += [(b + cost.device_bytes, owed, t + cost.seconds, (*c, name)) for b, owed, t, c in front]
+                continue
+            # A checkpointed layer settles what the previous one owed. An offloaded layer owes its
+            # input, except the last layer, whose measurement already has its input on the device.
+            owes = profile.input_bytes if name == "offload" and profile.index != last else 0
+            grown += [(b + cost.device_bytes, owes, t + cost.seconds, (*c, name)) for b, _, t, c in front]
+        front = _undominated(grown)
+    return front
 
 
-def _choose(
+def _undominated(states: list[_State]) -> list[_State]:
+    """Per amount owed: sorted by bytes, each strictly faster than every state with fewer bytes
+    (of two states as fast, the one holding less serves every budget the other does)."""
+    kept: list[_State] = []
+    for owed in sorted({s[1] for s in states}):
+        group: list[_State] = []
+        for state in sorted((s for s in states if s[1] == owed), key=lambda s: (s[0], s[2])):
+            if not group or state[2] < group[-1][2]:
+                group.append(state)
+        if len(group) > _FRONT_LIMIT:  # thin evenly; the ends (least bytes, fastest) always stay
+            step = len(group) / _FRONT_LIMIT
+            group = [group[int(i * step)] for i in range(_FRONT_LIMIT)] + [group[-1]]
+        kept += group
+    return kept
+
+
+def _fastest_fitting(
+    front: list[_State],
     profiles: Sequence[LayerProfile],
-    options: Sequence[Sequence[str]],
     budget: int,
     outside: dict[bool, int],
     names: Sequence[str],
 ) -> list[LayerChoice] | None:
-    """The fastest combination whose predicted device bytes, with those held outside the
-    layers, fit `budget` (None if none does).
-
-    A front of combinations, extended layer by layer, keeping only those no other combination
-    beats in both bytes and time. Its members are then tried from the most bytes (the fastest)
-    down, with the exact prediction (the offload correction), until one fits.
-    """
-    front: list[tuple[int, float, tuple[str, ...]]] = [(0, 0.0, ())]
-    for profile, names_here in zip(profiles, options, strict=True):
-        costs = [(name, policy(name).cost(profile)) for name in names_here]
-        grown = [(b + c.device_bytes, t + c.seconds, (*chosen, name)) for b, t, chosen in front for name, c in costs]
-        front = _undominated(grown)
-    for _, _, chosen in sorted(front, key=lambda s: (-s[0], s[1])):
-        picked = _predict(profiles, chosen, names)
-        checkpointing = any(policy(c.policy).checkpointed for c in picked)
-        if outside[checkpointing] + sum(c.device_bytes for c in picked) <= budget:
-            return picked
-    return None
+    """The fastest combination whose device bytes, with what it owes and what is held outside the
+    layers, fit `budget`; on equal time, the one that holds more (fewer layers recomputed)."""
+    fitting = [state for state in front if state[0] + state[1] + outside[_checkpoints(state[3])] <= budget]
+    if not fitting:
+        return None
+    _, _, _, chosen = min(fitting, key=lambda s: (s[2], -(s[0] + s[1])))
+    return _predict(profiles, chosen, names)
 
 
-def _undominated(states: list[tuple[int, float, tuple[str, ...]]]) -> list[tuple[int, float, tuple[str, ...]]]:
-    """Sorted by bytes, each strictly faster than every state with fewer bytes."""
-    kept: list[tuple[int, float, tuple[str, ...]]] = []
-    for state in sorted(states, key=lambda s: (s[0], s[1])):
-        if not kept or state[1] < kept[-1][1]:
-            kept.append(state)
-    if len(kept) > _FRONT_LIMIT:  # thin evenly; the ends (least bytes, fastest) always stay
-        step = len(kept) / _FRONT_LIMIT
-        kept = [kept[int(i * step)] for i in range(_FRONT_LIMIT)] + [kept[-1]]
-    return kept
+def _checkpoints(chosen: Sequence[str]) -> bool:
+    return any(policy(name).checkpointed for name in chosen)
 
 
 def _predict(profiles: Sequence[LayerProfile], chosen: Sequence[str], names: Sequence[str]) -> list[LayerChoice]:

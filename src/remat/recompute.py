@@ -168,6 +168,7 @@ class LayerCheckpoint:
         recomputes. A recompute fetches swapped weights first, and leaves the layer's buffers and
         counters as the forward left them (an MoE router's token counts must not grow twice)."""
         swapper, index, state, calls = self.swapper, self.index, self.state, [0]
+        selective = self.policy.name == "selective"
 
         def run(*args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
@@ -185,6 +186,14 @@ class LayerCheckpoint:
                     around.enter_context(state.kept())
             try:
                 return function(*args, **kwargs)
+            except RuntimeError as err:
+                if selective and "mutated" in str(err):
+                    raise RuntimeError(
+                        f"layer {index} changes, in place, the output of an op that the 'selective' policy keeps "
+                        f"(torch: {err}). The kept value is no longer the one backward needs; give this layer "
+                        f"another policy (layer_policies={{{index}: 'recompute'}})"
+                    ) from err
+                raise
             finally:
                 with _outside_dispatch_modes():
                     around.close()
@@ -200,7 +209,7 @@ class LayerCheckpoint:
             if torch.is_grad_enabled() and not any(_needs_grad(a) for a in args):
                 args = self._first_float_requires_grad(args)
             return checkpoint(function, *args, use_reentrant=True, preserve_rng_state=self.preserve_rng_state)
-        options = self.policy.checkpoint_options()
+        options = self.policy.checkpoint_options(self.index)
         return checkpoint(
             function, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **options, **kwargs
         )

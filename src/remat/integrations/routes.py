@@ -14,11 +14,12 @@ What a route call means:
 - a non-default value updates the config, and the change is logged.
 
 `selective=True` is TRL's switch for op-level selective checkpointing, and chooses remat's
-"selective" policy for every checkpointed layer (`checkpoint_policy="selective"`). TRL's
-SFTTrainer does not pass the switch itself: it wraps the model's enable method to pass a
-`context_fn` over torch's selective checkpoint contexts instead (with `use_reentrant=False`);
-that context is recognised and means the same. Any other `context_fn` is refused: what each
-layer saves is the map's to say.
+"selective" policy for every checkpointed layer (`checkpoint_policy="selective"`, non-reentrant).
+TRL's SFTTrainer does not pass the switch itself: it wraps the model's enable method to pass a
+`context_fn` over torch's selective checkpoint contexts with a policy of its own (keep attention
+outputs) and `use_reentrant=False`; that context, recognised by its policy's module, also
+selects remat's policy (which keeps the projections' outputs too), and says so. Any other
+`context_fn` is refused: what each layer saves is the map's to say.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..config import CheckpointConfig
 from ..patches import InstancePatches
+from ..refs import Ref
 from .transformers_compat import ENABLE_ROUTES, pretrained_model_class, routes_defined_on
 
 if TYPE_CHECKING:
@@ -52,14 +54,19 @@ def _selective_from_context(route: str, options: dict[str, Any]) -> None:
         return
     context_fn = options.pop("context_fn")
     func = getattr(context_fn, "func", None)
-    if getattr(func, "__name__", "") != "create_selective_checkpoint_contexts":
+    policy_fn = (getattr(context_fn, "args", None) or (None,))[0]
+    from_trl = getattr(policy_fn, "__module__", "").startswith("trl.")
+    if getattr(func, "__name__", "") != "create_selective_checkpoint_contexts" or not from_trl:
         raise ValueError(
             f"{route}: remat does not take a context_fn ({context_fn!r}): which activations each layer keeps is "
             "the checkpoint map's to say. For op-level selective checkpointing use checkpoint_policy='selective' "
             "(or the route option selective=True). Nothing was changed."
         )
-    if options.get("selective") is not True:
-        logger.info("%s: TRL's selective checkpointing context selects remat's 'selective' policy", route)
+    logger.info(
+        "%s: TRL's selective checkpointing selects remat's 'selective' policy (remat keeps the outputs of the "
+        "layers' projections and of fused attention; TRL's own policy keeps attention only)",
+        route,
+    )
     options["selective"] = True
 
 
@@ -91,6 +98,8 @@ def config_from_route(
         if not isinstance(changes["selective"], bool):
             raise TypeError(f"{route}: selective must be True or False, got {changes['selective']!r}")
         changes["checkpoint_policy"] = "selective" if changes.pop("selective") else "recompute"
+        if options.get("use_reentrant") is False:  # asked for together with selective, which needs it
+            changes["use_reentrant"] = False
     try:
         return current.replace(**changes)
     except (TypeError, ValueError) as err:
@@ -116,21 +125,39 @@ class RouteOverrides:
         targets = [m for m in model.modules() if isinstance(m, pretrained)]
         for module in targets:
             for name in routes_defined_on(module):
-                route = EnableRoute(owner, name) if name in ENABLE_ROUTES else DisableRoute(owner, name)
+                route = (EnableRoute if name in ENABLE_ROUTES else DisableRoute)(owner, name, module)
                 self._patches.set(module, name, route)
 
     def uninstall(self) -> None:
         self._patches.undo()
 
 
-class EnableRoute:
-    """`*_enable(kwargs_dict=None, *, every_n_layers=1, offload=False)`: updates the owner's config."""
+class _Route:
+    """A route method put on one module for one owner. Code can keep a reference to it after
+    the owner is gone from the module (TRL wraps the enable method it finds): a route that is no
+    longer the module's own forwards the call to whatever the module has now (a newer wrapper's
+    route, or transformers' method), so it never drives a wrapper that was disabled."""
 
-    def __init__(self, owner: Any, route: str):
+    def __init__(self, owner: Any, route: str, module: Any):
         self.owner = owner
         self.route = route
-        self.kwargs_name = route.replace("_enable", "_kwargs")
+        self._module = Ref(module)
         self.__name__ = route
+
+    def _current(self) -> Any:
+        """None while this route is the module's; else the method the module has now."""
+        module = self._module()
+        if module is None or module.__dict__.get(self.route) is self:
+            return None
+        return getattr(module, self.route)
+
+
+class EnableRoute(_Route):
+    """`*_enable(kwargs_dict=None, *, every_n_layers=1, offload=False)`: updates the owner's config."""
+
+    def __init__(self, owner: Any, route: str, module: Any):
+        super().__init__(owner, route, module)
+        self.kwargs_name = route.replace("_enable", "_kwargs")
         self.__doc__ = f"remat: `{route}` changes the checkpoint map of the CheckpointedModel that owns this model."
 
     @property
@@ -146,6 +173,12 @@ class EnableRoute:
         )
 
     def __call__(self, *args: Any, every_n_layers: int = 1, offload: bool = False, **kwargs: Any) -> None:
+        current = self._current()
+        if current is not None:  # (transformers before 5.16 takes neither keyword: pass them only if given)
+            given = {
+                k: v for k, v in (("every_n_layers", every_n_layers), ("offload", offload)) if not _is_default(k, v)
+            }
+            return current(*args, **given, **kwargs)
         route, kwargs_name = self.route, self.kwargs_name
         if len(args) > 1:
             raise TypeError(f"{route}() takes at most one positional argument ({kwargs_name}), got {len(args)}")
@@ -160,13 +193,11 @@ class EnableRoute:
         self.owner.route_enable(f"{route}()", kwargs_dict, {"every_n_layers": every_n_layers, "offload": offload})
 
 
-class DisableRoute:
+class DisableRoute(_Route):
     """`*_disable()`: every layer of the owner's map becomes "none" until the next enable."""
 
-    def __init__(self, owner: Any, route: str):
-        self.owner = owner
-        self.route = route
-        self.__name__ = route
+    def __init__(self, owner: Any, route: str, module: Any):
+        super().__init__(owner, route, module)
         self.__doc__ = f"remat: `{route}` turns every layer of the checkpoint map to 'none'."
 
     @property
@@ -174,4 +205,7 @@ class DisableRoute:
         return inspect.Signature([])
 
     def __call__(self) -> None:
+        current = self._current()
+        if current is not None:
+            return current()
         self.owner.route_disable(f"{self.route}()")

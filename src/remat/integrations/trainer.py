@@ -73,6 +73,14 @@ class RematTrainerMixin:
                 cm.checkpoint_map.checkpointed,
             )
 
+    def call_model_init(self, trial: Any = None) -> Any:
+        """`model_init` may return a wrapper too (also on every hyperparameter-search trial)."""
+        model = super().call_model_init(trial)  # type: ignore[misc]
+        if isinstance(model, CheckpointedModel):
+            self.checkpointed_model = model
+            return model.model
+        return model
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
         cm = self.checkpointed_model

@@ -51,8 +51,9 @@ class Policy:
     needs_non_reentrant: bool = False
     summary: str = ""
 
-    def checkpoint_options(self) -> dict[str, Any]:
-        """Keyword arguments for `torch.utils.checkpoint.checkpoint` beyond the usual ones."""
+    def checkpoint_options(self, index: int) -> dict[str, Any]:
+        """Keyword arguments for `torch.utils.checkpoint.checkpoint` beyond the usual ones, for
+        layer `index`."""
         return {}
 
     def cost(self, profile: LayerProfile) -> Cost:

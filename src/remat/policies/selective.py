@@ -24,8 +24,9 @@ from typing import Any
 from .base import Policy
 
 # The GEMMs of linear projections (nn.Linear and LoRA dispatch to mm / addmm; MoE experts to a
-# grouped mm) and the fused attention kernels; overloads are matched by their packet. bmm and
-# baddbmm are left out on purpose: in a decoder layer they are an eager attention's core.
+# grouped mm) and the fused attention kernels; overloads are matched by their packet, and the
+# flash-attn package's custom ops by name. bmm and baddbmm are left out on purpose: in a decoder
+# layer they are an eager attention's core.
 KEPT_OPS = (
     "mm",
     "addmm",
@@ -40,9 +41,66 @@ KEPT_OPS = (
 
 
 class SelectivePolicy(Policy):
-    def checkpoint_options(self) -> dict[str, Any]:
+    def checkpoint_options(self, index: int) -> dict[str, Any]:
         # torch calls context_fn once per checkpointed call, for a fresh pair of contexts
-        return {"context_fn": functools.partial(_contexts(), _keep_projections_and_attention)}
+        return {"context_fn": functools.partial(_fresh_contexts, index)}
+
+
+def _fresh_contexts(index: int) -> Any:
+    return _contexts()(_KeptOutputs(index))
+
+
+class _KeptOutputs:
+    """The policy for one checkpointed call: which ops to keep, and a guard torch lacks. A kept
+    output changed in place later in the forward is caught by torch only if the change goes
+    through a view of it; through a tensor that merely shares its storage (a linear on a 3-d
+    input returns one) torch hands backward the changed value and the gradients are silently
+    wrong. So any in-place op on the storage of a kept output is refused here, in forward, with
+    the layer named."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.kept: set[int] = set()
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(ctx, "is_recompute", False):
+            self._refuse_changes_to_kept(op, args, kwargs)
+        decision = _keep_projections_and_attention(ctx, op, *args, **kwargs)
+        output = getattr(ctx, "op_output", None)
+        if not getattr(ctx, "is_recompute", False) and output is not None and _is_kept(decision):
+            self.kept.update(_storages(output))
+        return decision
+
+    def _refuse_changes_to_kept(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        schema = getattr(op, "_schema", None)
+        if not self.kept or schema is None or not schema.is_mutable:
+            return
+        values = [*args, *kwargs.values()]
+        written = [values[i] for i, arg in enumerate(schema.arguments[: len(values)]) if _writes(arg)]
+        if any(self.kept & _storages(value) for value in written):
+            raise RuntimeError(
+                f"layer {self.index} changes in place ({op}) the output of an op that the 'selective' policy keeps "
+                "for backward; backward would get the changed value. Give this layer another policy "
+                f"(layer_policies={{{self.index}: 'recompute'}})"
+            )
+
+
+def _writes(argument: Any) -> bool:
+    alias = getattr(argument, "alias_info", None)
+    return bool(alias is not None and alias.is_write)
+
+
+def _storages(value: Any) -> set[int]:
+    import torch
+    from torch.utils._pytree import tree_flatten
+
+    return {t.untyped_storage().data_ptr() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)}
+
+
+def _is_kept(decision: Any) -> bool:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
 @functools.cache
@@ -56,21 +114,25 @@ def _keep_projections_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any
     from torch.utils.checkpoint import CheckpointPolicy
 
     packet = getattr(op, "overloadpacket", op)
-    kept = packet in _kept_packets() and not _low_rank_expansion(packet, args)
+    kept = (packet in _kept_packets() and not _low_rank_expansion(packet, args)) or "flash_attn" in str(packet)
     return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _low_rank_expansion(packet: Any, args: tuple[Any, ...]) -> bool:
-    """A GEMM whose inner dimension is at most an eighth of its output width, like LoRA's B
-    (rank r up to the projection's width): as big to keep as the projection it is added to,
-    and cheap to run again (2r flops per output element)."""
+    """A GEMM from a small rank up to a much wider output, like LoRA's B (rank r, at most
+    `LOW_RANK`, up to the projection's width, at least eight times r): as big to keep as the
+    projection it is added to, and cheap to run again (2r flops per output element). Wide
+    low-rank projections of a model itself (DeepSeek's MLA, rank 512 and up) stay kept."""
     import torch
 
     matrices = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2]
     if packet not in (torch.ops.aten.mm, torch.ops.aten.addmm) or len(matrices) < 2:
         return False
-    left, right = matrices[-2], matrices[-1]
-    return 8 * left.shape[-1] <= right.shape[-1]
+    rank, width = matrices[-2].shape[-1], matrices[-1].shape[-1]
+    return rank <= LOW_RANK and 8 * rank <= width
+
+
+LOW_RANK = 256
 
 
 def _contexts() -> Any:
