@@ -134,9 +134,9 @@ class RouteOverrides:
 
 class _Route:
     """A route method put on one module for one owner. Code can keep a reference to it after
-    the owner is gone from the module (TRL wraps the enable method it finds): a route that is no
-    longer the module's own forwards the call to whatever the module has now (a newer wrapper's
-    route, or transformers' method), so it never drives a wrapper that was disabled."""
+    the owner let go of the model (TRL wraps the enable method it finds): such a call goes to
+    the route of whichever wrapper owns the module now, or to transformers' own method, so it
+    never drives a wrapper that was disabled."""
 
     def __init__(self, owner: Any, route: str, module: Any):
         self.owner = owner
@@ -145,11 +145,14 @@ class _Route:
         self.__name__ = route
 
     def _current(self) -> Any:
-        """None while this route is the module's; else the method the module has now."""
+        """None while this route's owner is enabled; else where the call goes instead."""
         module = self._module()
-        if module is None or module.__dict__.get(self.route) is self:
+        if module is None or self.owner.is_enabled:
             return None
-        return getattr(module, self.route)
+        now = module.__dict__.get(self.route)
+        if isinstance(now, _Route) and now is not self and now.owner.is_enabled:
+            return now
+        return getattr(type(module), self.route).__get__(module)
 
 
 class EnableRoute(_Route):
