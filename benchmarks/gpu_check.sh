@@ -27,26 +27,15 @@ if "$python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else
     "$python" -m pytest -q -k "cuda" tests/ 2>&1 | tee "$out/gpu-check-tests.log" || tests_failed=1
 else
     echo "gpu_check: no CUDA device, running the CPU fallback (tiny preset, one repeat)"
-    device=cpu preset=tiny dtype=float32 repeats=1 every_n=(1 2) sections=(policies)
+    device=cpu preset=tiny dtype=float32 repeats=1 every_n=(1) sections=(policies)
 fi
 
-common=(--preset "$preset" --device "$device" --dtype "$dtype" --out "$out" --quiet)
+common=(--preset "$preset" --device "$device" --dtype "$dtype" --out "$out")
+# each script prints its tables on stdout (progress bars go to stderr)
 "$python" benchmarks/run.py "${common[@]}" --repeats "$repeats" --policy-repeats "$repeats" \
-    --swap-repeats "$repeats" --sections "${sections[@]}" --no-peak
-"$python" - "$out/results-$preset-$device.json" <<'EOF' | tee "$out/gpu-check-run.log"
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("run", "benchmarks/run.py")
-run = importlib.util.module_from_spec(spec); sys.modules["run"] = run; spec.loader.exec_module(run)
-print(run.markdown(json.load(open(sys.argv[1]))))
-EOF
-"$python" benchmarks/pareto.py --preset "$preset" --device "$device" --dtype "$dtype" --out "$out" \
-    --repeats "$repeats" --plan-repeats "$repeats" --every-n "${every_n[@]}" --quiet
-"$python" - "$out/pareto-$preset-$device.json" <<'EOF' | tee "$out/gpu-check-pareto.log"
-import importlib.util, json, sys
-spec = importlib.util.spec_from_file_location("pareto", "benchmarks/pareto.py")
-pareto = importlib.util.module_from_spec(spec); sys.modules["pareto"] = pareto; spec.loader.exec_module(pareto)
-print(pareto.markdown(json.load(open(sys.argv[1]))))
-EOF
+    --swap-repeats "$repeats" --sections "${sections[@]}" --no-peak | tee "$out/gpu-check-run.log"
+"$python" benchmarks/pareto.py "${common[@]}" --repeats "$repeats" --plan-repeats "$repeats" \
+    --every-n "${every_n[@]}" | tee "$out/gpu-check-pareto.log"
 echo "gpu_check: done ($device, preset $preset); results in $out"
 if [ "$tests_failed" -ne 0 ]; then
     echo "gpu_check: some CUDA tests failed: see $out/gpu-check-tests.log"
