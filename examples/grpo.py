@@ -1,7 +1,7 @@
 """GRPO with TRL on a wrapped model: generation between every optimizer step turns checkpointing
 off and on, and the map (every second layer here) holds through all of it.
 
-    python examples/grpo.py            # a tiny Llama on the CPU, about a minute
+    python examples/grpo.py            # a tiny Llama on the CPU, about 20 seconds
     python examples/grpo.py --steps 3  # shorter
 
 It prints the map, then for each optimizer step the reward and which layers were recomputed in
