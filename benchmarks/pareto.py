@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
         def apply():
             getattr(base, disable)()
             if every_n is not None:
-                getattr(base, enable)({"use_reentrant": False}, every_n_layers=every_n)
+                given = {"every_n_layers": every_n} if every_n != 1 else {}  # before 5.16: every layer only
+                getattr(base, enable)({"use_reentrant": False}, **given)
                 if hasattr(base, "_require_grads_hook"):
                     base.disable_input_require_grads()
             return native_model
@@ -86,7 +87,8 @@ def main(argv: list[str] | None = None) -> dict:
 
         return apply
 
-    settings = {f"native every_n_layers={n}": native(n) for n in args.every_n}
+    every_n = args.every_n if run.native_supports(native_model, "every_n_layers") else [1]
+    settings = {f"native every_n_layers={n}": native(n) for n in every_n}
     settings["native none"] = native(None)
     held = {name: _held(apply(), batch) for name, apply in settings.items()}
 
@@ -134,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
         "native": [
             {"setting": n, "held_bytes": held[n], "step_s": medians[n]} for n in settings if n.startswith("native")
         ],
+        "native_every_n": every_n,
         "budgets": rows,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }

@@ -176,7 +176,10 @@ def test_measuring_a_map_that_runs_out_of_memory_falls_back_to_groups_of_layers(
     planned = cm.plan_for_budget(data, "1GiB", repeats=1)
     handle.remove()
     assert any("measured in" in note and "groups" in note for note in planned.notes)
-    assert {c.policy for c in planned.choices} == {"none"}, "every layer measured, so the fastest map is known"
+    policies = [c.policy for c in planned.choices]
+    # every layer measured, so the fastest map is known; nothing checkpointed ran out of memory as a
+    # whole, so that map is not offered: the fastest one left recomputes one layer
+    assert sorted(policies) == ["none"] * (len(policies) - 1) + ["recompute"], policies
     cm.enable(planned)
     measured = cm.memory_report(data).device_bytes  # measured in groups: within 5%, not exact
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes

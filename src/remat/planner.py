@@ -157,9 +157,9 @@ def plan_for_budget(
     ]
     names = [p.name for p in state.checkpoint_map]
     front = _front(measured.profiles, options)
-    choices = _fastest_fitting(front, measured.profiles, limit, measured.outside, names)
+    choices = _fastest_fitting(front, measured.profiles, limit, measured.outside, names, measured.alone)
     if choices is None:
-        smallest = min(b + owed + measured.outside[_checkpoints(chosen)] for b, owed, _, chosen in front)
+        smallest = min(_total(s, measured.outside, measured.alone) for s in front)
         raise ValueError(
             f"no map fits a budget of {limit} bytes ({limit / 2**20:.1f} MiB) for this model and batch: the smallest "
             f"is {smallest} bytes ({smallest / 2**20:.1f} MiB), {measured.outside[True] / 2**20:.1f} MiB of it "
@@ -199,8 +199,15 @@ class _Measurement:
             )
         held["recompute"], groups["recompute"] = everything, [list(range(n))]
         for name in candidates:
-            if name != "recompute":
-                held[name], groups[name] = self._held_in_groups(name, n)
+            if name == "recompute":
+                continue
+            # What a "none" layer holds can depend on whether any layer is checkpointed (transformers
+            # 4.57 keeps more then): measured in two halves for maps that checkpoint something, and
+            # on its own for the map that checkpoints nothing.
+            halves = [list(range(n // 2)), list(range(n // 2, n))] if name == "none" and n > 1 else [list(range(n))]
+            held[name], groups[name] = self._held_in_groups(name, halves)
+        alone = self._held(list(range(n)), "none") if "none" in candidates and n > 1 else held.get("none")
+        self.alone = alone if alone is not None else {}  # {}: nothing checkpointed does not fit
         self.outside[False] = self.outside[False] or self.outside[True]
         forward = self._forward_seconds()
         seconds = self._seconds(groups, forward, repeats)
@@ -229,10 +236,10 @@ class _Measurement:
         self.outside[checkpointing] = max(self.outside[checkpointing], report.outside_device_bytes)
         return {i: (report.layers[i].device_bytes, report.layers[i].host_bytes) for i in layers}
 
-    def _held_in_groups(self, name: str, n: int) -> tuple[dict[int, tuple[int, int]], list[list[int]]]:
+    def _held_in_groups(self, name: str, start: list[list[int]]) -> tuple[dict[int, tuple[int, int]], list[list[int]]]:
         held: dict[int, tuple[int, int]] = {}
         done: list[list[int]] = []
-        pending = [list(range(n))]
+        pending = [list(group) for group in start if group]
         while pending:
             layers = pending.pop(0)
             found = self._held(layers, name)
@@ -244,8 +251,8 @@ class _Measurement:
                 pending += [layers[:half], layers[half:]]
             else:
                 self.notes.append(f"layer {layers[0]} cannot run {name!r} on this device with this batch")
-        if len(done) > 1:
-            self.notes.append(f"{name!r} on every layer at once ran out of memory: measured in {len(done)} groups")
+        if len(done) > len(start):
+            self.notes.append(f"{name!r} on those layers at once ran out of memory: measured in {len(done)} groups")
         return held, done
 
     def _forward_seconds(self) -> list[float]:
@@ -475,14 +482,31 @@ def _fastest_fitting(
     budget: int,
     outside: dict[bool, int],
     names: Sequence[str],
+    alone: dict[int, tuple[int, int]] | None = None,
 ) -> list[LayerChoice] | None:
     """The fastest combination whose device bytes, with what it owes and what is held outside the
-    layers, fit `budget`; on equal time, the one that holds more (fewer layers recomputed)."""
-    fitting = [state for state in front if state[0] + state[1] + outside[_checkpoints(state[3])] <= budget]
+    layers, fit `budget`; on equal time, the one that holds more (fewer layers recomputed).
+    `alone`: what the layers hold when none is checkpointed, if that differs (see `_Measurement`)."""
+    fitting = [state for state in front if _total(state, outside, alone) <= budget]
     if not fitting:
         return None
     _, _, _, chosen = min(fitting, key=lambda s: (s[2], -(s[0] + s[1])))
-    return _predict(profiles, chosen, names)
+    predicted = _predict(profiles, chosen, names)
+    if alone is not None and not _checkpoints(chosen):
+        predicted = [LayerChoice(c.index, c.name, c.policy, *alone[c.index], c.seconds) for c in predicted]
+    return predicted
+
+
+def _total(state: _State, outside: dict[bool, int], alone: dict[int, tuple[int, int]] | None) -> float:
+    """A combination's device bytes, with what it owes and the bytes held outside the layers."""
+    bytes_, owed, _, chosen = state
+    if not _checkpoints(chosen):
+        if alone is None:
+            return bytes_ + outside[False]
+        return (
+            outside[False] + sum(device for device, _ in alone.values()) if len(alone) == len(chosen) else float("inf")
+        )
+    return bytes_ + owed + outside[True]
 
 
 def _checkpoints(chosen: Sequence[str]) -> bool:
