@@ -13,6 +13,7 @@ import sys
 
 sys.path.insert(0, sys.argv[2])
 
+import torch
 from conftest import add_lora, batch, tiny_model
 from transformers import TrainingArguments
 
@@ -61,6 +62,11 @@ def main() -> None:
     }
     sys.stdout.write(f"RESULT {json.dumps(result)}\n")  # one write: both ranks share stdout
     sys.stdout.flush()
+    # Trainer leaves the process group open; gloo's threads torn down at interpreter exit abort
+    # the process now and then ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
