@@ -13,10 +13,14 @@ How a budget becomes a map:
    forward of it, offloading at least recomputing, "selective" something. Candidates: "none",
    "selective", "recompute", and "offload" only when the model runs on an accelerator (on a CPU
    model there is no device memory for offload to free). Swapped layers are never "none".
-2. Choose. A layer's held bytes depend on its own policy only (the measurement counts a layer's
-   input for that layer, whatever produced it), so a map's bytes and time are sums over layers,
-   with one exact correction: with offload, the input of the last checkpointed layer stays on
-   the device (backward needs it first). Layer by layer, the planner keeps every combination no
+   "none" is measured in two halves (the other half recomputing) and once on every layer: a
+   "none" layer holds more while another layer is checkpointed on transformers 4.57, so the
+   halves price mixed maps and the whole run prices the map that checkpoints nothing (offered
+   only if that run fit on the device).
+2. Choose. Otherwise a layer's held bytes depend on its own policy only (the measurement counts
+   a layer's input for that layer, whatever produced it), so a map's bytes and time are sums over
+   layers, with one exact correction: with offload, the input of the last checkpointed layer
+   stays on the device (backward needs it first). Layer by layer, the planner keeps every combination no
    other beats in both bytes and time (combinations that may still owe the correction apart
    from those that do not), and picks the fastest whose device bytes, with the bytes outside
    the layers, fit the budget; on equal time, the one that holds more (fewer layers recomputed).
