@@ -14,7 +14,8 @@ How a budget becomes a map:
    "selective", "recompute", and "offload" only when the model runs on an accelerator (on a CPU
    model there is no device memory for offload to free). Swapped layers are never "none".
    "none" is measured in two halves (the other half recomputing) and once on every layer: a
-   "none" layer holds more while another layer is checkpointed on transformers 4.57, so the
+   "none" layer holds more while another layer is checkpointed on transformers 4.57 (checkpointing
+   turns its KV cache off, the causal mask is then built and SDPA repeats grouped K/V), so the
    halves price mixed maps and the whole run prices the map that checkpoints nothing (offered
    only if that run fit on the device).
 2. Choose. Otherwise a layer's held bytes depend on its own policy only (the measurement counts
