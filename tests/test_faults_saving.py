@@ -214,6 +214,69 @@ def test_a_staging_folder_whose_writer_is_alive_is_left_alone(tmp_path):
     assert _check_consistent(out) == 0 and _no_staging_left(out), "once its writer is gone, it is removed"
 
 
+def test_a_staging_folder_removed_by_another_recovery_before_its_lock_is_made_again(tmp_path, monkeypatch):
+    """Another process's recovery can see a new staging folder before its writer locks it (no
+    manifest yet: it looks crashed) and remove it; the save makes a new one and completes."""
+    from remat import saving
+
+    out = tmp_path / "out"
+    cm = _first_save(out)
+    original, removed = saving._lock, []
+
+    def recovery_first(staging, *, wait):
+        if wait and not removed:
+            removed.append(staging)
+            saving.recover_staging(os.path.dirname(staging))  # as another process would
+        return original(staging, wait=wait)
+
+    monkeypatch.setattr(saving, "_lock", recovery_first)
+    _set_lora(cm.model, 4.0)
+    cm.save_pretrained(out)
+    assert removed and not os.path.exists(removed[0])
+    assert _check_consistent(out) == 4 and _no_staging_left(out)
+
+
+def test_a_staging_folder_removed_while_its_writer_waits_for_the_lock_is_made_again(tmp_path, monkeypatch):
+    """Another recovery holds a new staging folder's lock, so the writer waits; the recovery
+    removes the folder and lets go: the lock the writer then gets is on a removed file, so it
+    makes a new folder (PEFT would recreate the missing one, unlocked, open to a third recovery)."""
+    import fcntl
+    import threading
+
+    from remat import saving
+
+    out = tmp_path / "out"
+    cm = _first_save(out)
+    original, removed = saving._lock, []
+
+    def recovery_holds_the_lock(staging, *, wait):
+        if wait and not removed:
+            removed.append(staging)
+            held = open(os.path.join(staging, "LOCK"), "a+b")  # noqa: SIM115
+            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+
+            def remove_then_release():
+                time.sleep(0.3)  # the writer is waiting for the lock by now
+                shutil.rmtree(staging)
+                held.close()
+
+            threading.Thread(target=remove_then_release).start()
+        return original(staging, wait=wait)
+
+    commit = saving._commit
+
+    def recovery_during_commit(staging, target, files):
+        saving.recover_staging(target)  # another process now: the writer's lock keeps it out
+        commit(staging, target, files)
+
+    monkeypatch.setattr(saving, "_lock", recovery_holds_the_lock)
+    monkeypatch.setattr(saving, "_commit", recovery_during_commit)
+    _set_lora(cm.model, 6.0)
+    cm.save_pretrained(out)
+    assert removed and not os.path.exists(removed[0])
+    assert _check_consistent(out) == 6 and _no_staging_left(out)
+
+
 def test_a_manifest_naming_paths_outside_the_folder_is_ignored(tmp_path):
     """A downloaded folder could carry a crafted staging folder: recovery moves nothing out of it."""
     out = tmp_path / "downloaded"

@@ -88,8 +88,7 @@ def staged_save(target: str, write: Callable[[str], Iterable[str] | None], *, ke
     """
     os.makedirs(target, exist_ok=True)
     recover_staging(target)
-    staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target)
-    lock = _lock(staging, wait=True)  # held until the commit is done: the folder is in use
+    staging, lock = _new_staging(target)  # the lock is held until the commit is done
     try:
         try:
             order = write(staging)
@@ -197,6 +196,22 @@ def _files_under(folder: str) -> list[str]:
         found += [os.path.relpath(os.path.join(root, n), folder) for n in names]
     found = [f for f in found if f not in (_MANIFEST, _LOCK)]
     return sorted(found, key=lambda f: (f == CONFIG_NAME, f))
+
+
+def _new_staging(target: str, attempts: int = 10) -> tuple[str, Any]:
+    """A new staging folder in `target` and its lock. Until it is locked the folder looks like a
+    crashed save to another process's `recover_staging`, which may remove it; then another is made."""
+    for _ in range(attempts):
+        staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target)
+        try:
+            lock = _lock(staging, wait=True)
+        except FileNotFoundError:
+            continue  # removed before its lock file was made
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(lock.fileno()), os.stat(os.path.join(staging, _LOCK))):
+                return staging, lock
+        lock.close()  # removed while we waited for its lock: the file we hold is gone
+    raise OSError(f"{target}: could not make a staging folder for the save (other processes removed {attempts})")
 
 
 def _lock(staging: str, *, wait: bool) -> Any:
