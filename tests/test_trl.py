@@ -210,3 +210,19 @@ def test_trls_selective_option_selects_the_selective_policy(tmp_path, trainer):
     assert cm.config.checkpoint_policy == "selective"
     assert [p.policy for p in cm.checkpoint_map] == ["selective", "none"] * 3
     assert counter.steps == [EVERY_2ND] * 3
+
+
+def test_disable_leaves_in_place_the_wrapper_trl_put_around_a_route():
+    """TRL's `enable_selective_activation_checkpointing` wraps the enable method remat routed (a
+    full fine-tune: the model itself carries the route); `cm.disable()` leaves TRL's wrapper on
+    the model, and through it TRL's selective checkpointing reaches transformers' own method."""
+    from trl.models.selective_activation_checkpointing import enable_selective_activation_checkpointing
+
+    model = tiny_model(num_hidden_layers=6, vocab_size=256)
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    enable_selective_activation_checkpointing(model)
+    trls = model.__dict__["gradient_checkpointing_enable"]
+    cm.disable()
+    assert model.__dict__.get("gradient_checkpointing_enable") is trls
+    model.gradient_checkpointing_enable()
+    assert model.is_gradient_checkpointing, "TRL's wrapper reached transformers' method"

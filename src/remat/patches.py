@@ -31,18 +31,26 @@ def restore_attributes(module: Any, saved: dict[str, Any]) -> None:
 
 class InstancePatches:
     """Attributes set on single instances (never on a class), remembered so `undo()` puts each
-    back exactly as it was, absent ones included. Targets are held weakly (`remat.refs`)."""
+    back exactly as it was, absent ones included. Targets are held weakly (`remat.refs`).
+
+    An attribute that other code has replaced since (TRL wraps `gradient_checkpointing_enable`
+    around remat's route) is left as that code set it: undoing would remove its wrapper too. What
+    it wrapped is remat's value, which must then behave once remat let go (routes forward to the
+    model's current method)."""
 
     def __init__(self) -> None:
-        self._saved: list[tuple[Ref[Any], str, Any]] = []
+        # The value set is remembered by id: holding it would make a cycle through patches that
+        # refer to their owner (the swapper's `_apply`), and while it stays set the id is its own.
+        self._saved: list[tuple[Ref[Any], str, Any, int]] = []
 
     def set(self, target: Any, name: str, value: Any) -> None:
-        self._saved.append((Ref(target), name, target.__dict__.get(name, MISSING)))
+        self._saved.append((Ref(target), name, target.__dict__.get(name, MISSING), id(value)))
         # object.__setattr__ keeps these out of nn.Module's parameter/buffer bookkeeping.
         object.__setattr__(target, name, value)
 
     def undo(self) -> None:
-        for target, name, previous in reversed(self._saved):
-            if target() is not None:
-                restore_attributes(target(), {name: previous})
+        for ref, name, previous, value_id in reversed(self._saved):
+            target = ref()
+            if target is not None and id(target.__dict__.get(name, MISSING)) == value_id:
+                restore_attributes(target, {name: previous})
         self._saved.clear()
