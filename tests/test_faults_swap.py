@@ -66,6 +66,30 @@ def test_an_exception_in_forward_or_recompute_leaves_the_next_steps_exact(where,
     assert state_of(cm).swapper.resident_bytes == 0, "every slot went back after the step"
 
 
+def test_a_failure_entering_the_recompute_bookkeeping_leaves_the_swap_ready(monkeypatch):
+    """Saving a layer's buffers before its recompute can itself fail (out of memory in the
+    copy): the swap's recompute state entered just before is left again, so later steps fetch
+    their weights. The failed step's traceback is kept alive on purpose: nothing waits for a GC."""
+    from remat.recompute import _LayerState
+
+    cm, model = _wrapped(SWAP.replace(swap_layers=4))
+    original, failures = _LayerState.kept, [0]
+
+    def kept_failing_once(self):
+        if failures[0] == 0:
+            failures[0] += 1
+            raise RuntimeError("injected: out of memory copying the layer's buffers")
+        return original(self)
+
+    monkeypatch.setattr(_LayerState, "kept", kept_failing_once)
+    with pytest.raises(RuntimeError, match="injected") as failed:
+        step_grads(cm, _trainable(model), batch())
+    for seed in (0, 1):
+        _, got = step_grads(cm, _trainable(model), batch(seed=seed))
+        assert_same_grads(_reference_grads(batch(seed=seed)), got)
+    assert failed.value is not None and failures == [1]
+
+
 def _forward(cm, model):
     for _, p in _trainable(model):
         p.grad = None

@@ -142,7 +142,8 @@ class LayerCheckpoint:
     ):
         self.index = index
         self.policy = policy
-        self.use_reentrant = use_reentrant and not policy.needs_non_reentrant
+        self.use_reentrant = use_reentrant  # CheckpointConfig refuses it for policies that need non-reentrant
+        self.options = policy.checkpoint_options(index)
         self.preserve_rng_state = preserve_rng_state
         self.offloader = offloader
         self.offload = offload and offloader is not None
@@ -167,8 +168,7 @@ class LayerCheckpoint:
         """The first call of the checkpointed function is the forward; later calls are backward's
         recomputes. A recompute fetches swapped weights first, and leaves the layer's buffers and
         counters as the forward left them (an MoE router's token counts must not grow twice)."""
-        swapper, index, state, calls = self.swapper, self.index, self.state, [0]
-        selective = self.policy.name == "selective"
+        swapper, index, state, policy, calls = self.swapper, self.index, self.state, self.policy, [0]
 
         def run(*args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
@@ -179,20 +179,17 @@ class LayerCheckpoint:
             # policy's recompute expects exactly the forward's ops, and a memory measurement must
             # not count weights as activations).
             around = contextlib.ExitStack()
-            with _outside_dispatch_modes():
-                if swapper is not None:
-                    around.enter_context(swapper.recomputing(index))
-                if state is not None:
-                    around.enter_context(state.kept())
-            try:
+            try:  # entered inside: one that fails to enter must not leave the other entered
+                with _outside_dispatch_modes():
+                    if swapper is not None:
+                        around.enter_context(swapper.recomputing(index))
+                    if state is not None:
+                        around.enter_context(state.kept())
                 return function(*args, **kwargs)
             except RuntimeError as err:
-                if selective and "mutated" in str(err):
-                    raise RuntimeError(
-                        f"layer {index} changes, in place, the output of an op that the 'selective' policy keeps "
-                        f"(torch: {err}). The kept value is no longer the one backward needs; give this layer "
-                        f"another policy (layer_policies={{{index}: 'recompute'}})"
-                    ) from err
+                explained = policy.explain_recompute_error(err, index)
+                if explained is not None:
+                    raise explained from err
                 raise
             finally:
                 with _outside_dispatch_modes():
@@ -209,9 +206,8 @@ class LayerCheckpoint:
             if torch.is_grad_enabled() and not any(_needs_grad(a) for a in args):
                 args = self._first_float_requires_grad(args)
             return checkpoint(function, *args, use_reentrant=True, preserve_rng_state=self.preserve_rng_state)
-        options = self.policy.checkpoint_options(self.index)
         return checkpoint(
-            function, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **options, **kwargs
+            function, *args, use_reentrant=False, preserve_rng_state=self.preserve_rng_state, **self.options, **kwargs
         )
 
     @staticmethod

@@ -42,19 +42,22 @@ class Policy:
         input_on_host: where the layer's saved input waits for backward: True (host memory),
             False (the device), None (as `CheckpointConfig.offload` says).
         needs_non_reentrant: torch supports the policy only in non-reentrant checkpointing.
-        summary: one line for tables and documentation.
     """
 
     name: str
     checkpointed: bool
     input_on_host: bool | None
     needs_non_reentrant: bool = False
-    summary: str = ""
 
     def checkpoint_options(self, index: int) -> dict[str, Any]:
         """Keyword arguments for `torch.utils.checkpoint.checkpoint` beyond the usual ones, for
         layer `index`."""
         return {}
+
+    def explain_recompute_error(self, error: RuntimeError, index: int) -> RuntimeError | None:
+        """A clearer error for one torch raised while recomputing layer `index` under this
+        policy, or None to let torch's stand."""
+        return None
 
     def cost(self, profile: LayerProfile) -> Cost:
         """This policy's cost for the layer, from what was measured under it."""

@@ -6,5 +6,4 @@ NONE = Policy(
     name="none",
     checkpointed=False,
     input_on_host=False,
-    summary="activations kept; fastest, holds the most",
 )

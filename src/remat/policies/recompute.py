@@ -10,12 +10,10 @@ RECOMPUTE = Policy(
     name="recompute",
     checkpointed=True,
     input_on_host=False,
-    summary="only the input kept (on the device); backward runs the layer again",
 )
 
 OFFLOAD = Policy(
     name="offload",
     checkpointed=True,
     input_on_host=True,
-    summary="like recompute, with the input waiting in host memory",
 )

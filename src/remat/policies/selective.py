@@ -21,6 +21,10 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import torch
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
 from .base import Policy
 
 # The GEMMs of linear projections (nn.Linear and LoRA dispatch to mm / addmm; MoE experts to a
@@ -45,9 +49,18 @@ class SelectivePolicy(Policy):
         # torch calls context_fn once per checkpointed call, for a fresh pair of contexts
         return {"context_fn": functools.partial(_fresh_contexts, index)}
 
+    def explain_recompute_error(self, error: RuntimeError, index: int) -> RuntimeError | None:
+        if "mutated" not in str(error):
+            return None
+        return RuntimeError(
+            f"layer {index} changes, in place, the output of an op that the 'selective' policy keeps "
+            f"(torch: {error}). The kept value is no longer the one backward needs; give this layer "
+            f"another policy (layer_policies={{{index}: 'recompute'}})"
+        )
+
 
 def _fresh_contexts(index: int) -> Any:
-    return _contexts()(_KeptOutputs(index))
+    return create_selective_checkpoint_contexts(_KeptOutputs(index))
 
 
 class _KeptOutputs:
@@ -67,7 +80,7 @@ class _KeptOutputs:
             self._refuse_changes_to_kept(op, args, kwargs)
         decision = _keep_projections_and_attention(ctx, op, *args, **kwargs)
         output = getattr(ctx, "op_output", None)
-        if not getattr(ctx, "is_recompute", False) and output is not None and _is_kept(decision):
+        if not getattr(ctx, "is_recompute", False) and output is not None and decision is CheckpointPolicy.MUST_SAVE:
             self.kept.update(_storages(output))
         return decision
 
@@ -91,42 +104,33 @@ def _writes(argument: Any) -> bool:
 
 
 def _storages(value: Any) -> set[int]:
-    import torch
-    from torch.utils._pytree import tree_flatten
-
     return {t.untyped_storage().data_ptr() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)}
 
 
-def _is_kept(decision: Any) -> bool:
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    return decision in (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
+_KEPT_PACKETS = frozenset(getattr(torch.ops.aten, name) for name in KEPT_OPS if hasattr(torch.ops.aten, name))
+_GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm)  # where a low-rank expansion can show
 
 
 @functools.cache
-def _kept_packets() -> frozenset:
-    import torch
-
-    return frozenset(getattr(torch.ops.aten, name) for name in KEPT_OPS if hasattr(torch.ops.aten, name))
+def _kept_packet(packet: Any) -> bool:
+    """Whether this op's outputs are kept (asked once per op: this runs for every op of every
+    selective layer)."""
+    return packet in _KEPT_PACKETS or "flash_attn" in str(packet)
 
 
 def _keep_projections_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
     packet = getattr(op, "overloadpacket", op)
-    kept = (packet in _kept_packets() and not _low_rank_expansion(packet, args)) or "flash_attn" in str(packet)
+    kept = _kept_packet(packet) and not (packet in _GEMMS and _low_rank_expansion(args))
     return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _low_rank_expansion(packet: Any, args: tuple[Any, ...]) -> bool:
+def _low_rank_expansion(args: tuple[Any, ...]) -> bool:
     """A GEMM from a small rank up to a much wider output, like LoRA's B (rank r, at most
     `LOW_RANK`, up to the projection's width, at least eight times r): as big to keep as the
     projection it is added to, and cheap to run again (2r flops per output element). Wide
     low-rank projections of a model itself (DeepSeek's MLA, rank 512 and up) stay kept."""
-    import torch
-
     matrices = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2]
-    if packet not in (torch.ops.aten.mm, torch.ops.aten.addmm) or len(matrices) < 2:
+    if len(matrices) < 2:
         return False
     rank, width = matrices[-2].shape[-1], matrices[-1].shape[-1]
     return rank <= LOW_RANK and 8 * rank <= width
@@ -135,16 +139,9 @@ def _low_rank_expansion(packet: Any, args: tuple[Any, ...]) -> bool:
 LOW_RANK = 256
 
 
-def _contexts() -> Any:
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-    return create_selective_checkpoint_contexts
-
-
 SELECTIVE = SelectivePolicy(
     name="selective",
     checkpointed=True,
     input_on_host=None,
     needs_non_reentrant=True,
-    summary="linear projection and fused attention outputs kept, the rest recomputed in backward",
 )
