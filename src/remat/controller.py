@@ -209,10 +209,8 @@ class Controller:
         if not self.swapper.layers:
             return
         model = self.model
-        swapped = {id(p) for entry in self.swapper.layers.values() for p in entry.params}
-        names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in swapped]
         existing = list(model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
-        self._model_patches.set(model, "_ddp_params_and_buffers_to_ignore", existing + names)
+        self._model_patches.set(model, "_ddp_params_and_buffers_to_ignore", existing + self.swapper.swapped_names)
 
     def apply_map(self) -> None:
         """Make the installed flags say exactly what the map says, for the current mode."""

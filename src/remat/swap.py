@@ -212,7 +212,7 @@ class WeightSwapper:
         self._callback_queued = False
         self._model_patches = InstancePatches()
         self._model_handles: list[Any] = []
-        self._swapped_names: set[str] = set()  # the swapped parameters' names in the model
+        self.swapped_names: list[str] = []  # the swapped parameters' names in the model, in its order
 
     def __reduce__(self) -> Any:
         """A copy of a wrapper that swaps nothing gets a swapper of its own, with the same mover
@@ -242,7 +242,7 @@ class WeightSwapper:
             self.layers[entry.index] = entry
         self.layers = dict(sorted(self.layers.items()))
         swapped = {id(p) for entry in self.layers.values() for p in entry.params}
-        self._swapped_names = {n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in swapped}
+        self.swapped_names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in swapped]
         self._forget_unused_slots()
         if self.layers and not self._model_handles:
             self._guard_model(model)
@@ -538,7 +538,7 @@ class WeightSwapper:
 
     def _root_load_pre_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args):
         """Refuse before any module loads (the layers' own hooks would refuse halfway through)."""
-        swapped_loaded = any(prefix + n in state_dict for n in self._swapped_names)
+        swapped_loaded = any(prefix + n in state_dict for n in self.swapped_names)
         if local_metadata.get("assign_to_params_buffers") and swapped_loaded:
             raise RuntimeError(_assign_refusal(list(self.layers)))
 

@@ -97,7 +97,8 @@ def config_from_route(
     if "selective" in changes:
         if not isinstance(changes["selective"], bool):
             raise TypeError(f"{route}: selective must be True or False, got {changes['selective']!r}")
-        changes["checkpoint_policy"] = "selective" if changes.pop("selective") else "recompute"
+        del changes["selective"]  # False is the default, filtered out above
+        changes["checkpoint_policy"] = "selective"
         if options.get("use_reentrant") is False:  # asked for together with selective, which needs it
             changes["use_reentrant"] = False
     try:
