@@ -150,7 +150,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _held(model, batch) -> int:
-    loss, held = held_bytes_after(lambda: model(**batch).loss, weight_storages(model))
+    device = next(model.parameters()).device  # device bytes: an offloaded input waits on the host
+    loss, held = held_bytes_after(lambda: model(**batch).loss, weight_storages(model), device)
     loss.backward()
     model.zero_grad(set_to_none=True)
     return held

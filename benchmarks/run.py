@@ -237,7 +237,7 @@ def compare(args, preset) -> list[dict]:
             model = s.apply()
             step(model, batch)
             exclude = weight_storages(model)
-            loss, held[s.name] = held_bytes_after(lambda m=model: m(**batch).loss, exclude)
+            loss, held[s.name] = held_bytes_after(lambda m=model: m(**batch).loss, exclude, args.device)
             loss.backward()
             model.zero_grad(set_to_none=True)
             if args.device == "cuda":

@@ -77,3 +77,22 @@ def test_measuring_leaves_gradients_equal_to_a_plain_step(every_n):
         p.grad = None
     measure_step(cm, data)
     assert_same_grads(ref, {n: p.grad for n, p in named})
+
+
+def test_held_bytes_can_be_counted_on_one_device_only():
+    """An offloaded input waits in host memory: a device count must not include it. Here the
+    held tensors are on the CPU, so a count on another device sees none of them."""
+    import torch
+
+    from remat.measure import held_bytes_after
+
+    weight = torch.randn(64, 64, requires_grad=True)
+    forward = lambda: (torch.randn(8, 64) @ weight).tanh().sum()
+    _, anywhere = held_bytes_after(forward, {weight.untyped_storage().data_ptr()})
+    _, on_cpu = held_bytes_after(forward, {weight.untyped_storage().data_ptr()}, "cpu")
+    _, on_meta = held_bytes_after(forward, {weight.untyped_storage().data_ptr()}, "meta")
+    assert anywhere == on_cpu >= 8 * 64 * 4 and on_meta == 0
+    from remat.measure import _on
+
+    cuda1 = torch.device("cuda", 1)  # a tensor on it reports its index; "cuda" means any of them
+    assert _on(cuda1, torch.device("cuda")) and not _on(cuda1, torch.device("cuda:0"))

@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from conftest import add_lora, assert_same_grads, batch, step_grads, tiny_model
+from conftest import add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
 from test_discovery import tiny_llava
 from test_remote_code import _llava_batch
 
@@ -68,7 +68,7 @@ def test_a_budget_that_nothing_fits_names_the_smallest_one_that_does():
 
 def test_the_ends_of_the_range_give_all_none_and_all_recompute():
     cm, data = _llama()
-    low, high = _span(cm, data)
+    low, _ = _span(cm, data)
     assert {c.policy for c in cm.plan_for_budget(data, "1GiB", repeats=1).choices} == {"none"}
     assert {c.policy for c in cm.plan_for_budget(data, low, repeats=1).choices} == {"recompute"}
 
@@ -93,7 +93,18 @@ def test_planning_leaves_the_model_as_it_was():
     marker = torch.full_like(named[0][1], 7.0)
     named[0][1].grad = marker
     rng = torch.random.get_rng_state()
+    mlp = decoder_layers(cm.model)[1].mlp  # counts its calls, as an MoE router counts tokens
+    mlp.calls = 0
+    mlp.register_buffer("seen", torch.zeros(1))
+
+    def count(module, args):
+        module.calls += 1
+        module.seen += 1
+
+    handle = mlp.register_forward_pre_hook(count)
     cm.plan_for_budget(data, "1GiB", repeats=1)
+    handle.remove()
+    assert mlp.calls == 0 and mlp.seen.item() == 0, "the measuring steps' counts were put back"
     assert cm.config == config and cm.checkpoint_map.checkpointed == [] and named[0][1].grad is marker
     assert all(p.grad is None for _, p in named[1:])
     assert torch.equal(torch.random.get_rng_state(), rng)
@@ -144,7 +155,8 @@ def test_choosing_keeps_the_last_offloaded_input_on_the_device():
     from remat.policies import LayerProfile
 
     def _choose(profiles, options, budget, outside, names):
-        return _fastest_fitting(_front(profiles, options), profiles, budget, outside, names)
+        alone = {p.index: p.held["none"] for p in profiles}  # the all-"none" run: as measured per layer here
+        return _fastest_fitting(_front(profiles, options), profiles, budget, outside, names, alone)
 
     def profile(i, last):
         held = {"none": (100, 0), "recompute": (10, 0), "offload": ((10, 0) if last else (0, 10))}
@@ -178,8 +190,9 @@ def test_measuring_a_map_that_runs_out_of_memory_falls_back_to_groups_of_layers(
     assert any("measured in" in note and "groups" in note for note in planned.notes)
     policies = [c.policy for c in planned.choices]
     # every layer measured, so the fastest map is known; nothing checkpointed ran out of memory as a
-    # whole, so that map is not offered: the fastest one left recomputes one layer
-    assert sorted(policies) == ["none"] * (len(policies) - 1) + ["recompute"], policies
+    # whole, so that map is not offered: the fastest one left checkpoints one layer (recompute or
+    # selective, whichever measured faster)
+    assert policies.count("none") == len(policies) - 1, policies
     cm.enable(planned)
     measured = cm.memory_report(data).device_bytes  # measured in groups: within 5%, not exact
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes

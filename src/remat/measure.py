@@ -76,19 +76,28 @@ def weight_storages(model: nn.Module) -> set[int]:
     return keys
 
 
-def held_bytes_after(forward: Callable[[], Any], exclude: set[int]) -> tuple[Any, int]:
+def held_bytes_after(
+    forward: Callable[[], Any], exclude: set[int], device: torch.device | str | None = None
+) -> tuple[Any, int]:
     """Run `forward()`, return its result and the bytes of op outputs still alive afterwards,
-    one count per storage, ignoring storages whose data pointer is in `exclude`."""
+    one count per storage, ignoring storages whose data pointer is in `exclude`; with `device`,
+    only storages there (an offloaded input waits in host memory, which holds no device bytes)."""
+    where = torch.device(device) if device is not None else None
     with track_outputs() as tracker:
         result = forward()
     gc.collect()
     seen: dict[int, int] = {}
     for tensor, _ in tracker.alive():
         key = storage_key(tensor)
-        if key is None or key[0] in exclude or key[0] == 0:
+        if key is None or key[0] in exclude or key[0] == 0 or not _on(tensor.device, where):
             continue
         seen[key[0]] = max(seen.get(key[0], 0), key[1])
     return result, sum(seen.values())
+
+
+def _on(device: torch.device, where: torch.device | None) -> bool:
+    """Whether `device` is `where` ("cuda" means any CUDA device; None, anywhere)."""
+    return where is None or (device.type == where.type and where.index in (None, device.index))
 
 
 @dataclass(frozen=True)

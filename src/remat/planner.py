@@ -171,7 +171,7 @@ def plan_for_budget(
             "outside the layers (embeddings, logits, loss), which no checkpointing policy changes"
         )
     planned = config.replace(layer_policies={c.index: c.policy for c in choices}, offload=False)
-    checkpointing = any(policy(c.policy).checkpointed for c in choices)
+    checkpointing = _checkpoints([c.policy for c in choices])
     return PlannedConfig.of(
         planned,
         choices=tuple(choices),
@@ -211,9 +211,9 @@ class _Measurement:
             # on its own for the map that checkpoints nothing.
             halves = [list(range(n // 2)), list(range(n // 2, n))] if name == "none" and n > 1 else [list(range(n))]
             held[name], groups[name] = self._held_in_groups(name, halves)
-        alone = self._held(list(range(n)), "none") if "none" in candidates and n > 1 else held.get("none")
-        self.alone = alone if alone is not None else {}  # {}: nothing checkpointed does not fit
-        self.outside[False] = self.outside[False] or self.outside[True]
+        # {}: the map that checkpoints nothing is not offered (it did not fit, or layers are swapped)
+        swapping = any(p.swapped for p in cm.checkpoint_map)
+        self.alone = {} if swapping else (self._held(list(range(n)), "none") if n > 1 else held["none"]) or {}
         forward = self._forward_seconds()
         seconds = self._seconds(groups, forward, repeats)
         inputs = held["recompute"]
@@ -234,7 +234,7 @@ class _Measurement:
         """One step with `layers` under `name`, the others recomputing; None if it runs out of memory."""
         self.cm.enable(self._config(layers, name))
         report = _fitting(lambda: self.cm.memory_report(self.batch), self.cm)
-        _drop_grads(self.cm)
+        self.cm.model.zero_grad(set_to_none=True)
         if report is None:
             return None
         checkpointing = any(plan.checkpointed for plan in self.cm.checkpoint_map)
@@ -334,7 +334,7 @@ def _fitting(run: Callable[[], Any], cm: CheckpointedModel) -> Any:
     try:
         return run()
     except _OUT_OF_MEMORY:
-        _drop_grads(cm)
+        cm.model.zero_grad(set_to_none=True)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -348,18 +348,13 @@ def _timed_step(cm: CheckpointedModel, batch: dict[str, Any]) -> float:
     cm(**batch).loss.backward()
     _synchronize(device)
     seconds = time.perf_counter() - start
-    _drop_grads(cm)
+    cm.model.zero_grad(set_to_none=True)
     return seconds
 
 
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _drop_grads(cm: CheckpointedModel) -> None:
-    for param in cm.model.parameters():
-        param.grad = None
 
 
 @contextlib.contextmanager
@@ -378,12 +373,18 @@ def _left_as_it_was(cm: CheckpointedModel) -> Iterator[None]:
         for name, buffer in module._buffers.items()
         if buffer is not None
     ]
+    numbers = [  # int and float attributes: counters a forward advances (see `remat.recompute._LayerState`)
+        (module, key, value)
+        for module in cm.model.modules()
+        for key, value in vars(module).items()
+        if type(value) in (int, float)
+    ]
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     offload_stats = copy.deepcopy(dict(state.offloader.stats))
     swap_stats = {i: copy.copy(e.stats) for i, e in state.swapper.layers.items()}
     swap_peak = state.swapper.peak_resident_bytes
-    _drop_grads(cm)
+    cm.model.zero_grad(set_to_none=True)
 
     def grads_back() -> None:
         for param, grad in grads:
@@ -401,6 +402,11 @@ def _left_as_it_was(cm: CheckpointedModel) -> Iterator[None]:
                 else:
                     with torch.no_grad():
                         buffer.copy_(value)
+
+    def numbers_back() -> None:
+        for module, key, value in numbers:
+            if vars(module).get(key) != value:
+                object.__setattr__(module, key, value)
 
     def rng_back() -> None:
         torch.random.set_rng_state(rng)
@@ -422,7 +428,7 @@ def _left_as_it_was(cm: CheckpointedModel) -> Iterator[None]:
         yield
     finally:
         failures = []
-        for restore in (grads_back, buffers_back, rng_back, counters_back, config_back):
+        for restore in (grads_back, buffers_back, numbers_back, rng_back, counters_back, config_back):
             try:
                 restore()
             except Exception as err:
@@ -459,7 +465,8 @@ def _front(profiles: Sequence[LayerProfile], options: Sequence[Sequence[str]]) -
                 continue
             # A checkpointed layer settles what the previous one owed. An offloaded layer owes its
             # input, except the last layer, whose measurement already has its input on the device.
-            owes = profile.input_bytes if name == "offload" and profile.index != last else 0
+            # (What it owes is what went to the host: an input under offload_min_bytes never left.)
+            owes = min(profile.input_bytes, cost.host_bytes) if name == "offload" and profile.index != last else 0
             grown += [(b + cost.device_bytes, owes, t + cost.seconds, (*c, name)) for b, _, t, c in front]
         front = _undominated(grown)
     return front
@@ -487,30 +494,26 @@ def _fastest_fitting(
     budget: int,
     outside: dict[bool, int],
     names: Sequence[str],
-    alone: dict[int, tuple[int, int]] | None = None,
+    alone: dict[int, tuple[int, int]],
 ) -> list[LayerChoice] | None:
     """The fastest combination whose device bytes, with what it owes and what is held outside the
     layers, fit `budget`; on equal time, the one that holds more (fewer layers recomputed).
-    `alone`: what the layers hold when none is checkpointed, if that differs (see `_Measurement`)."""
+    `alone`: what each layer holds when none is checkpointed ({} if that map is not offered)."""
     fitting = [state for state in front if _total(state, outside, alone) <= budget]
     if not fitting:
         return None
     _, _, _, chosen = min(fitting, key=lambda s: (s[2], -(s[0] + s[1])))
     predicted = _predict(profiles, chosen, names)
-    if alone is not None and not _checkpoints(chosen):
+    if not _checkpoints(chosen):
         predicted = [LayerChoice(c.index, c.name, c.policy, *alone[c.index], c.seconds) for c in predicted]
     return predicted
 
 
-def _total(state: _State, outside: dict[bool, int], alone: dict[int, tuple[int, int]] | None) -> float:
+def _total(state: _State, outside: dict[bool, int], alone: dict[int, tuple[int, int]]) -> float:
     """A combination's device bytes, with what it owes and the bytes held outside the layers."""
     bytes_, owed, _, chosen = state
-    if not _checkpoints(chosen):
-        if alone is None:
-            return bytes_ + outside[False]
-        return (
-            outside[False] + sum(device for device, _ in alone.values()) if len(alone) == len(chosen) else float("inf")
-        )
+    if not _checkpoints(chosen):  # priced by the run with nothing checkpointed, if it was offered
+        return outside[False] + sum(d for d, _ in alone.values()) if len(alone) == len(chosen) else float("inf")
     return bytes_ + owed + outside[True]
 
 
@@ -529,8 +532,8 @@ def _predict(profiles: Sequence[LayerProfile], chosen: Sequence[str], names: Seq
     if checkpointed and checkpointed[-1].policy == "offload" and checkpointed[-1].index != len(out) - 1:
         # The last checkpointed layer's input stays on the device (measured on the last layer only).
         last = checkpointed[-1]
-        moved = profiles[last.index].input_bytes
+        moved = min(profiles[last.index].input_bytes, last.host_bytes)
         out[last.index] = LayerChoice(
-            last.index, last.name, last.policy, last.device_bytes + moved, max(0, last.host_bytes - moved), last.seconds
+            last.index, last.name, last.policy, last.device_bytes + moved, last.host_bytes - moved, last.seconds
         )
     return out
