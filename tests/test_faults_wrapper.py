@@ -254,3 +254,30 @@ def test_a_copy_of_the_wrapped_model_alone_can_be_wrapped_again():
     _, got = step_grads(again, _trainable(twin), batch())
     assert counter.recomputed() == [0, 3] and cm.checkpoint_map.checkpointed == [0, 2]
     assert_same_grads(_reference_grads(), got)
+
+
+@pytest.mark.parametrize("route_off", [False, True], ids=["on", "off by a route"])
+def test_a_refused_takeover_leaves_the_dropped_wrappers_map_on_the_model(route_off):
+    """A new wrapper takes over from a dropped one by first undoing it; when the new map is then
+    refused (a layer it would swap holds weights a pending backward needs), the old map is back,
+    on or off as a route left it."""
+    model = add_lora(tiny_model())
+    CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    gc.collect()
+    if route_off:
+        model.gradient_checkpointing_disable()  # as TRL does before generating
+    loss = model(**batch()).loss  # layer 1 runs without checkpointing: the graph holds its weights
+    with pytest.raises(RuntimeError, match="held by an autograd graph"):
+        CheckpointedModel(model, CheckpointConfig(every_n_layers=2, swap_layers=[1]))
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    if route_off:
+        counter = RecomputeCounter(decoder_layers(model))
+        step_grads(model, _trainable(model), batch())
+        assert counter.recomputed() == [], "still off, as the route left it"
+        model.zero_grad(set_to_none=True)
+        model.gradient_checkpointing_enable()
+    counter = RecomputeCounter(decoder_layers(model))
+    _, got = step_grads(model, _trainable(model), batch())
+    assert counter.recomputed() == [0, 2], "the dropped wrapper's map still runs"
+    assert_same_grads(_reference_grads(), got)

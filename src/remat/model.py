@@ -196,7 +196,8 @@ class CheckpointedModel(nn.Module):
                 "this model still carries the checkpointing of a CheckpointedModel that no longer exists (dropped, "
                 "or the model is a copy of a wrapped one); the new wrapper takes over and replaces it"
             )
-            orphan.disable()
+            orphan_config, orphan_off_by = orphan.config, orphan.off_by
+            orphan.disable()  # its swapped weights come home before the new map checks and swaps them
         super().__init__()
         self.model = model
         offloader = Offloader(config.offload_min_bytes, offload_transport, budget)
@@ -204,7 +205,14 @@ class CheckpointedModel(nn.Module):
         # A plain attribute (not a submodule): the controller holds the model weakly.
         self._state = Controller(model, config, discovery, checkpoint_map, offloader, WeightSwapper(swap_mover))
         self._state.wrapper = LocalRef(self)
-        self._state.enable(config)
+        try:
+            self._state.enable(config)
+        except BaseException:
+            if orphan is not None:  # refused: the model keeps the checkpointing it had
+                orphan.enable(orphan_config)
+                if orphan_off_by is not None:
+                    orphan.replan(orphan_config, off_by=orphan_off_by, cause="a refused takeover (restoring)")
+            raise
 
     @classmethod
     def check_wrappable(
