@@ -209,3 +209,26 @@ def test_planning_leaves_the_offload_and_swap_counters_and_refuses_an_optimizer_
     lora.register_post_accumulate_grad_hook(lambda p: None)
     with pytest.raises(RuntimeError, match="post-accumulate-grad hook"):
         cm.plan_for_budget(batch(), "1GiB", repeats=1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_budget_below_every_layer_recomputed_is_met_by_offloading_as_predicted():
+    """On a device, offload frees what recompute cannot (the inputs go to host memory): a budget
+    between all-offload and all-recompute is met with offloaded layers, the last one's input
+    counted on the device (the correction the CPU only tests with a hand-built profile)."""
+    model = add_lora(tiny_model(num_hidden_layers=6, hidden_size=256, intermediate_size=512)).cuda()
+    cm = CheckpointedModel(model)
+    data = {k: v.cuda() for k, v in batch(size=2, seq=256).items()}
+    n = len(cm.checkpoint_map)
+    low, _ = _span(cm, data)
+    everything_offloaded = CheckpointConfig(layer_policies=dict.fromkeys(range(n), "offload"), offload_min_bytes=0)
+    offloaded = cm.enable(everything_offloaded).memory_report(data).device_bytes
+    assert offloaded < low, "offloading every layer holds less on the device than recomputing every layer"
+    cm.enable(CheckpointConfig(offload_min_bytes=0))
+    budget = (low + offloaded) // 2
+    planned = cm.plan_for_budget(data, budget, repeats=1)
+    assert "offload" in {c.policy for c in planned.choices}
+    cm.enable(planned)
+    measured = cm.memory_report(data).device_bytes
+    assert measured <= budget
+    assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
