@@ -30,7 +30,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from remat import CheckpointConfig, CheckpointedModel
+from remat import CheckpointedModel
 from remat.measure import held_bytes_after, weight_storages
 
 HERE = Path(__file__).resolve().parent
@@ -65,27 +65,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     native_model = run.build(preset, preset["layers"], dtype, args.device)
     cm = CheckpointedModel(run.build(preset, preset["layers"], dtype, args.device))
-    base = native_model.get_base_model()
-    enable, disable = run._native_routes(native_model)
 
     def native(every_n: int | None):
-        def apply():
-            getattr(base, disable)()
-            if every_n is not None:
-                given = {"every_n_layers": every_n} if every_n != 1 else {}  # before 5.16: every layer only
-                getattr(base, enable)({"use_reentrant": False}, **given)
-                if hasattr(base, "_require_grads_hook"):
-                    base.disable_input_require_grads()
-            return native_model
-
-        return apply
-
-    def planned(config: CheckpointConfig):
-        def apply():
-            cm.enable(config)
-            return cm
-
-        return apply
+        if every_n is None:
+            return run.native_setting(native_model, off=True)
+        given = {"every_n_layers": every_n} if every_n != 1 else {}  # before 5.16: every layer only
+        return run.native_setting(native_model, **given)
 
     every_n = args.every_n if run.native_supports(native_model, "every_n_layers") else [1]
     settings = {f"native every_n_layers={n}": native(n) for n in every_n}
@@ -99,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
         config = cm.plan_for_budget(batch, budget, repeats=args.plan_repeats)
         name = f"planned for {budget / 2**20:.2f} MiB"
         plans[name] = (budget, config)
-        settings[name] = planned(config)
+        settings[name] = run.remat_setting(cm, config)
         held[name] = _held(settings[name](), batch)
 
     times: dict[str, list[float]] = {name: [] for name in settings}

@@ -20,6 +20,7 @@ each call so repeated toggling does not pile hooks onto the native runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -139,32 +140,38 @@ def native_supports(model, option: str) -> bool:
     return option in inspect.signature(getattr(type(model.get_base_model()), enable)).parameters
 
 
-def settings_for(native_model, cm: CheckpointedModel | None) -> list[Setting]:
-    """Every setting compared. `cm` (or `native_model`) may be None when only one side is built."""
-    base = native_model.get_base_model() if native_model is not None else None
-    enable, disable = _native_routes(native_model if native_model is not None else cm.model)
+def native_setting(model, *, off: bool = False, **kwargs):
+    """A setting's `apply` for native checkpointing on `model` (a PeftModel): off, or on with
+    transformers' options (`every_n_layers=2`, `offload=True`)."""
 
-    def native(**kwargs):
-        def apply():
-            getattr(base, disable)()
+    def apply():
+        base = model.get_base_model()
+        enable, disable = _native_routes(model)
+        getattr(base, disable)()
+        if not off:
             getattr(base, enable)({"use_reentrant": False}, **kwargs)
             if hasattr(base, "_require_grads_hook"):  # the hook each enable call adds (see the module doc)
                 base.disable_input_require_grads()
-            return native_model
+        return model
 
-        return apply
+    return apply
 
-    def native_off():
-        getattr(base, disable)()
-        return native_model
 
-    def with_remat(config):
-        def apply():
-            cm.enable(config)
-            return cm
+def remat_setting(cm: CheckpointedModel, config: CheckpointConfig):
+    """A setting's `apply` for the wrapper with `config`."""
 
-        return apply
+    def apply():
+        cm.enable(config)
+        return cm
 
+    return apply
+
+
+def settings_for(native_model, cm: CheckpointedModel | None) -> list[Setting]:
+    """Every setting compared. `cm` (or `native_model`) may be None when only one side is built."""
+    native = functools.partial(native_setting, native_model)
+    native_off = native(off=True)
+    with_remat = functools.partial(remat_setting, cm)
     probe = native_model if native_model is not None else cm.model
     out = [
         Setting("no checkpointing", "none", None, native_off),
