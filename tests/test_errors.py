@@ -7,7 +7,7 @@ from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 
 from remat import CheckpointConfig, CheckpointedModel, NoCheckpointableLayersError
-from remat.model import state_of
+from remat.model import controller_of
 
 
 def _fingerprint(model):
@@ -125,5 +125,5 @@ def test_every_wrapper_argument_is_checked_when_the_wrapper_is_built(kwargs, err
 @pytest.mark.parametrize("size, expected", [("1GB", 10**9), ("1.5 GiB", 3 * 2**29), ("512MiB", 2**29), (4096, 4096)])
 def test_the_host_budget_takes_bytes_or_sizes_with_units(size, expected):
     cm = CheckpointedModel(tiny_model(), CheckpointConfig(offload=True), offload_host_budget=size)
-    assert state_of(cm).offloader.max_host_bytes == expected
+    assert controller_of(cm).offloader.max_host_bytes == expected
     assert torch.isfinite(cm(**batch()).loss)

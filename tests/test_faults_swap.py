@@ -10,7 +10,7 @@ import torch
 from conftest import RecomputeCounter, add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.model import state_of
+from remat.model import controller_of
 from remat.offload import SimulatedTransport
 from remat.swap import CpuWeightMover
 
@@ -63,7 +63,7 @@ def test_an_exception_in_forward_or_recompute_leaves_the_next_steps_exact(where,
         _, got = step_grads(cm, _trainable(model), batch(seed=seed))
         assert_same_grads(_reference_grads(batch(seed=seed)), got)
         assert counter.recomputed() == [0, 1, 2, 3]
-    assert state_of(cm).swapper.resident_bytes == 0, "every slot went back after the step"
+    assert controller_of(cm).swapper.resident_bytes == 0, "every slot went back after the step"
 
 
 def test_a_failure_entering_the_recompute_bookkeeping_leaves_the_swap_ready(monkeypatch):
@@ -222,7 +222,7 @@ def test_three_hundred_steps_with_offload_and_swap_keep_host_memory_flat():
             gc.collect()
             rss.append(_rss_bytes())
             objects.append(len(gc.get_objects()))
-    assert state_of(cm).swapper.resident_bytes == 0 and state_of(cm).offloader.live_host_bytes() == {}
+    assert controller_of(cm).swapper.resident_bytes == 0 and controller_of(cm).offloader.live_host_bytes() == {}
     assert max(rss[-3:]) - min(rss[:3]) < 12 * 2**20, [r // 2**20 for r in rss]
     assert max(objects[-3:]) - min(objects[:3]) < 100, objects
 
@@ -232,9 +232,9 @@ def test_cuda_a_wrapped_cpu_model_moved_with_cuda_swaps_from_pinned_copies_exact
     cm, model = _wrapped()
     cm.cuda()
     assert {p.device.type for p in model.parameters()} == {"cuda"}
-    assert all(t.is_pinned() for entry in state_of(cm).swapper.layers.values() for t in entry.host)
+    assert all(t.is_pinned() for entry in controller_of(cm).swapper.layers.values() for t in entry.host)
     cm.to(torch.bfloat16).to(torch.float32)  # dtype moves keep the host copies pinned
-    assert all(t.is_pinned() for entry in state_of(cm).swapper.layers.values() for t in entry.host)
+    assert all(t.is_pinned() for entry in controller_of(cm).swapper.layers.values() for t in entry.host)
     data = {k: v.cuda() for k, v in batch().items()}
     got = step_grads(cm, _trainable(model), data)[1]
     expected = _reference_grads(data, prepare=lambda m: m.cuda().to(torch.bfloat16).to(torch.float32))

@@ -23,7 +23,7 @@ from conftest import (
 from test_remote_code import blocks, load_remote
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.model import state_of
+from remat.model import controller_of
 from remat.offload import HostPool, SimulatedTransport
 
 
@@ -132,8 +132,8 @@ def _swap_and_offload(model):
     config = CheckpointConfig(offload=True, offload_min_bytes=0, swap_layers=[1])
     cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
     step_grads(cm, _trainable(model), batch())
-    host = [weakref.ref(b) for b in state_of(cm).offloader.pools[0].pooled()]
-    host += [weakref.ref(t) for t in state_of(cm).swapper.layers[1].host]
+    host = [weakref.ref(b) for b in controller_of(cm).offloader.pools[0].pooled()]
+    host += [weakref.ref(t) for t in controller_of(cm).swapper.layers[1].host]
     assert len(host) > 1
     return cm, model, host
 
@@ -156,7 +156,7 @@ def test_a_dropped_wrapper_frees_its_host_memory_without_a_gc_pass(tmp_path, blo
         assert [r() for r in host] == [None] * len(host)
 
         cm, model, host = _swap_and_offload(build())
-        state = weakref.ref(state_of(cm))
+        state = weakref.ref(controller_of(cm))
         cm.disable()
         assert [r() for r in host] == [None] * len(host), "disable() gives the host memory back"
         del cm

@@ -21,7 +21,7 @@ from conftest import (
 )
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.model import state_of
+from remat.model import controller_of
 from remat.offload import KEPT_LAST, KEPT_ON_CPU, KEPT_SMALL, Offloader, SimulatedTransport
 
 LAYER_INPUT = 2 * 12 * 32 * 4  # batch x seq x hidden x fp32, the conftest defaults
@@ -133,7 +133,7 @@ def test_host_buffers_are_allocated_once_and_reused_every_step():
     for _ in range(3):
         step_grads(cm, named, batch())
     assert transport.allocations == 3
-    pool = state_of(cm).offloader.pools[0]
+    pool = controller_of(cm).offloader.pools[0]
     assert pool.pooled_buffers == 3 and pool.allocated_bytes == 3 * 2**20  # whole MiB each
 
 
@@ -141,7 +141,7 @@ def test_pinned_buffers_are_freed_when_nothing_offloads_any_more(caplog):
     transport = SimulatedTransport()
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
     step_grads(cm, named, batch())
-    pool = state_of(cm).offloader.pools[0]
+    pool = controller_of(cm).offloader.pools[0]
     cm.model.gradient_checkpointing_disable()  # a toggle (generation): the pool stays for its return
     cm.model.gradient_checkpointing_enable()
     assert pool.pooled_buffers == 3 and pool.allocated_bytes == 3 * 2**20
@@ -166,7 +166,7 @@ def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done()
     _, expected = step_grads(reference, list(reference.named_parameters()), batch())
     torch.manual_seed(123)
     loss = cm(**batch()).loss
-    pool = state_of(cm).offloader.pools[0]
+    pool = controller_of(cm).offloader.pools[0]
     cm.disable()  # three inputs are in host buffers, held by the graph
     assert pool.allocated_bytes == 3 * 2**20 and transport.cache_emptied == 0
     loss.backward()
@@ -186,7 +186,7 @@ def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):
     assert_same_grads(ref, got)
     warnings = [r for r in caplog.records if "pageable" in r.getMessage()]
     assert len(warnings) == 1 and "pinning host memory failed" in warnings[0].getMessage()
-    assert state_of(cm).offloader.pools[0].pageable_fallbacks == 3  # the pageable buffers are pooled too
+    assert controller_of(cm).offloader.pools[0].pageable_fallbacks == 3  # the pageable buffers are pooled too
 
 
 def test_host_budget_falls_back_with_a_warning(caplog):
@@ -219,23 +219,23 @@ def test_the_default_host_budget_is_shared_by_the_ranks_of_one_host(monkeypatch)
     assert default_host_budget() == alone // 4
     assert Offloader(0, SimulatedTransport()).pools[0].max_bytes == alone // 4
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), SimulatedTransport())
-    assert state_of(cm).offloader.pools[0].max_bytes == alone // 4
+    assert controller_of(cm).offloader.pools[0].max_bytes == alone // 4
     cm2 = CheckpointedModel(tiny_model(), CheckpointConfig(offload=True), offload_host_budget=123)
-    assert state_of(cm2).offloader.max_host_bytes == 123
+    assert controller_of(cm2).offloader.max_host_bytes == 123
 
 
 def test_a_forward_without_backward_returns_its_buffers():
     transport = SimulatedTransport()
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
     loss = cm(**batch()).loss
-    pool = state_of(cm).offloader.pools[0]
-    assert pool.pooled_buffers == 0 and state_of(cm).offloader.live_host_bytes() == {
+    pool = controller_of(cm).offloader.pools[0]
+    assert pool.pooled_buffers == 0 and controller_of(cm).offloader.live_host_bytes() == {
         0: LAYER_INPUT,
         1: LAYER_INPUT,
         2: LAYER_INPUT,
     }
     del loss
-    assert pool.pooled_buffers == 3 and state_of(cm).offloader.live_host_bytes() == {}
+    assert pool.pooled_buffers == 3 and controller_of(cm).offloader.live_host_bytes() == {}
     _, got = step_grads(cm, named, batch())  # the next step is unaffected
     ref_model = tiny_model()
     _, ref = step_grads(ref_model, list(ref_model.named_parameters()), batch())
@@ -258,7 +258,7 @@ def test_an_exception_in_forward_returns_its_buffers():
     import gc
 
     gc.collect()
-    assert state_of(cm).offloader.pools[0].pooled_buffers == 3 and state_of(cm).offloader.live_host_bytes() == {}
+    assert controller_of(cm).offloader.pools[0].pooled_buffers == 3 and controller_of(cm).offloader.live_host_bytes() == {}
 
 
 def test_native_offload_request_becomes_this_policy_and_moves_each_input_once():
@@ -309,7 +309,7 @@ def test_cuda_offload_is_exact(every_n):
     for _ in range(2):  # the second step reuses the pinned pool
         _, got = step_grads(cm, named, data)
         assert_same_grads(ref, got)
-    assert state_of(cm).offloader.pools[0].pageable_fallbacks == 0
+    assert controller_of(cm).offloader.pools[0].pageable_fallbacks == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -342,7 +342,7 @@ def test_cuda_disable_gives_the_pinned_pool_back_to_the_system():
     torch.accelerator.empty_host_cache()
     pinned_before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     step_grads(cm, list(model.named_parameters()), data)
-    pool = state_of(cm).offloader.pools[0]
+    pool = controller_of(cm).offloader.pools[0]
     assert pool.allocated_bytes == 3 * 2**20
     assert torch.cuda.host_memory_stats()["allocated_bytes.current"] >= pinned_before + pool.allocated_bytes
     cm.disable()

@@ -12,7 +12,7 @@ from test_discovery import tiny_llava
 from test_remote_code import _llava_batch
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.model import state_of
+from remat.model import controller_of
 from remat.planner import PlannedConfig
 
 
@@ -136,7 +136,7 @@ def test_bad_budgets_are_clear_errors_that_change_nothing(budget, error):
     cm, data = _llama()
     with pytest.raises(error, match="budget"):
         cm.plan_for_budget(data, budget)
-    assert cm.config == CheckpointConfig() and state_of(cm).is_enabled
+    assert cm.config == CheckpointConfig() and controller_of(cm).is_enabled
 
 
 def test_planning_a_model_in_inference_mode_is_refused():
@@ -202,9 +202,9 @@ def test_planning_leaves_the_offload_and_swap_counters_and_refuses_an_optimizer_
     model = add_lora(tiny_model())
     cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))
     step_grads(cm, [(n, p) for n, p in model.named_parameters() if p.requires_grad], batch())
-    fetches, peak = cm.swap_stats[1].fetches, state_of(cm).swapper.peak_resident_bytes
+    fetches, peak = cm.swap_stats[1].fetches, controller_of(cm).swapper.peak_resident_bytes
     cm.plan_for_budget(batch(), "1GiB", repeats=1)
-    assert cm.swap_stats[1].fetches == fetches and state_of(cm).swapper.peak_resident_bytes == peak
+    assert cm.swap_stats[1].fetches == fetches and controller_of(cm).swapper.peak_resident_bytes == peak
     lora = next(p for n, p in model.named_parameters() if "lora_A" in n)
     lora.register_post_accumulate_grad_hook(lambda p: None)
     with pytest.raises(RuntimeError, match="post-accumulate-grad hook"):

@@ -14,7 +14,7 @@ from conftest import (
 )
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.model import state_of
+from remat.model import controller_of
 from remat.offload import SimulatedTransport
 from remat.swap import BlockSwapError
 
@@ -67,7 +67,7 @@ def test_resident_swapped_weights_never_exceed_the_slot_pool():
     model, named = _lora_model(num_hidden_layers=6)
     layers = decoder_layers(model)
     cm = CheckpointedModel(model, CheckpointConfig(swap_layers=6))
-    swapper = state_of(cm).swapper
+    swapper = controller_of(cm).swapper
     observed = []
     for layer in layers:
         first = next(iter(layer.children()))
@@ -140,7 +140,7 @@ def test_generation_with_swapped_layers_matches_the_bare_model():
     with torch.no_grad(), cm.for_inference():
         got = cm.generate(prompt, **kwargs)
     assert torch.equal(got, expected)
-    assert state_of(cm).swapper.resident_bytes == 0
+    assert controller_of(cm).swapper.resident_bytes == 0
 
 
 def test_memory_report_shows_resident_weights_falling_for_swapped_layers():
@@ -212,7 +212,7 @@ def test_cuda_swap_is_exact_and_bounded():
     for _ in range(2):
         _, got = step_grads(cm, named, data)
         assert_same_grads(ref, got)
-    assert state_of(cm).swapper.peak_resident_bytes <= state_of(cm).swapper.pool_bytes
+    assert controller_of(cm).swapper.peak_resident_bytes <= controller_of(cm).swapper.pool_bytes
 
 
 def test_a_swapped_layer_with_gradients_in_eval_mode_is_refused_not_silently_wrong():

@@ -1,6 +1,6 @@
 """remat: an authoritative per-layer activation checkpoint map for Hugging Face models."""
 
-__version__ = "0.1.0"
+from .version import __version__
 
 from .config import CheckpointConfig
 from .layers import NoCheckpointableLayersError

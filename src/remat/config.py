@@ -81,7 +81,7 @@ class FrozenPolicies(Mapping[int, str]):
 
 
 def _remat_version() -> str:
-    from . import __version__
+    from .version import __version__
 
     return __version__
 

@@ -64,7 +64,7 @@ class Controller:
         self.inference = False
         self.offloader = offloader
         self.swapper = swapper
-        self._states: list[FlagInstall | ForwardInstall] = []
+        self._installs: list[FlagInstall | ForwardInstall] = []
         self._routes = RouteOverrides()
         self._save_load = SaveLoadOverrides()
         self._model_patches = InstancePatches()
@@ -89,7 +89,7 @@ class Controller:
 
     @property
     def is_enabled(self) -> bool:
-        return bool(self._states)
+        return bool(self._installs)
 
     # -- enable / disable ----------------------------------------------------------------------
 
@@ -113,9 +113,9 @@ class Controller:
         self.swapper.restore()
         self._model_patches.undo()
         self.offloader.release_host_memory()
-        for state in reversed(self._states):
+        for state in reversed(self._installs):
             state.restore()
-        self._states.clear()
+        self._installs.clear()
         self._routes.uninstall()
         self._save_load.uninstall()
         self._set_guards(False)
@@ -129,8 +129,8 @@ class Controller:
 
     def _install(self) -> None:
         model = self.model
-        self._states = [installer_for(d) for d in (*self.discovery.layers, *self.discovery.holders)]
-        took_over = [s.module for s in self._states if s.was_checkpointing]
+        self._installs = [installer_for(d) for d in (*self.discovery.layers, *self.discovery.holders)]
+        took_over = [s.module for s in self._installs if s.was_checkpointing]
         if took_over:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
         self._routes.install(self, model)
@@ -217,9 +217,9 @@ class Controller:
         if not self.is_enabled:
             return
         active = not self.inference
-        layer_states = self._states[: len(self.discovery.layers)]
-        holder_states = self._states[len(self.discovery.layers) :]
-        for plan, state in zip(self.checkpoint_map, layer_states, strict=True):
+        layer_installs = self._installs[: len(self.discovery.layers)]
+        holder_installs = self._installs[len(self.discovery.layers) :]
+        for plan, state in zip(self.checkpoint_map, layer_installs, strict=True):
             if plan.checkpointed and active:
                 shim = LayerCheckpoint(
                     plan.index,
@@ -235,7 +235,7 @@ class Controller:
             else:
                 state.set(False, run_without_checkpoint)
         any_checkpointed = active and bool(self.checkpoint_map.checkpointed)
-        for state in holder_states:
+        for state in holder_installs:
             state.set(any_checkpointed, None)
         self._set_guards(self.inference)
 

@@ -4,10 +4,7 @@ plan itself (`remat.plan`) knows nothing of how it is shown."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .plan import CheckpointMap
+from typing import Any
 
 
 def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
@@ -20,7 +17,7 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
-def map_table(checkpoint_map: CheckpointMap) -> str:
+def map_table(checkpoint_map: Sequence[Any]) -> str:
     """One row per layer: index, name, policy, swapped, why."""
     return render_table(
         ("index", "name", "policy", "swapped", "why"),
@@ -29,7 +26,7 @@ def map_table(checkpoint_map: CheckpointMap) -> str:
 
 
 def describe_map(
-    checkpoint_map: CheckpointMap, offload_stats: Mapping[int, Any], swap_stats: Mapping[int, Any] | None = None
+    checkpoint_map: Sequence[Any], offload_stats: Mapping[int, Any], swap_stats: Mapping[int, Any] | None = None
 ) -> str:
     """The map's table plus per-layer counters: offload (bytes offloaded / kept and why, copies)
     and block swap (weight fetches and bytes fetched)."""

@@ -62,11 +62,11 @@ def _check_model(model: Any) -> None:
         raise ValueError("this model is already wrapped by another CheckpointedModel; call its disable() first")
 
 
-def state_of(cm: CheckpointedModel) -> Controller:
+def controller_of(cm: CheckpointedModel) -> Controller:
     """The state behind a wrapper (`remat.controller.Controller`): how remat's own modules
     (the memory report, Trainer support) and tests reach the map, the offloader and the swapper
     without reading the wrapper's private attributes."""
-    return cm._state
+    return cm._controller
 
 
 class _ModelAwareConfig(CheckpointConfig):
@@ -203,10 +203,10 @@ class CheckpointedModel(nn.Module):
         offloader = Offloader(config.offload_min_bytes, offload_transport, budget)
         checkpoint_map = plan_layers(config, discovery.names)
         # A plain attribute (not a submodule): the controller holds the model weakly.
-        self._state = Controller(model, config, discovery, checkpoint_map, offloader, WeightSwapper(swap_mover))
-        self._state.wrapper = LocalRef(self)
+        self._controller = Controller(model, config, discovery, checkpoint_map, offloader, WeightSwapper(swap_mover))
+        self._controller.wrapper = LocalRef(self)
         try:
-            self._state.enable(config)
+            self._controller.enable(config)
         except BaseException:
             if orphan is not None:  # refused: the model keeps the checkpointing it had
                 orphan.enable(orphan_config)
@@ -247,7 +247,7 @@ class CheckpointedModel(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A copy or an unpickled wrapper owns the copy of the state it carries."""
         super().__setstate__(state)
-        self._state.wrapper = LocalRef(self)
+        self._controller.wrapper = LocalRef(self)
 
     # -- delegation (PEFT's pattern) -----------------------------------------------------------
 
@@ -255,7 +255,7 @@ class CheckpointedModel(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if name in ("model", "_state"):  # not set yet: no recursion through self.model
+            if name in ("model", "_controller"):  # not set yet: no recursion through self.model
                 raise
             return getattr(self.model, name)
 
@@ -280,32 +280,32 @@ class CheckpointedModel(nn.Module):
     @property
     def config(self) -> CheckpointConfig:  # type: ignore[override]
         """The current `CheckpointConfig` (the wrapped model's own config is `cm.model.config`)."""
-        return _ModelAwareConfig.bind(self._state.config, getattr(self.model, "config", None))
+        return _ModelAwareConfig.bind(self._controller.config, getattr(self.model, "config", None))
 
     @property
     def checkpoint_map(self) -> CheckpointMap:
         """The per-layer plan, in layer order. It is what runs whenever the model trains."""
-        return self._state.checkpoint_map
+        return self._controller.checkpoint_map
 
     @property
     def is_enabled(self) -> bool:
         """True while remat's shims are installed (between `enable()` and `disable()`)."""
-        return self._state.is_enabled
+        return self._controller.is_enabled
 
     @property
     def layers(self) -> list[nn.Module]:
         """The discovered layers, index i being `checkpoint_map[i]`."""
-        return [layer.module for layer in self._state.discovery.layers]
+        return [layer.module for layer in self._controller.discovery.layers]
 
     # -- enable / disable ----------------------------------------------------------------------
 
     def enable(self, config: CheckpointConfig | None = None) -> CheckpointedModel:
         """Turn checkpointing on, with `config` if given (else the current one). Returns self.
         A refused config (bad layer indices, a swap that cannot be made) changes nothing."""
-        config = self._state.config if config is None else config
+        config = self._controller.config if config is None else config
         if not isinstance(config, CheckpointConfig):
             raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
-        self._state.enable(config)
+        self._controller.enable(config)
         return self
 
     def disable(self) -> CheckpointedModel:
@@ -314,7 +314,7 @@ class CheckpointedModel(nn.Module):
         The model is left as it was before wrapping (same parameters and state_dict, no hooks);
         `enable()` installs the shims again.
         """
-        self._state.disable()
+        self._controller.disable()
         return self
 
     # -- training / inference ------------------------------------------------------------------
@@ -325,38 +325,38 @@ class CheckpointedModel(nn.Module):
         Usable as a context manager: ``with cm.for_inference(): ...`` returns on exit to the mode
         before the call (training, usually), each module's train/eval flag included; blocks nest.
         """
-        self._state.set_mode(inference=True)
+        self._controller.set_mode(inference=True)
         return self
 
     def for_training(self) -> CheckpointedModel:
         """Training mode with the map applied exactly as it is. Returns self (a context manager too)."""
-        self._state.set_mode(inference=False)
+        self._controller.set_mode(inference=False)
         return self
 
     def __enter__(self) -> CheckpointedModel:
-        self._state.enter()
+        self._controller.enter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._state.exit()
+        self._controller.exit()
 
     @property
     def offload_stats(self) -> dict[int, LayerOffloadStats]:
         """Per layer index: bytes offloaded, bytes kept on the device and why, copies made,
         summed since the wrapper was made (or `reset_offload_stats()`)."""
-        return dict(self._state.offloader.stats)
+        return dict(self._controller.offloader.stats)
 
     def reset_offload_stats(self) -> None:
-        self._state.offloader.reset_stats()
+        self._controller.offloader.reset_stats()
 
     @property
     def swap_stats(self) -> dict[int, LayerSwapStats]:
         """Per swapped layer: how many times its weights were fetched, and the bytes."""
-        return {i: e.stats for i, e in self._state.swapper.layers.items()}
+        return {i: e.stats for i, e in self._controller.swapper.layers.items()}
 
     def summary(self) -> str:
         """The map's table with what offload and block swap did per layer."""
-        return describe_map(self.checkpoint_map, self._state.offloader.stats, self.swap_stats)
+        return describe_map(self.checkpoint_map, self._controller.offloader.stats, self.swap_stats)
 
     # -- measurement ---------------------------------------------------------------------------
 
@@ -366,7 +366,7 @@ class CheckpointedModel(nn.Module):
         recomputed). Gradients are left in place; no optimizer step is taken."""
         from .report import memory_report
 
-        if self._state.inference or not self.model.training:
+        if self._controller.inference or not self.model.training:
             raise RuntimeError("memory_report measures a training step: call cm.for_training() first")
         return memory_report(self, dict(batch))
 
@@ -406,5 +406,5 @@ class CheckpointedModel(nn.Module):
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     def extra_repr(self) -> str:
-        state = self._state
+        state = self._controller
         return f"config={state.config!r}, map={state.checkpoint_map!r}, enabled={state.is_enabled}"

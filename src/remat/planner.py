@@ -125,12 +125,12 @@ def plan_for_budget(
 ) -> PlannedConfig:
     """See the module docstring. Raises ValueError naming the smallest budget that fits when
     none of the maps does."""
-    from .model import state_of
+    from .model import controller_of
 
     limit = parse_bytes(budget, "budget")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    state = state_of(cm)
+    state = controller_of(cm)
     if not state.is_enabled or state.inference or not cm.model.training:
         raise RuntimeError("plan_for_budget measures training steps: call cm.enable() and cm.for_training() first")
     stepping = [n for n, p in cm.model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
@@ -362,9 +362,9 @@ def _left_as_it_was(cm: CheckpointedModel) -> Iterator[None]:
     """Measuring runs training steps: put back the config and on/off state, gradients, buffers,
     the RNG state and the offload and swap counters, whatever happens (each restored on its own,
     so one that fails does not keep the others from being put back)."""
-    from .model import state_of
+    from .model import controller_of
 
-    state = state_of(cm)
+    state = controller_of(cm)
     config, off_by = state.config, state.off_by
     grads = [(p, p.grad) for p in cm.model.parameters()]
     buffers = [

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_flatten
 
 from .display import render_table
 from .measure import storage_key, track_outputs, weight_storages
-from .model import state_of
+from .model import controller_of
 
 if TYPE_CHECKING:
     from .model import CheckpointedModel
@@ -206,7 +206,7 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
     plans = list(cm.checkpoint_map)
     param = next(model.parameters())
     device = param.device
-    state = state_of(cm)
+    state = controller_of(cm)
     swapper = state.swapper if state.swapper.layers else None
     before_fetches = {i: (e.stats.fetches, e.stats.bytes_fetched) for i, e in swapper.layers.items()} if swapper else {}
     if swapper is not None:

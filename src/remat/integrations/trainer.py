@@ -36,7 +36,7 @@ from transformers import Trainer
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from ..config import CONFIG_NAME
-from ..model import CheckpointedModel, state_of
+from ..model import CheckpointedModel, controller_of
 from ..persistence import adapters_to_load, check_layers_match, read_saved, write_config_beside
 from .transformers_compat import trainer_asks_for_checkpointing
 
@@ -146,7 +146,7 @@ def _apply_saved_config(cm: CheckpointedModel, folder: str | None, cause: str) -
     saved = read_saved(folder)
     check_layers_match(saved.layers, [plan.name for plan in cm.checkpoint_map], saved.file)
     adapters_to_load(saved)
-    state_of(cm).adopt_saved_config(saved.config, f"{cause} from {folder}")
+    controller_of(cm).adopt_saved_config(saved.config, f"{cause} from {folder}")
 
 
 @functools.cache
