@@ -92,7 +92,7 @@ def test_json_round_trip_with_every_option_set(tmp_path):
     path = c.save_pretrained(tmp_path)
     data = json.loads(tmp_path.joinpath("checkpoint_config.json").read_text())
     assert path == str(tmp_path / "checkpoint_config.json")
-    assert data["format_version"] == 2 and "remat_version" in data
+    assert data["format_version"] == 3 and "remat_version" in data
     assert list(data) == sorted(data)
     assert CheckpointConfig.from_pretrained(tmp_path) == c
     assert CheckpointConfig.from_dict(c.to_dict()) == c
@@ -130,7 +130,7 @@ def test_layer_policies_cannot_be_changed_in_place_by_any_dict_route():
     assert c == CheckpointConfig(layer_policies={1: "none"}) and c.layer_policies == {1: "none"}
 
 
-@pytest.mark.parametrize("version, message", [(99, r"format_version 99.*reads format_version 2"), ("1", "positive")])
+@pytest.mark.parametrize("version, message", [(99, r"format_version 99.*reads format_version 3"), ("1", "positive")])
 def test_a_format_version_this_remat_cannot_read_is_an_error_naming_the_file(tmp_path, version, message):
     (tmp_path / "checkpoint_config.json").write_text(json.dumps({"format_version": version, "every_n_layers": 2}))
     with pytest.raises(ValueError, match=message) as info:

@@ -120,7 +120,7 @@ def _save_forever_in_a_child(cm, folder, die_at_rename=None):
     if pid:
         return pid
     try:  # the child: never returns into pytest
-        import remat.saving as saving
+        from remat.saving import folder as transaction
 
         renames = [0]
         real_replace = os.replace
@@ -131,7 +131,8 @@ def _save_forever_in_a_child(cm, folder, die_at_rename=None):
             renames[0] += 1
             real_replace(src, dst)
 
-        saving.os.replace = replace if die_at_rename is not None else real_replace
+        os.replace = replace if die_at_rename is not None else real_replace
+        assert transaction._rename.__globals__["os"] is os  # the commit's renames are counted
         i = 1
         while True:
             _set_lora(cm.model, float(i))
@@ -199,7 +200,7 @@ def test_a_crashed_commit_is_not_finished_over_a_newer_save(tmp_path):
 
 
 def test_a_staging_folder_whose_writer_is_alive_is_left_alone(tmp_path):
-    import fcntl
+    import filelock
 
     out = tmp_path / "out"
     cm = _first_save(out)
@@ -207,7 +208,7 @@ def test_a_staging_folder_whose_writer_is_alive_is_left_alone(tmp_path):
     busy.mkdir()
     (busy / "adapter_model.safetensors").write_bytes(b"being written")
     with open(busy / "LOCK", "a+b") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)  # what a writer holds while it saves
+        filelock.lock_descriptor(lock.fileno())  # what a writer holds while it saves
         assert _check_consistent(out, live_staging=True) == 0
         cm.save_pretrained(out)
         assert busy.is_dir() and (busy / "adapter_model.safetensors").read_bytes() == b"being written"
@@ -217,19 +218,20 @@ def test_a_staging_folder_whose_writer_is_alive_is_left_alone(tmp_path):
 def test_a_staging_folder_removed_by_another_recovery_before_its_lock_is_made_again(tmp_path, monkeypatch):
     """Another process's recovery can see a new staging folder before its writer locks it (no
     manifest yet: it looks crashed) and remove it; the save makes a new one and completes."""
-    from remat import saving
+    from remat.saving import folder as transaction
 
     out = tmp_path / "out"
     cm = _first_save(out)
-    original, removed = saving._lock, []
+    original, removed = transaction._take_lock, []
 
-    def recovery_first(staging, *, wait):
-        if wait and not removed:
+    def recovery_first(path, *, wait, remove):
+        staging = os.path.dirname(path)
+        if wait and os.path.basename(staging).startswith(STAGING_PREFIX) and not removed:
             removed.append(staging)
-            saving.recover_staging(os.path.dirname(staging))  # as another process would
-        return original(staging, wait=wait)
+            transaction.recover(os.path.dirname(staging))  # as another process would
+        return original(path, wait=wait, remove=remove)
 
-    monkeypatch.setattr(saving, "_lock", recovery_first)
+    monkeypatch.setattr(transaction, "_take_lock", recovery_first)
     _set_lora(cm.model, 4.0)
     cm.save_pretrained(out)
     assert removed and not os.path.exists(removed[0])
@@ -240,37 +242,40 @@ def test_a_staging_folder_removed_while_its_writer_waits_for_the_lock_is_made_ag
     """Another recovery holds a new staging folder's lock, so the writer waits; the recovery
     removes the folder and lets go: the lock the writer then gets is on a removed file, so it
     makes a new folder (PEFT would recreate the missing one, unlocked, open to a third recovery)."""
-    import fcntl
     import threading
 
-    from remat import saving
+    import filelock
+
+    from remat.saving import folder as transaction
 
     out = tmp_path / "out"
     cm = _first_save(out)
-    original, removed = saving._lock, []
+    original, removed = transaction._take_lock, []
 
-    def recovery_holds_the_lock(staging, *, wait):
-        if wait and not removed:
+    def recovery_holds_the_lock(path, *, wait, remove):
+        staging = os.path.dirname(path)
+        if wait and os.path.basename(staging).startswith(STAGING_PREFIX) and not removed:
             removed.append(staging)
-            held = open(os.path.join(staging, "LOCK"), "a+b")  # noqa: SIM115
-            fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+            held = os.open(path, os.O_RDWR | os.O_CREAT)
+            filelock.lock_descriptor(held)
 
             def remove_then_release():
                 time.sleep(0.3)  # the writer is waiting for the lock by now
                 shutil.rmtree(staging)
-                held.close()
+                filelock.unlock_descriptor(held)
+                os.close(held)
 
             threading.Thread(target=remove_then_release).start()
-        return original(staging, wait=wait)
+        return original(path, wait=wait, remove=remove)
 
-    commit = saving._commit
+    commit = transaction._commit
 
     def recovery_during_commit(staging, target, files):
-        saving.recover_staging(target)  # another process now: the writer's lock keeps it out
+        transaction._recover(target)  # another process's recovery now: the writer's lock keeps it out
         commit(staging, target, files)
 
-    monkeypatch.setattr(saving, "_lock", recovery_holds_the_lock)
-    monkeypatch.setattr(saving, "_commit", recovery_during_commit)
+    monkeypatch.setattr(transaction, "_take_lock", recovery_holds_the_lock)
+    monkeypatch.setattr(transaction, "_commit", recovery_during_commit)
     _set_lora(cm.model, 6.0)
     cm.save_pretrained(out)
     assert removed and not os.path.exists(removed[0])
@@ -432,10 +437,10 @@ def test_a_refused_load_adapter_changes_neither_the_model_nor_the_map(tmp_path):
 def test_a_config_from_a_newer_remat_is_a_clear_error(tmp_path):
     _lora_cm().save_pretrained(tmp_path / "out")
     file = tmp_path / "out" / "checkpoint_config.json"
-    file.write_text(file.read_text().replace('"format_version": 2', '"format_version": 99'))
+    file.write_text(file.read_text().replace('"format_version": 3', '"format_version": 99'))
     model = tiny_model()
     before = _model_state(model)
-    with pytest.raises(ValueError, match=r"checkpoint_config\.json has format_version 99.*reads format_version 2"):
+    with pytest.raises(ValueError, match=r"checkpoint_config\.json has format_version 99.*reads format_version 3"):
         CheckpointedModel.from_pretrained(model, tmp_path / "out")
     assert _model_state(model) == before
 

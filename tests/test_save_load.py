@@ -43,7 +43,7 @@ def test_round_trip_with_lora_and_every_option(tmp_path):
     assert {"adapter_config.json", "adapter_model.safetensors", "checkpoint_config.json"} <= set(files)
     saved = json.loads((tmp_path / "save" / "checkpoint_config.json").read_text())
     assert saved["layers"] == [p.name for p in cm.checkpoint_map] and list(saved) == sorted(saved)
-    assert saved["format_version"] == 2 and saved["remat_version"]
+    assert saved["format_version"] == 3 and saved["remat_version"]
 
     loaded = CheckpointedModel.from_pretrained(tiny_model(seed=0), tmp_path / "save")
     assert loaded.config == EVERYTHING and loaded.checkpoint_map == cm.checkpoint_map
@@ -101,12 +101,12 @@ def test_a_save_interrupted_mid_write_leaves_the_previous_save_intact(tmp_path, 
     before = {f: (tmp_path / "save" / f).read_bytes() for f in os.listdir(tmp_path / "save")}
     with torch.no_grad():
         next(p for n, p in cm.model.named_parameters() if "lora_B" in n).add_(1.0)
-    import remat.persistence as persistence
+    from remat.saving import folder
 
     def crash(*args, **kwargs):
         raise KeyboardInterrupt("power cut")
 
-    monkeypatch.setattr(persistence, "write_json_atomically", crash)  # after the adapters were written
+    monkeypatch.setattr(folder, "write_file_atomically", crash)  # after the adapters were written
     with pytest.raises(KeyboardInterrupt):
         cm.save_pretrained(tmp_path / "save")
     monkeypatch.undo()

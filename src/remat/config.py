@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,22 +20,26 @@ from typing import Any
 from .policies import CHECKPOINT_POLICIES
 from .policies import NAMES as POLICIES
 from .policies import policy as _policy
+from .saving.folder import CONFIG_NAME, read_json_object, read_pair, save_pair
 
 logger = logging.getLogger("remat")
 
 
 SWAP_PLACEMENTS = ("spread", "tail")
 
-CONFIG_NAME = "checkpoint_config.json"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 """The schema version written into `checkpoint_config.json`: 1 the first; 2 added
 `checkpoint_policy` and the "selective" policy (a remat that reads only 1 would run those
-layers as plain recompute). A file from a newer schema is refused (its meaning may have
-changed); keys a newer remat added within this version are ignored with a warning."""
+layers as plain recompute); 3 added `architecture` and each adapter's `config_sha256` (a
+remat that reads only 2 would load a save into another architecture, or with another
+`adapter_config.json`, unchecked). A file from a newer schema is refused (its meaning may have
+changed); keys a newer remat added within this version are ignored with a warning. Older
+files load."""
 
-META_KEYS = ("format_version", "remat_version", "layers", "adapters")
+META_KEYS = ("format_version", "remat_version", "layers", "adapters", "architecture")
 """Keys of a saved `checkpoint_config.json` that describe the save rather than the config:
-the layers it was planned for and the adapter files it belongs with (see `remat.persistence`)."""
+the layers it was planned for, the model's architecture and the adapter files it belongs
+with (see `remat.saving.pair_format`)."""
 
 
 class FrozenPolicies(Mapping[int, str]):
@@ -100,12 +105,18 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 def _layer_index(name: str, key: Any) -> int:
     """Accept an int index, or its decimal string (JSON object keys are always strings)."""
-    if isinstance(key, str) and key.strip().isdigit():
+    if isinstance(key, str) and re.fullmatch(r"\s*[+-]?\d+\s*", key):
         key = int(key)
     if isinstance(key, bool) or not isinstance(key, int):
-        raise TypeError(f"CheckpointConfig.{name}: layer indices must be ints, got {key!r} ({type(key).__name__})")
+        raise TypeError(
+            f"CheckpointConfig.{name}: layer indices must be ints (or their decimal strings), got {key!r} "
+            f"({type(key).__name__}); use the layer's position in the map, 0 for the first"
+        )
     if key < 0:
-        raise ValueError(f"CheckpointConfig.{name}: layer indices count from 0, got {key}")
+        raise ValueError(
+            f"CheckpointConfig.{name}: layer index {key} is out of range (negative); indices count from 0, the first "
+            "layer, and do not count from the end: use 0..(number of layers - 1)"
+        )
     return key
 
 
@@ -272,29 +283,28 @@ class CheckpointConfig:
         try:
             return cls(**{k: v for k, v in data.items() if k in known})
         except (TypeError, ValueError) as err:
-            raise ValueError(f"{source}: {err}") from None
+            raise ValueError(f"{source}: {err} (correct that field in {source}, or save the config again)") from None
 
     def to_json_string(self) -> str:
         payload = {"format_version": FORMAT_VERSION, "remat_version": _remat_version(), **self.to_dict()}
         return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> str:
-        """Write `checkpoint_config.json` into `save_directory` and return its path."""
-        from .saving import write_json_atomically
-
-        os.makedirs(save_directory, exist_ok=True)
-        path = os.path.join(save_directory, CONFIG_NAME)
-        write_json_atomically(path, self.to_json_string())
-        return path
+        """Write `checkpoint_config.json` into `save_directory` and return its path: staged and
+        committed like every remat save (`remat.saving.folder.save_pair`)."""
+        save_pair(save_directory, lambda staging: self.to_json_string())
+        return os.path.join(save_directory, CONFIG_NAME)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> CheckpointConfig:
-        """Read `checkpoint_config.json` from a folder (or the file itself). In a folder, a save
-        that crashed there is finished or cleaned first (see `remat.saving`)."""
-        from .saving import read_json_object, recover_staging
-
+        """Read `checkpoint_config.json` from a folder (or the file itself). In a folder it is
+        read like every remat load (`remat.saving.folder.read_pair`): under the folder's lock,
+        after a save that crashed there is finished or cleaned."""
         if os.path.isdir(path):
-            recover_staging(os.fspath(path))
-            path = os.path.join(path, CONFIG_NAME)
+            with read_pair(path) as snapshot:
+                file = snapshot.name(CONFIG_NAME)
+                if snapshot.config is None:
+                    raise FileNotFoundError(f"no checkpoint config at {file}")
+                return cls.from_dict(snapshot.config, source=file)
         file = os.fspath(path)
         return cls.from_dict(read_json_object(file), source=file)

@@ -389,7 +389,7 @@ class CheckpointedModel(nn.Module):
         other file there. A crash at any moment leaves the previous save or this one, never a
         mix. `is_main_process=False` writes nothing. A plain base model saves the config alone:
         its weights are the user's to save."""
-        save_checkpointed_model(self, save_directory, **kwargs)
+        save_checkpointed_model(self._controller, save_directory, **kwargs)
 
     @classmethod
     def from_pretrained(

@@ -35,9 +35,10 @@ import torch
 from transformers import Trainer
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
-from ..config import CONFIG_NAME
 from ..model import CheckpointedModel, controller_of
-from ..persistence import adapters_to_load, check_layers_match, read_saved, write_config_beside
+from ..persistence import apply_saved_config
+from ..saving.folder import CONFIG_NAME
+from ..saving.pair_format import save_model_pair
 from .transformers_compat import trainer_asks_for_checkpointing
 
 logger = logging.getLogger("remat")
@@ -82,12 +83,18 @@ class RematTrainerMixin:
         return model
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        super()._save(output_dir, state_dict=state_dict)  # type: ignore[misc]
+        """Trainer's save, staged and committed with `checkpoint_config.json` as one save (the
+        one `cm.save_pretrained` makes): a crash leaves the previous checkpoint loadable, and
+        saves from several processes into one folder commit one after another. Also while the
+        wrapper is disabled. A process that does not save runs Trainer's `_save` as is (it may
+        take part in gathering a sharded model)."""
         cm = self.checkpointed_model
-        if cm is not None and getattr(self.args, "should_save", True):
-            # Also written by the model's own save_pretrained while remat is enabled; this covers
-            # a disabled wrapper and a model saved some other way.
-            write_config_beside(cm, output_dir if output_dir is not None else self.args.output_dir)
+        base_save = super()._save  # type: ignore[misc]
+        if cm is None or not getattr(self.args, "should_save", True):
+            base_save(output_dir, state_dict=state_dict)
+            return
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        save_model_pair(controller_of(cm), output_dir, lambda staging: base_save(staging, state_dict=state_dict))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         cm = self.checkpointed_model
@@ -139,14 +146,18 @@ def _saved_names(folder: str) -> set[str]:
 
 
 def _apply_saved_config(cm: CheckpointedModel, folder: str | None, cause: str) -> None:
-    """Apply the folder's checkpoint config, if it has one, after checking its layers."""
+    """Apply the folder's checkpoint config, if it has one, after checking it (the one load:
+    `remat.persistence.apply_saved_config`). A PeftModel's `load_adapter`, through remat's
+    override, has already applied the config of the very save whose adapters it loaded: read
+    again, a save committed in between would pair its config with the older adapters."""
     if folder is None or not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
         logger.warning("%s from %s: no %s there, the current checkpoint map stays", cause, folder, CONFIG_NAME)
         return
-    saved = read_saved(folder)
-    check_layers_match(saved.layers, [plan.name for plan in cm.checkpoint_map], saved.file)
-    adapters_to_load(saved)
-    controller_of(cm).adopt_saved_config(saved.config, f"{cause} from {folder}")
+    loader = cm.model.__dict__.get("load_adapter")
+    if getattr(loader, "loaded_from", None) == os.path.abspath(folder):
+        loader.loaded_from = None
+        return
+    apply_saved_config(controller_of(cm), folder, cause)
 
 
 @functools.cache

@@ -1,0 +1,334 @@
+"""The pair's format: what `checkpoint_config.json` holds beside PEFT's adapters, how a save
+writes it, and every check a load makes before anything changes.
+
+`checkpoint_config.json` holds the config (`CheckpointConfig.to_json_string`), and about the
+save: `layers` (the names of the layers the map was planned for), `architecture` (the model's
+`model_type`, layer count and hidden size) and `adapters`: for each adapter, the folder PEFT
+wrote it into, its weights file, and the sha256 of that file and of its `adapter_config.json`
+(together, everything PEFT reads to rebuild the adapter). Loading checks all of it on the
+bytes it then hands to PEFT (see `remat.saving.folder.read_pair`): a folder whose files come
+from two saves is a clear error, never a silent mix.
+
+Older saves still load: format 2 has no `architecture` and no `config_sha256` (those checks
+are skipped), format 1 no `adapters` (PEFT's default adapter is loaded, unchecked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..config import CheckpointConfig
+from .folder import CONFIG_NAME, FolderChanged, Snapshot, read_pair, save_pair, sha256_file
+from .peft_names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_folder, is_peft_model
+
+logger = logging.getLogger("remat")
+
+_PEFT_PREFIX = "base_model.model."
+
+
+class PairOwner(Protocol):
+    """What a save needs handed down: the model, the config and the map (a controller)."""
+
+    @property
+    def model(self) -> Any: ...
+
+    config: CheckpointConfig
+    checkpoint_map: Sequence[Any]
+
+
+# -- what a save holds ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SavedAdapter:
+    name: str
+    folder: str  # relative to the save: where PEFT writes this adapter ("" for "default")
+    weights: str  # file name inside `folder`
+    sha256: str | None  # None for saves from before fingerprints
+    config_sha256: str | None  # of its adapter_config.json; None for saves before format 3
+
+    def file(self, name: str | None = None) -> str:
+        """A file of this adapter, relative to the save."""
+        return os.path.join(self.folder, name or self.weights)
+
+
+@dataclass(frozen=True)
+class Saved:
+    folder: str
+    file: str  # checkpoint_config.json in `folder`, for messages
+    config: CheckpointConfig
+    layers: list[str] | None
+    adapters: tuple[SavedAdapter, ...] | None  # None: the config does not say (an older save)
+    architecture: dict[str, Any] | None  # None: an older save
+
+
+def parse_saved(snapshot: Snapshot) -> Saved:
+    file = snapshot.name(CONFIG_NAME)
+    data = snapshot.config
+    if data is None:
+        raise FileNotFoundError(f"no checkpoint config at {file}")
+    config = CheckpointConfig.from_dict(data, source=file)
+    layers = data.get("layers")
+    if layers is not None and not (isinstance(layers, list) and all(isinstance(n, str) for n in layers)):
+        raise ValueError(f"{file}: 'layers' must be a list of layer names; save again to rewrite it")
+    architecture = data.get("architecture")
+    if architecture is not None and not (
+        isinstance(architecture, dict) and all(isinstance(v, (str, int, type(None))) for v in architecture.values())
+    ):
+        raise ValueError(f"{file}: 'architecture' must be an object of names and numbers; save again to rewrite it")
+    return Saved(snapshot.folder, file, config, layers, _read_adapters(data.get("adapters"), file), architecture)
+
+
+def _read_adapters(value: Any, file: str) -> tuple[SavedAdapter, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: 'adapters' must be an object {{adapter name: files}}; save again to rewrite it")
+    out = []
+    for name, entry in value.items():
+        ok = isinstance(entry, dict) and all(isinstance(entry.get(k), str) for k in ("folder", "weights", "sha256"))
+        ok = ok and isinstance(entry.get("config_sha256"), (str, type(None)))
+        if (
+            not ok
+            or entry["weights"] not in ADAPTER_WEIGHTS
+            or os.path.isabs(entry["folder"])
+            or ".." in entry["folder"].split("/")
+        ):
+            raise ValueError(
+                f"{file}: adapter {name!r} must name a folder, a weights file and their sha256; save again to "
+                "rewrite it"
+            )
+        out.append(SavedAdapter(name, entry["folder"], entry["weights"], entry["sha256"], entry.get("config_sha256")))
+    return tuple(out)
+
+
+def pair_files(config: dict[str, Any] | None) -> list[str]:
+    """The files a load copies beside `checkpoint_config.json`: PEFT's files at the top and in
+    every adapter folder the config names (both weight formats, to see a stale one PEFT would
+    prefer)."""
+    folders = {""}
+    adapters = config.get("adapters") if isinstance(config, dict) else None
+    if isinstance(adapters, dict):
+        folders |= {e["folder"] for e in adapters.values() if isinstance(e, dict) and isinstance(e.get("folder"), str)}
+    return [os.path.join(f, name) for f in sorted(folders) for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS)]
+
+
+# -- checks ----------------------------------------------------------------------------------------
+
+
+def _plain_name(name: str) -> str:
+    """A layer name without PEFT's wrapper prefix, so a save from a PeftModel matches its base."""
+    return name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
+
+
+def _summary(names: list[str]) -> str:
+    shown = [_plain_name(n) for n in names[:2]]
+    return ", ".join(shown) + (", ..." if len(names) > 2 else "")
+
+
+def architecture_of(model: Any, num_layers: int) -> dict[str, Any]:
+    """`model_type`, layer count and hidden size of a transformers model (or a PeftModel over
+    one); the text model's width for a model with several configs."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    hidden = getattr(text, "hidden_size", None)
+    return {
+        "model_type": getattr(config, "model_type", None) or None,
+        "num_layers": num_layers,
+        "hidden_size": hidden if isinstance(hidden, int) else None,
+    }
+
+
+def _describe(architecture: dict[str, Any]) -> str:
+    return (
+        f"a {architecture.get('model_type') or 'model of unknown type'} model ({architecture.get('num_layers')} "
+        f"layers, hidden size {architecture.get('hidden_size')})"
+    )
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The model a load goes into: its layer names and architecture."""
+
+    layers: list[str]
+    architecture: dict[str, Any] | None = None
+
+    def check(self, saved: Saved) -> None:
+        """Refuse a save made for another model, naming both."""
+        if saved.architecture is not None and self.architecture is not None:
+            differs = [
+                k
+                for k in ("model_type", "hidden_size")  # depth: the layers check below says more
+                if saved.architecture.get(k) is not None
+                and self.architecture.get(k) is not None
+                and saved.architecture[k] != self.architecture[k]
+            ]
+            if differs:
+                raise ValueError(
+                    f"{saved.file} was saved from {_describe(saved.architecture)}, but this model is "
+                    f"{_describe(self.architecture)} ({', '.join(differs)} differ); load it into the architecture it "
+                    "was saved from. Nothing was loaded"
+                )
+        if saved.layers is not None and [_plain_name(n) for n in saved.layers] != [_plain_name(n) for n in self.layers]:
+            raise ValueError(
+                f"{saved.file} was planned for {len(saved.layers)} layers ({_summary(saved.layers)}), but this model "
+                f"has {len(self.layers)} ({_summary(self.layers)}); load it into the model it was saved from"
+            )
+        check_saved_indices(saved.config, len(self.layers), saved.file)
+
+
+def check_saved_indices(config: CheckpointConfig, num_layers: int, file: str) -> None:
+    """Layer indices in a saved config that this model does not have: an error naming the
+    file, the field and the fix (plan's own error would name neither the file nor the fix)."""
+    fields = {"layer_policies": sorted(config.layer_policies)}
+    if isinstance(config.swap_layers, tuple):
+        fields["swap_layers"] = list(config.swap_layers)
+    for field, indices in fields.items():
+        beyond = [i for i in indices if i >= num_layers]
+        if beyond:
+            raise ValueError(
+                f"{file}: {field} names layer(s) {beyond}, but this model has {num_layers} layers "
+                f"(0..{num_layers - 1}); remove them from {field} in that file, or load it into the model it was "
+                "saved from"
+            )
+    if isinstance(config.swap_layers, int) and config.swap_layers > num_layers:
+        raise ValueError(
+            f"{file}: swap_layers={config.swap_layers} asks for more layers than this model has ({num_layers}); "
+            "lower swap_layers in that file, or load it into the model it was saved from"
+        )
+
+
+def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
+    """The adapters this save holds, after checking each against its fingerprints in the
+    config. Raises (naming the file) for weights without their `adapter_config.json`, and
+    `FolderChanged` for files that are not the ones the config was saved with."""
+    root_weights = [w for w in ADAPTER_WEIGHTS if snapshot.has(w)]
+    if root_weights and not snapshot.has(ADAPTER_CONFIG):
+        raise ValueError(
+            f"{snapshot.name(root_weights[0])} holds adapter weights but there is no {ADAPTER_CONFIG} beside it, so "
+            "they cannot be loaded as PEFT adapters; restore that file (PEFT writes both)"
+        )
+    if saved.adapters is None:  # an older save: PEFT's default adapter, if there is one
+        return [SavedAdapter("default", "", root_weights[0], None, None)] if root_weights else []
+    listed = {a.file() for a in saved.adapters}
+    unlisted = [w for w in root_weights if w not in listed]
+    if unlisted:
+        logger.warning(
+            "%s: %s is not one of the adapters %s was saved with; it is not loaded",
+            saved.folder,
+            unlisted[0],
+            CONFIG_NAME,
+        )
+    for adapter in saved.adapters:
+        preferred = adapter.file(ADAPTER_WEIGHTS[0])
+        if adapter.weights != ADAPTER_WEIGHTS[0] and snapshot.has(preferred):
+            raise ValueError(
+                f"{saved.file} was saved with {snapshot.name(adapter.file())}, but {snapshot.name(preferred)} (from "
+                f"another save) is beside it and PEFT loads that one first; remove {os.path.basename(preferred)} or "
+                "save again. Nothing was loaded"
+            )
+        for needed in (adapter.file(), adapter.file(ADAPTER_CONFIG)):
+            if not snapshot.has(needed):
+                raise FileNotFoundError(
+                    f"{saved.file} names adapter {adapter.name!r}, but {snapshot.name(needed)} is missing"
+                )
+        checks = ((adapter.file(), adapter.sha256), (adapter.file(ADAPTER_CONFIG), adapter.config_sha256))
+        for relative, expected in checks:
+            if expected is None:
+                continue
+            found = sha256_file(snapshot.path(relative))
+            if found != expected:
+                raise FolderChanged(
+                    f"{snapshot.name(relative)} is not the adapter file {saved.file} was saved with (sha256 "
+                    f"{found[:12]}..., expected {expected[:12]}...): the folder mixes two saves. Save again, or load "
+                    "the files that were written together. Nothing was loaded"
+                )
+    return list(saved.adapters)
+
+
+# -- the one save and the one load of a model's pair ----------------------------------------------
+
+
+def fingerprints(model: Any, folder: str, selected: list[str] | None = None) -> dict[str, Any]:
+    """{adapter name: folder, weights file, sha256 of it and of its adapter_config.json} for the
+    adapters PEFT wrote into `folder`."""
+    if not is_peft_model(model):
+        return {}
+    out: dict[str, Any] = {}
+    for name in selected or list(model.peft_config):
+        relative = adapter_folder(name)
+        weights = next((w for w in ADAPTER_WEIGHTS if os.path.isfile(os.path.join(folder, relative, w))), None)
+        config = os.path.join(folder, relative, ADAPTER_CONFIG)
+        if weights is not None and os.path.isfile(config):
+            out[name] = {
+                "folder": relative,
+                "weights": weights,
+                "sha256": sha256_file(os.path.join(folder, relative, weights)),
+                "config_sha256": sha256_file(config),
+            }
+    return out
+
+
+def config_payload(owner: PairOwner, adapters: dict[str, Any] | None) -> str:
+    """The JSON of `owner.config` with the layer names of its map, the model's architecture and
+    the adapter fingerprints."""
+    payload = json.loads(owner.config.to_json_string())
+    payload["layers"] = [plan.name for plan in owner.checkpoint_map]
+    payload["architecture"] = architecture_of(owner.model, len(payload["layers"]))
+    if adapters is not None:
+        payload["adapters"] = adapters
+    return json.dumps(payload, indent=2, sort_keys=True) + "\n"
+
+
+def save_model_pair(
+    owner: PairOwner,
+    target: str | os.PathLike,
+    write: Any = None,
+    *,
+    selected: list[str] | None = None,
+    keep: Iterable[str] = ("README.md",),
+) -> list[str]:
+    """Save `owner`'s pair into `target`: `write(staging)` writes PEFT's (or a Trainer's) files,
+    then the config naming their fingerprints; committed as one (`folder.save_pair`)."""
+    model = owner.model
+    return save_pair(
+        target, lambda staging: config_payload(owner, fingerprints(model, staging, selected)), write, keep=keep
+    )
+
+
+@dataclass(frozen=True)
+class Loaded:
+    saved: Saved
+    snapshot: Snapshot  # the verified copy: PEFT reads from here
+    adapters: list[SavedAdapter]
+
+    def adapter_path(self, adapter: SavedAdapter) -> str:
+        return self.snapshot.path(adapter.folder)
+
+
+def expected_for(owner: PairOwner) -> Expected:
+    """What a save loaded into `owner`'s model must fit."""
+    names = [plan.name for plan in owner.checkpoint_map]
+    return Expected(names, architecture_of(owner.model, len(names)))
+
+
+@contextlib.contextmanager
+def read_model_pair(folder: str | os.PathLike, expected: Expected | None = None) -> Iterator[Loaded]:
+    """Read and check a save for `expected` (architecture, layers, indices, fingerprints); yields
+    it with the verified copy of its files, valid inside the `with`."""
+    found: dict[str, Any] = {}
+
+    def verify(snapshot: Snapshot) -> None:
+        saved = parse_saved(snapshot)
+        if expected is not None:
+            expected.check(saved)
+        found["saved"], found["adapters"] = saved, checked_adapters(saved, snapshot)
+
+    with read_pair(folder, files=pair_files, verify=verify) as snapshot:
+        yield Loaded(found["saved"], snapshot, found["adapters"])

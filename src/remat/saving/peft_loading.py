@@ -1,0 +1,91 @@
+"""Loading checked adapters through PEFT, and the checks that need PEFT: an adapter loaded into
+a PeftModel that already has one of the same name must have the same structure (config and
+tensor shapes), or it is refused before anything changes.
+
+PEFT reads from the verified copy a load made (`remat.saving.folder.read_pair`), never from the
+folder itself; messages name the folder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .pair_format import Loaded
+from .peft_names import is_peft_model, original_method
+
+# Fields of a PEFT config that say nothing about the adapter's structure.
+_PEFT_BOOKKEEPING = {"base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version"}
+
+
+def load_adapters(model: nn.Module, loaded: Loaded, is_trainable: bool, kwargs: dict[str, Any]) -> nn.Module:
+    """Every saved adapter into `model` (a base model becomes a PeftModel); returns the model."""
+    adapters = list(loaded.adapters)
+    if not is_peft_model(model):
+        from peft import PeftModel
+
+        first = next((a for a in adapters if a.name == "default"), adapters[0])
+        adapters = [a for a in adapters if a is not first]
+        model = PeftModel.from_pretrained(
+            model, loaded.adapter_path(first), adapter_name=first.name, is_trainable=is_trainable, **kwargs
+        )
+    for adapter in adapters:
+        original_method(model, "load_adapter")(
+            loaded.adapter_path(adapter), adapter_name=adapter.name, is_trainable=is_trainable, **kwargs
+        )
+    return model
+
+
+def check_loadable_into(model: Any, loaded: Loaded) -> None:
+    """Loading into a PeftModel that already has an adapter of the same name replaces its weights:
+    refuse, before anything changes, unless the saved adapter has the same structure."""
+    from peft import PeftConfig
+    from peft.utils import get_peft_model_state_dict
+
+    for adapter in loaded.adapters:
+        if adapter.name not in model.peft_config:
+            continue  # a new adapter: PEFT adds it (undone if that fails)
+        where = loaded.snapshot.name(adapter.folder)
+        saved_config = PeftConfig.from_pretrained(loaded.adapter_path(adapter))
+        differs = _config_differences(model.peft_config[adapter.name], saved_config)
+        if differs:
+            raise ValueError(
+                f"the model's adapter {adapter.name!r} differs from the saved one in {where} ({differs}); load into "
+                "the base model (not a PeftModel) to get the saved adapter as it was. Nothing was loaded"
+            )
+        expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model, adapter_name=adapter.name).items()}
+        found = _tensor_shapes(loaded.snapshot.path(adapter.file()))
+        if expected != found:
+            diff = sorted(set(expected.items()) ^ set(found.items()))[:3]
+            raise ValueError(
+                f"the saved weights of adapter {adapter.name!r} ({loaded.snapshot.name(adapter.file())}) do not fit "
+                f"the model's adapter (names or shapes differ, e.g. {diff}). Nothing was loaded"
+            )
+
+
+def _config_differences(current: Any, saved: Any) -> str:
+    mine, theirs = _comparable(current.to_dict()), _comparable(saved.to_dict())
+    keys = sorted(k for k in set(mine) | set(theirs) if k not in _PEFT_BOOKKEEPING and mine.get(k) != theirs.get(k))
+    return ", ".join(f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} saved" for k in keys)
+
+
+def _comparable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_comparable(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_comparable(v) for v in value]
+    return value
+
+
+def _tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    if path.endswith(".safetensors"):
+        import safetensors
+
+        with safetensors.safe_open(path, framework="pt") as saved:
+            return {k: tuple(saved.get_slice(k).get_shape()) for k in saved.keys()}  # noqa: SIM118
+    import torch
+
+    return {k: tuple(v.shape) for k, v in torch.load(path, map_location="meta", weights_only=True).items()}
