@@ -1,11 +1,15 @@
 """A real Trainer run: checkpointing asked through TrainingArguments lands in the map, and
-Trainer(model=cm) trains exactly like Trainer(model=cm.model)."""
+RematTrainer(model=cm) trains exactly like Trainer(model=cm.model). transformers' own
+Trainer(model=cm) (or a subclass of it) is refused at construction, naming the line that works."""
 
+import os
+
+import pytest
 import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, tiny_model
 from transformers import Trainer, TrainingArguments
 
-from remat import CheckpointConfig, CheckpointedModel
+from remat import CheckpointConfig, CheckpointedModel, RematTrainer, remat_trainer_class
 from remat.integrations.transformers_compat import trainer_checkpointing_args
 
 STEPS = 3
@@ -33,7 +37,8 @@ def _train(model_for_trainer, output_dir, checkpointing_kwargs):
         data_seed=7,
         **trainer_checkpointing_args(True, checkpointing_kwargs),
     )
-    trainer = Trainer(model=model_for_trainer, args=args, train_dataset=_dataset())
+    trainer_class = RematTrainer if isinstance(model_for_trainer, CheckpointedModel) else Trainer
+    trainer = trainer_class(model=model_for_trainer, args=args, train_dataset=_dataset())
     trainer.train()
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
@@ -72,6 +77,50 @@ def test_trainer_evaluates_the_wrapper_like_the_bare_model(tmp_path):
     for wrapped in (True, False):
         cm = CheckpointedModel(add_lora(tiny_model(seed=5)))
         args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_eval_batch_size=2)
-        trainer = Trainer(model=cm if wrapped else cm.model, args=args, eval_dataset=rows)
+        trainer = (
+            RematTrainer(model=cm, args=args, eval_dataset=rows)
+            if wrapped
+            else Trainer(cm.model, args, eval_dataset=rows)
+        )
         losses.append(trainer.evaluate()["eval_loss"])
     assert losses[0] == losses[1]
+
+
+def _plain_args(output_dir):
+    return TrainingArguments(
+        output_dir=str(output_dir), max_steps=2, save_steps=1, report_to=[], use_cpu=True, per_device_train_batch_size=2
+    )
+
+
+@pytest.mark.parametrize("trainer_class", ["Trainer", "a Trainer subclass"])
+def test_a_plain_trainer_given_the_wrapper_is_refused_before_anything_runs_naming_remat_trainer(
+    tmp_path, trainer_class
+):
+    class MyTrainer(Trainer):
+        pass
+
+    cls = Trainer if trainer_class == "Trainer" else MyTrainer
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    before = {n: p.detach().clone() for n, p in cm.model.named_parameters()}
+    with pytest.raises(TypeError) as refused:
+        cls(model=cm, args=_plain_args(tmp_path), train_dataset=_dataset())
+    message = str(refused.value)
+    assert "RematTrainer(model=cm" in message and "remat_trainer_class(" in message
+    assert "\n" not in message and len(message) < 600
+    assert not os.path.exists(tmp_path / "checkpoint-1")
+    assert all(torch.equal(p, before[n]) for n, p in cm.model.named_parameters())
+    assert cm.is_enabled and cm.checkpoint_map.checkpointed == [0, 2]
+
+    # The line the error names works, for the subclass too, and saves adapters with the map.
+    remat_trainer_class(cls)(model=cm, args=_plain_args(tmp_path), train_dataset=_dataset()).train()
+    files = set(os.listdir(tmp_path / "checkpoint-2"))
+    assert {"adapter_model.safetensors", "checkpoint_config.json"} <= files
+    assert not files & {"model.safetensors", "pytorch_model.bin"}
+
+
+def test_a_plain_trainer_given_a_model_init_that_returns_the_wrapper_is_refused(tmp_path):
+    def model_init():
+        return CheckpointedModel(add_lora(tiny_model()))
+
+    with pytest.raises(TypeError, match=r"RematTrainer\(model=cm"):
+        Trainer(model_init=model_init, args=_plain_args(tmp_path), train_dataset=_dataset())

@@ -226,3 +226,27 @@ def test_disable_leaves_in_place_the_wrapper_trl_put_around_a_route():
     assert model.__dict__.get("gradient_checkpointing_enable") is trls
     model.gradient_checkpointing_enable()
     assert model.is_gradient_checkpointing, "TRL's wrapper reached transformers' method"
+
+
+@pytest.mark.parametrize("trainer", ["GRPOTrainer", "SFTTrainer"])
+def test_a_trl_trainer_given_the_wrapper_without_the_mixin_is_refused_before_any_generation(tmp_path, trainer):
+    cm = CheckpointedModel(_model(), CheckpointConfig(every_n_layers=2))
+    generated = []
+    cm.model.register_forward_pre_hook(lambda module, args: generated.append(1))
+    data = datasets.Dataset.from_dict({"prompt": ["The cat", "A dog"] * 2, "completion": [" sat", " ran"] * 2})
+    if trainer == "GRPOTrainer":
+        config = trl.GRPOConfig(num_generations=2, max_completion_length=4, **_common(tmp_path))
+        build = lambda: trl.GRPOTrainer(
+            model=cm,
+            reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            args=config,
+            train_dataset=data,
+            processing_class=byte_tokenizer(),
+        )
+    else:
+        config = trl.SFTConfig(**_common(tmp_path))
+        build = lambda: trl.SFTTrainer(model=cm, args=config, train_dataset=data, processing_class=byte_tokenizer())
+    with pytest.raises(TypeError, match=r"RematTrainer\(model=cm.*remat_trainer_class\(YourTrainer\)"):
+        build()
+    assert generated == [], "nothing ran"
+    assert not os.path.exists(tmp_path / "out" / "checkpoint-3")

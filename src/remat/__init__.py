@@ -1,11 +1,8 @@
 """remat: an authoritative per-layer activation checkpoint map for Hugging Face models."""
 
-from .version import __version__
-
 from .config import CheckpointConfig
-from .layers import NoCheckpointableLayersError
-from .model import CheckpointedModel
 from .plan import CheckpointMap, LayerPlan
+from .version import __version__
 
 __all__ = [
     "CheckpointConfig",
@@ -23,7 +20,16 @@ _TRAINER_NAMES = ("RematTrainer", "RematTrainerMixin", "remat_trainer_class")
 
 
 def __getattr__(name: str):
-    """Trainer support is imported on first use: `import remat` stays free of Trainer's imports."""
+    """The wrapper and Trainer support are imported on first use: `import remat.config` and
+    `remat.plan` stay free of torch, `import remat` of Trainer's imports."""
+    if name == "CheckpointedModel":
+        from .model import CheckpointedModel
+
+        return CheckpointedModel
+    if name == "NoCheckpointableLayersError":
+        from .layers import NoCheckpointableLayersError
+
+        return NoCheckpointableLayersError
     if name in _TRAINER_NAMES:
         from .integrations import trainer
 

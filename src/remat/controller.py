@@ -18,6 +18,7 @@ Everything set is recorded and restored by `disable()`.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,6 +43,22 @@ logger = logging.getLogger("remat")
 _Mode = tuple[bool, list[tuple[Ref[nn.Module], bool]]]  # (inference, training flag of every module)
 
 
+class _Claim:
+    """A wrapper's claim on a model: which controller installed on it last."""
+
+    __slots__ = ()
+
+
+# model -> the claim of the controller that installed on it last. Kept outside the model (a
+# disabled wrapper leaves nothing on it) and weakly keyed (it dies with the model). A controller
+# whose claim is no longer the model's was replaced by another wrapper and refuses to come back.
+_LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, _Claim] = weakref.WeakKeyDictionary()
+
+
+class ReplacedWrapperError(RuntimeError):
+    """This wrapper's model was taken over by another CheckpointedModel."""
+
+
 def swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tuple[int, str, nn.Module]]:
     return [(p.index, p.name, discovery.layers[p.index].module) for p in checkpoint_map if p.swapped]
 
@@ -61,6 +78,7 @@ class Controller:
         self.discovery = discovery
         self.checkpoint_map = checkpoint_map
         self.off_by: str | None = None
+        self.disabled_by = "cm.disable()"  # what turned remat off, while it is off
         self.inference = False
         self.offloader = offloader
         self.swapper = swapper
@@ -73,6 +91,8 @@ class Controller:
         self._mode_stack: list[_Mode] = []
         self._mode_before_call: _Mode | None = None
         self.wrapper: LocalRef[nn.Module] | None = None  # the CheckpointedModel, if it still exists
+        self._claim = _Claim()  # a copy (deepcopy, pickle) gets its own
+        self._has_installed = False
 
     @property
     def orphaned(self) -> bool:
@@ -91,12 +111,30 @@ class Controller:
     def is_enabled(self) -> bool:
         return bool(self._installs)
 
+    @property
+    def replaced(self) -> bool:
+        """Another wrapper installed on the model after this one (this one was disabled first)."""
+        model = self._model()
+        claim = None if model is None or not self._has_installed else _LAST_CLAIM.get(model)
+        return claim is not None and claim is not self._claim
+
+    def check_not_replaced(self, action: str) -> None:
+        """Refuse `action` on a wrapper whose model another wrapper has taken: both would install
+        on one model, and the newer one's map would no longer be what runs."""
+        if self.replaced:
+            raise ReplacedWrapperError(
+                f"{action}: another CheckpointedModel took this wrapper's model over after this one was disabled, so "
+                "this wrapper stays off (two wrappers would install on one model). Use the newer wrapper, or wrap the "
+                "model again once that one is disabled: cm = CheckpointedModel(model, config). Nothing was changed"
+            )
+
     # -- enable / disable ----------------------------------------------------------------------
 
     def enable(self, config: CheckpointConfig) -> None:
         if self.is_enabled:
             self.replan(config, off_by=None, cause="enable()")
             return
+        self.check_not_replaced("enable()")
         # Everything that can refuse (plan, swap checks, weights in use, host memory) comes
         # before anything is patched.
         new_map = plan_layers(config, self.discovery.names)
@@ -107,9 +145,10 @@ class Controller:
         self.offloader.min_bytes = config.offload_min_bytes
         self._install()
 
-    def disable(self) -> None:
+    def disable(self, cause: str = "cm.disable()") -> None:
         if not self.is_enabled:
             return
+        self.disabled_by = cause
         self.swapper.restore()
         self._model_patches.undo()
         self.offloader.release_host_memory()
@@ -141,15 +180,18 @@ class Controller:
         object.__setattr__(model, "_remat_owner", self)  # the model keeps its state alive
         self._exclude_swapped_from_ddp_sync()
         self.apply_map()
+        _LAST_CLAIM[model], self._has_installed = self._claim, True
 
     # -- planning ------------------------------------------------------------------------------
 
-    def replan(self, config: CheckpointConfig, off_by: str | None, cause: str) -> None:
-        """Plan first (errors leave everything as it was), then apply."""
+    def replan(self, config: CheckpointConfig, off_by: str | None, cause: str, said: bool = False) -> None:
+        """Plan first (errors leave everything as it was), then apply. `said`: the caller has
+        logged the change already."""
         new_map = plan_layers(config, self.discovery.names, checkpointing_off_by=off_by)
         if self.is_enabled:
             self._check_swap_change(new_map)
-        self._log_changes(config, new_map, cause)
+        if not said:
+            self._log_changes(config, new_map, cause)
         if self.is_enabled:
             self._swap_to(new_map)
         self.config, self.off_by, self.checkpoint_map = config, off_by, new_map
@@ -244,6 +286,7 @@ class Controller:
     def set_mode(self, inference: bool) -> None:
         """`for_inference()` / `for_training()`: the mode before the call is what a `with` block
         around the call restores."""
+        self.check_not_replaced("for_inference()" if inference else "for_training()")
         self._mode_before_call = self._mode()
         self.inference = inference
         self.model.train(not inference)
@@ -254,6 +297,11 @@ class Controller:
         self._mode_stack.append(mode)
 
     def exit(self) -> None:
+        if not self._mode_stack:
+            raise RuntimeError(
+                "cm.__exit__() without a matching cm.__enter__(): use the wrapper as a context manager with "
+                "`with cm.for_inference(): ...` (or `with cm: ...`), which enters and exits in pairs"
+            )
         inference, flags = self._mode_stack.pop()
         for module, training in flags:
             if module() is not None:
@@ -288,9 +336,11 @@ class Controller:
 
     # -- routes and saved configs -------------------------------------------------------------
 
-    def route_enable(self, route: str, kwargs_dict: Mapping[str, Any] | None, keywords: dict[str, Any]) -> None:
+    def route_enable(
+        self, route: str, kwargs_dict: Mapping[str, Any] | None, keywords: dict[str, Any], from_trl: bool = False
+    ) -> None:
         try:
-            config = config_from_route(self.config, route, kwargs_dict, keywords)
+            config = config_from_route(self.config, route, kwargs_dict, keywords, from_trl)
             self.replan(config, off_by=None, cause=route)
         except (TypeError, ValueError) as err:
             if self.off_by is None:
@@ -317,8 +367,17 @@ class Controller:
         if not self.is_enabled:
             logger.warning("%s: checkpointing is disabled, the saved checkpoint config is not applied", cause)
             return
-        logger.info("%s: applying the saved checkpoint config", cause)
-        self.replan(config, off_by=self.off_by, cause=cause)
+        own_config = self.config
+        self.replan(config, off_by=self.off_by, cause=cause, said=True)
+        logger.warning(
+            "%s: the saved checkpoint config replaced this wrapper's own (%s): the map was %r, it is now %r. To keep "
+            "your own, apply it again after loading: cm.enable(config) (with a Trainer: in a callback's "
+            "on_train_begin, see the README's 'Resuming')",
+            cause,
+            describe_changes(own_config, config),
+            plan_layers(own_config, self.discovery.names),
+            plan_layers(config, self.discovery.names),
+        )
 
 
 class _InferenceGuard:

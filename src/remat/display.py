@@ -17,6 +17,14 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def off_notice(why: str) -> str:
+    """The line shown above a map that is not running."""
+    return (
+        f"remat is OFF ({why}): no layer is checkpointed, offloaded or swapped. The plan below is kept; "
+        "cm.enable() applies it again."
+    )
+
+
 def map_table(checkpoint_map: Sequence[Any]) -> str:
     """One row per layer: index, name, policy, swapped, why."""
     return render_table(
@@ -47,4 +55,6 @@ def describe_map(
         rows.append((str(p.index), p.name, p.policy, swapped, moved, kept, copies, fetched, why or p.reason))
     header = ("index", "name", "policy", "swapped", "offloaded MiB", "kept MiB", "copies out/in", "weight fetches")
     header += ("why",)
-    return render_table(header, rows)
+    table = render_table(header, rows)
+    off = getattr(checkpoint_map, "off", None)
+    return table if off is None else f"{off_notice(off)}\n{table}"

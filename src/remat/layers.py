@@ -31,13 +31,13 @@ already has one.
 
 from __future__ import annotations
 
-import inspect
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from .integrations.transformers_compat import LAYER_FLAG, LAYER_FUNCTION, gradient_checkpointing_layer_class
+from .integrations.transformers_compat import LAYER_FLAG, gradient_checkpointing_layer_class
 from .refs import Ref
 
 
@@ -116,12 +116,28 @@ def _repeated_stacks(model: nn.Module) -> set[int]:
 
 def calls_checkpoint_directly(module: nn.Module) -> bool:
     """Whether the module's forward calls torch's checkpoint itself (instead of going through
-    `_gradient_checkpointing_func`); setting its flag would nest a checkpoint around remat's."""
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return True  # cannot tell: do not risk a nested checkpoint
-    return "checkpoint(" in source.replace(f"{LAYER_FUNCTION}(", "")
+    `_gradient_checkpointing_func`); setting its flag would nest a checkpoint around remat's.
+
+    Read from the compiled code, not the source: the names the forward (and any function defined
+    inside it) looks up. `torch.utils.checkpoint.checkpoint(...)`, `checkpoint(...)` and
+    `checkpoint_sequential(...)` all look up such a name; `self._gradient_checkpointing_func(...)`
+    does not. Comments and strings do not count, and code whose source file is gone (remote code
+    built at run time) is read all the same."""
+    code = getattr(type(module).forward, "__code__", None)
+    if not isinstance(code, types.CodeType):
+        return True  # not Python code: cannot tell, so do not risk a nested checkpoint
+    return bool(_looked_up_names(code) & _TORCH_CHECKPOINTS)
+
+
+_TORCH_CHECKPOINTS = frozenset({"checkpoint", "checkpoint_sequential"})
+
+
+def _looked_up_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # a function or lambda defined inside
+            names |= _looked_up_names(constant)
+    return names
 
 
 def _check_classes_exist(model: nn.Module, explicit: set[str], named: list[tuple[str, nn.Module]]) -> None:

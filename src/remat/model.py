@@ -17,11 +17,8 @@ parameters hold placeholders). Offload and swap state live in one `Offloader` an
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import logging
 import os
-import types
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +28,7 @@ from .arguments import MOVER_METHODS, TRANSPORT_METHODS, check_implements, parse
 from .config import CheckpointConfig
 from .controller import Controller, swap_targets
 from .display import describe_map
-from .integrations.transformers_compat import pretrained_model_class
+from .integrations.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
 from .persistence import load_checkpointed_model, save_checkpointed_model
@@ -40,10 +37,20 @@ from .refs import LocalRef
 from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
 
 if TYPE_CHECKING:
-    from .planner import PlannedConfig
+    import torch
+
+    from .loss import LossFn
+    from .planner import PlannedConfig, Profile
     from .report import MemoryReport
 
 logger = logging.getLogger("remat")
+
+_PLAIN_TRAINER_REFUSED = (
+    "a transformers Trainer (or a subclass, TRL's included) was given the CheckpointedModel itself: it would write "
+    "every weight of the wrapper into each checkpoint, with no checkpoint_config.json, and resume without the map. "
+    "Use remat.RematTrainer(model=cm, ...) in place of transformers.Trainer, or "
+    "remat.remat_trainer_class(YourTrainer)(model=cm, ...) for a subclass (SFTTrainer, GRPOTrainer, DPOTrainer, ...)"
+)
 
 
 def _check_model(model: Any) -> None:
@@ -100,44 +107,6 @@ class _ModelAwareConfig(CheckpointConfig):
                 f"cm.config.replace({name}=...) and pass it to cm.enable(config)"
             )
         setattr(self.__dict__["_model_config"], name, value)
-
-
-class _ForwardShowingModelSignature:
-    """`cm.forward`, as seen on an instance: a bound method whose signature is the wrapped
-    transformers model's. Trainer picks dataset columns from `inspect.signature(model.forward)`,
-    and a PeftModel's own forward takes (*args, **kwargs), so the transformers model's signature
-    is shown, as Trainer does when it unwraps a PeftModel."""
-
-    def __init__(self, function: Any, cm: CheckpointedModel):
-        self.function, self.cm = function, cm
-        functools.update_wrapper(self, function)
-        del self.__wrapped__  # the signature below is the one to show, not the class function's
-
-    def __call__(self, cm: CheckpointedModel, *args: Any, **kwargs: Any) -> Any:
-        return self.function(cm, *args, **kwargs)
-
-    @property
-    def __signature__(self) -> inspect.Signature:
-        model = self.cm.model
-        base = model.get_base_model() if hasattr(type(model), "get_base_model") else model
-        shown = inspect.signature(base.forward)
-        first = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-        return shown.replace(parameters=[first, *shown.parameters.values()])
-
-
-class _Forward:
-    """The descriptor behind `CheckpointedModel.forward`: on the class, the plain function (whose
-    signature names `labels`, which Trainer reads with `find_labels(type(model))`); on an
-    instance, a real bound method showing the model's signature."""
-
-    def __init__(self, function: Any):
-        self.function = function
-        functools.update_wrapper(self, function)
-
-    def __get__(self, cm: CheckpointedModel | None, owner: type | None = None) -> Any:
-        if cm is None:
-            return self.function
-        return types.MethodType(_ForwardShowingModelSignature(self.function, cm), cm)
 
 
 class CheckpointedModel(nn.Module):
@@ -257,14 +226,12 @@ class CheckpointedModel(nn.Module):
         except AttributeError:
             if name in ("model", "_controller"):  # not set yet: no recursion through self.model
                 raise
+            if name == TRAINER_PROBE:
+                raise TypeError(_PLAIN_TRAINER_REFUSED) from None
             return getattr(self.model, name)
 
-    @_Forward
-    def forward(self, *args: Any, labels: Any = None, **kwargs: Any) -> Any:
-        """Calls the wrapped model. `labels` is named so Trainer, which reads label names from the
-        class (`find_labels(type(model))`), evaluates `Trainer(model=cm)` with a loss."""
-        if labels is not None:
-            kwargs["labels"] = labels
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Calls the wrapped model. A plain method, so `torch.compile(cm)` traces it like any module."""
         return self.model(*args, **kwargs)
 
     @property
@@ -284,8 +251,13 @@ class CheckpointedModel(nn.Module):
 
     @property
     def checkpoint_map(self) -> CheckpointMap:
-        """The per-layer plan, in layer order. It is what runs whenever the model trains."""
-        return self._controller.checkpoint_map
+        """The per-layer plan, in layer order. It is what runs whenever the model trains; while
+        the wrapper is disabled nothing runs, and the map says so when printed."""
+        controller = self._controller
+        if controller.is_enabled:
+            return controller.checkpoint_map
+        why = "replaced by another CheckpointedModel" if controller.replaced else controller.disabled_by
+        return controller.checkpoint_map.switched_off(why)
 
     @property
     def is_enabled(self) -> bool:
@@ -355,31 +327,115 @@ class CheckpointedModel(nn.Module):
         return {i: e.stats for i, e in self._controller.swapper.layers.items()}
 
     def summary(self) -> str:
-        """The map's table with what offload and block swap did per layer."""
+        """The map's table with what offload and block swap did per layer (headed by a line
+        saying remat is off while the wrapper is disabled)."""
         return describe_map(self.checkpoint_map, self._controller.offloader.stats, self.swap_stats)
+
+    # -- leaving remat -------------------------------------------------------------------------
+
+    def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
+        """PEFT's `merge_and_unload` (arguments go to PEFT) on a plain model: remat is disabled
+        first, so the returned model carries nothing of remat (no flag, shim, route or override)
+        and trains as transformers would. This wrapper stays disabled: its adapters are gone."""
+        return self._leave("merge_and_unload", args, kwargs)
+
+    def unload(self, *args: Any, **kwargs: Any) -> nn.Module:
+        """PEFT's `unload` (the base model without the adapters), like `merge_and_unload`."""
+        return self._leave("unload", args, kwargs)
+
+    def _leave(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
+        method = getattr(type(self.model), name, None)
+        if method is None:
+            raise AttributeError(
+                f"cm.{name}() is PEFT's, and cm.model is a {type(self.model).__name__}, not a PeftModel: there are no "
+                "adapters to unload. cm.disable() leaves the model as it was before wrapping"
+            )
+        controller = self._controller
+        was_enabled, config = controller.is_enabled, controller.config
+        controller.disable(cause=f"cm.{name}()")
+        try:
+            result = method(self.model, *args, **kwargs)
+        except BaseException:
+            if was_enabled:  # PEFT refused: the wrapper is back as it was
+                controller.enable(config)
+            raise
+        if was_enabled:
+            logger.warning(
+                "cm.%s(): remat is now disabled on this wrapper (the adapters it was planned with are gone); the "
+                "returned model is plain. Wrap it again to checkpoint it: CheckpointedModel(model, cm.config)",
+                name,
+            )
+        return result
 
     # -- measurement ---------------------------------------------------------------------------
 
-    def memory_report(self, batch: Mapping[str, Any]) -> MemoryReport:
+    def memory_report(self, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None) -> MemoryReport:
         """Run one training step on `batch` and measure, per layer: bytes held for backward after
         forward (device / host), resident weight bytes, and how often the layer ran (2 means
-        recomputed). Gradients are left in place; no optimizer step is taken."""
+        recomputed). The loss is the model's (`outputs.loss`, from labels in the batch) or
+        `loss_fn(outputs, batch)`. The model's gradients are left in place; tensors of the batch
+        that require grad (a soft prompt) get none; no optimizer step is taken."""
         from .report import memory_report
 
         if self._controller.inference or not self.model.training:
             raise RuntimeError("memory_report measures a training step: call cm.for_training() first")
-        return memory_report(self, dict(batch))
+        return memory_report(self._controller, dict(batch), loss_fn)
 
-    def plan_for_budget(self, batch: Mapping[str, Any], budget: int | str, repeats: int = 3) -> PlannedConfig:
-        """The fastest map whose activations held for backward fit `budget` on the device (bytes,
-        or a size like "6GiB"), chosen per layer among "none", "selective", "recompute" and, on an
-        accelerator, "offload", from what one step under each measures on `batch`. Returns a
-        `CheckpointConfig` (print it for the plan: per layer the policy, predicted bytes and time);
-        `cm.enable(planned)` applies it. Raises ValueError naming the smallest budget that fits if
-        none does. The measuring leaves the model as it was (see `remat.planner`)."""
+    def profile(
+        self,
+        batch: Mapping[str, Any],
+        *,
+        loss_fn: LossFn | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        progress: bool = True,
+        repeats: int = 3,
+    ) -> Profile:
+        """Measure this model on `batch` once, for plans at any budget without running it again:
+        `profile.plan(budget, scope="activations" | "step", tokens=None)`, `profile.frontier()`,
+        `profile.plot()`. A few training steps (about 13 steps' worth on the benchmark's small
+        preset with `repeats=3`; a progress bar unless `progress=False`). `loss_fn(outputs,
+        batch)` gives the loss for a model whose output has none; `optimizer` adds the peak of a
+        whole step (for `scope="step"`). Everything is left as it was: the model (config,
+        gradients, buffers, counters, RNG), the optimizer, tensors outside the model. See
+        `remat.planner`."""
+        from .planner import profile_model
+
+        return profile_model(
+            self._controller, batch, loss_fn=loss_fn, optimizer=optimizer, progress=progress, repeats=repeats
+        )
+
+    def plan_for_budget(
+        self,
+        batch: Mapping[str, Any],
+        budget: int | str,
+        repeats: int = 3,
+        *,
+        scope: str = "activations",
+        tokens: int | None = None,
+        loss_fn: LossFn | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        progress: bool = True,
+    ) -> PlannedConfig:
+        """`cm.profile(batch, ...).plan(budget, scope=scope, tokens=tokens)` in one line: the
+        fastest map whose activations held for backward (or, with `scope="step"`, the peak of a
+        whole training step) fit `budget` on the device (bytes, or a size like "6GiB"), chosen per
+        layer among "none", "selective", "recompute" and, on an accelerator, "offload". Returns a
+        `CheckpointConfig` (print it for the plan: per layer the policy, predicted bytes and
+        time); `cm.enable(planned)` applies it. Raises ValueError naming the smallest budget that
+        fits if none does; a budget no map can meet is refused before measuring."""
         from .planner import plan_for_budget
 
-        return plan_for_budget(self, batch, budget, repeats)
+        return plan_for_budget(
+            self._controller,
+            batch,
+            budget,
+            scope=scope,
+            tokens=tokens,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            progress=progress,
+            repeats=repeats,
+        )
 
     # -- save / load ---------------------------------------------------------------------------
 
@@ -406,5 +462,4 @@ class CheckpointedModel(nn.Module):
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     def extra_repr(self) -> str:
-        state = self._controller
-        return f"config={state.config!r}, map={state.checkpoint_map!r}, enabled={state.is_enabled}"
+        return f"config={self._controller.config!r}, map={self.checkpoint_map!r}, enabled={self.is_enabled}"

@@ -40,10 +40,15 @@ class LayerPlan:
 
 
 class CheckpointMap(Sequence[LayerPlan]):
-    """The per-layer plan, in layer order. `str()` renders a table."""
+    """The per-layer plan, in layer order. `str()` renders a table.
 
-    def __init__(self, plans: Sequence[LayerPlan]):
+    `off` says why none of it runs right now (the wrapper is disabled): the plans stay what
+    `enable()` applies again, and every rendering says plainly that remat is off. Equality
+    compares the plans only."""
+
+    def __init__(self, plans: Sequence[LayerPlan], *, off: str | None = None):
         self._plans = tuple(plans)
+        self.off = off
         for position, plan in enumerate(self._plans):
             if plan.index != position:
                 raise ValueError(f"layer plans must be in order: position {position} holds index {plan.index}")
@@ -77,18 +82,24 @@ class CheckpointMap(Sequence[LayerPlan]):
     def checkpointed(self) -> list[int]:
         return [p.index for p in self._plans if p.checkpointed]
 
+    def switched_off(self, why: str) -> CheckpointMap:
+        """The same plans, marked as not running (`why`)."""
+        return CheckpointMap(self._plans, off=why)
+
     def __repr__(self) -> str:
         # the classic three always (a log reader compares them), any other policy when used
         shown = [name for name in NAMES if name in ("none", "recompute", "offload") or self.indices(name)]
         shown = [name for name in shown if name != "none"] + ["none"]
         groups = ", ".join(f"{policy} {self.indices(policy)}" for policy in shown)
         swapped = [p.index for p in self._plans if p.swapped]
-        return f"CheckpointMap({len(self)} layers: {groups}, swapped {swapped})"
+        off = f"; remat is OFF ({self.off}): nothing is checkpointed" if self.off else ""
+        return f"CheckpointMap({len(self)} layers: {groups}, swapped {swapped}{off})"
 
     def __str__(self) -> str:
-        from .display import map_table
+        from .display import map_table, off_notice
 
-        return map_table(self)
+        table = map_table(self)
+        return table if self.off is None else f"{off_notice(self.off)}\n{table}"
 
 
 def swapped_indices(config: CheckpointConfig, num_layers: int) -> list[int]:

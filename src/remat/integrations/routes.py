@@ -17,9 +17,10 @@ What a route call means:
 "selective" policy for every checkpointed layer (`checkpoint_policy="selective"`, non-reentrant).
 TRL's SFTTrainer does not pass the switch itself: it wraps the model's enable method to pass a
 `context_fn` over torch's selective checkpoint contexts with a policy of its own (keep attention
-outputs) and `use_reentrant=False`; that context, recognised by its policy's module, also
-selects remat's policy (which keeps the projections' outputs too), and says so. Any other
-`context_fn` is refused: what each layer saves is the map's to say.
+outputs) and `use_reentrant=False`; that context, recognised by torch's function and the mark TRL
+puts on the method it wraps (`transformers_compat.TRL_SAC_MARKER`), also selects remat's policy
+(which keeps the projections' outputs too), and says so. Any other `context_fn` is refused: what
+each layer saves is the map's to say.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 from ..config import CheckpointConfig
 from ..patches import InstancePatches
 from ..refs import Ref
-from .transformers_compat import ENABLE_ROUTES, pretrained_model_class, routes_defined_on
+from .transformers_compat import (
+    ENABLE_ROUTES,
+    TRL_SAC_MARKER,
+    TRL_SAC_ROUTE,
+    pretrained_model_class,
+    routes_defined_on,
+)
 
 if TYPE_CHECKING:
     from torch import nn
@@ -48,15 +55,15 @@ def _is_default(key: str, value: Any) -> bool:
     return type(value) is type(default) and value == default
 
 
-def _selective_from_context(route: str, options: dict[str, Any]) -> None:
-    """TRL's selective checkpointing arrives as a `context_fn` (see the module docstring)."""
+def _selective_from_context(route: str, options: dict[str, Any], from_trl: bool) -> None:
+    """TRL's selective checkpointing arrives as a `context_fn` (see the module docstring), through
+    the enable method TRL wrapped and marked (`from_trl`, see `transformers_compat.TRL_SAC_MARKER`)."""
     if "context_fn" not in options:
         return
     context_fn = options.pop("context_fn")
-    func = getattr(context_fn, "func", None)
-    policy_fn = (getattr(context_fn, "args", None) or (None,))[0]
-    from_trl = getattr(policy_fn, "__module__", "").startswith("trl.")
-    if getattr(func, "__name__", "") != "create_selective_checkpoint_contexts" or not from_trl:
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    if getattr(context_fn, "func", None) is not create_selective_checkpoint_contexts or not from_trl:
         raise ValueError(
             f"{route}: remat does not take a context_fn ({context_fn!r}): which activations each layer keeps is "
             "the checkpoint map's to say. For op-level selective checkpointing use checkpoint_policy='selective' "
@@ -75,8 +82,10 @@ def config_from_route(
     route: str,
     kwargs_dict: Mapping[str, Any] | None,
     keywords: Mapping[str, Any],
+    from_trl: bool = False,
 ) -> CheckpointConfig:
-    """The config a route call asks for, starting from `current`. Raises before anything changes."""
+    """The config a route call asks for, starting from `current`. Raises before anything changes.
+    `from_trl`: the call came through TRL's selective-checkpointing wrapper."""
     if kwargs_dict is not None and not isinstance(kwargs_dict, Mapping):
         raise TypeError(f"{route}: the checkpointing kwargs must be a dict, got {type(kwargs_dict).__name__}")
     options = dict(kwargs_dict or {})
@@ -85,7 +94,7 @@ def config_from_route(
             raise ValueError(f"{route}: {key} is given twice with different values ({options[key]!r} and {value!r})")
         if key not in options or not _is_default(key, value):
             options[key] = value
-    _selective_from_context(route, options)
+    _selective_from_context(route, options, from_trl)
     unknown = sorted(set(options) - set(ROUTE_OPTIONS))
     if unknown:
         raise ValueError(
@@ -194,7 +203,16 @@ class EnableRoute(_Route):
                 f"{route}() got unexpected argument(s) {sorted(kwargs)}; it takes {kwargs_name}, "
                 "every_n_layers and offload"
             )
-        self.owner.route_enable(f"{route}()", kwargs_dict, {"every_n_layers": every_n_layers, "offload": offload})
+        keywords = {"every_n_layers": every_n_layers, "offload": offload}
+        self.owner.route_enable(f"{route}()", kwargs_dict, keywords, from_trl=self._wrapped_by_trl())
+
+    def _wrapped_by_trl(self) -> bool:
+        """Whether TRL's selective checkpointing wrapped this enable method (on this module, or on
+        the model the owner wraps, a PeftModel that forwards to it)."""
+        if self.route != TRL_SAC_ROUTE:
+            return False
+        holders = (self._module(), self.owner.model)
+        return any(getattr(m.__dict__.get(self.route), TRL_SAC_MARKER, False) for m in holders if m is not None)
 
 
 class DisableRoute(_Route):

@@ -11,6 +11,10 @@
 
 remat drives the per-layer flag and function itself, so the enable/disable routes are the only
 entry points whose names differ; this module says which ones a model has.
+
+It also holds the shims that rest on something a library does not promise (an attribute name
+it reads, a message it raises), each with the versions it was checked against; a test per shim
+fails when a new release breaks it.
 """
 
 from __future__ import annotations
@@ -69,3 +73,25 @@ def trainer_asks_for_checkpointing(args: Any) -> bool:
     """Whether these `TrainingArguments` ask Trainer to turn checkpointing on."""
     name = "activation_checkpointing" if has_activation_checkpointing_names() else "gradient_checkpointing"
     return bool(getattr(args, name, False) or getattr(args, "gradient_checkpointing", False))
+
+
+# What transformers' Trainer reads first on the model it is given, before any training step:
+# `Trainer.__init__` asks `hasattr(model, "accepts_loss_kwargs")` (models declare it; only Trainer
+# reads it). `CheckpointedModel` answers that read with the error naming `RematTrainer`, which
+# hands Trainer `cm.model` instead, so `Trainer(model=cm)` fails at construction, never after
+# writing a checkpoint. Checked against transformers 4.57.6, 5.17.0 and 5.24.0 (tests/test_trainer.py).
+TRAINER_PROBE = "accepts_loss_kwargs"
+
+# TRL's selective activation checkpointing (`trl.models.selective_activation_checkpointing.
+# enable_selective_activation_checkpointing`) wraps the model's `gradient_checkpointing_enable` in a
+# function it marks with this attribute, which passes `context_fn=partial(
+# torch.utils.checkpoint.create_selective_checkpoint_contexts, <TRL's policy>)`. Checked against
+# TRL 1.16.0 (tests/test_trl.py).
+TRL_SAC_MARKER = "_is_sac_wrapped"
+TRL_SAC_ROUTE = "gradient_checkpointing_enable"
+
+# torch raises a plain RuntimeError, with no attribute of its own, when a tensor that selective
+# checkpointing kept was changed in place before backward (`torch/utils/checkpoint.py`,
+# `_VersionWrapper.get_val`). Matched on the whole message. Checked against torch 2.13.0
+# (tests/test_selective.py).
+TORCH_SAC_MUTATED = "Tensor cached during selective activation checkpoint has been mutated"

@@ -21,36 +21,20 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
-from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
 from .base import Policy
-
-# The GEMMs of linear projections (nn.Linear and LoRA dispatch to mm / addmm; MoE experts to a
-# grouped mm) and the fused attention kernels; overloads are matched by their packet, and the
-# flash-attn package's custom ops by name. bmm and baddbmm are left out on purpose: in a decoder
-# layer they are an eager attention's core.
-KEPT_OPS = (
-    "mm",
-    "addmm",
-    "_grouped_mm",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-    "_scaled_dot_product_cudnn_attention",
-    "_efficient_attention_forward",
-    "_flash_attention_forward",
-)
 
 
 class SelectivePolicy(Policy):
     def checkpoint_options(self, index: int) -> dict[str, Any]:
         # torch calls context_fn once per checkpointed call, for a fresh pair of contexts
-        return {"context_fn": functools.partial(_fresh_contexts, index)}
+        from ._selective_ops import fresh_contexts
+
+        return {"context_fn": functools.partial(fresh_contexts, index)}
 
     def explain_recompute_error(self, error: RuntimeError, index: int) -> RuntimeError | None:
-        if "mutated" not in str(error):
+        from ..integrations.transformers_compat import TORCH_SAC_MUTATED
+
+        if TORCH_SAC_MUTATED not in str(error):
             return None
         return RuntimeError(
             f"layer {index} changes, in place, the output of an op that the 'selective' policy keeps "
@@ -59,89 +43,21 @@ class SelectivePolicy(Policy):
         )
 
 
-def _fresh_contexts(index: int) -> Any:
-    return create_selective_checkpoint_contexts(_KeptOutputs(index))
-
-
-class _KeptOutputs:
-    """The policy for one checkpointed call: which ops to keep, and a guard torch lacks. A kept
-    output changed in place later in the forward is caught by torch only if the change goes
-    through a view of it; through a tensor that merely shares its storage (a linear on a 3-d
-    input returns one) torch hands backward the changed value and the gradients are silently
-    wrong. So any in-place op on the storage of a kept output is refused here, in forward, with
-    the layer named."""
-
-    def __init__(self, index: int):
-        self.index = index
-        self.kept: set[int] = set()
-
-    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(ctx, "is_recompute", False):
-            self._refuse_changes_to_kept(op, args, kwargs)
-        decision = _keep_projections_and_attention(ctx, op, *args, **kwargs)
-        output = getattr(ctx, "op_output", None)
-        if not getattr(ctx, "is_recompute", False) and output is not None and decision is CheckpointPolicy.MUST_SAVE:
-            self.kept.update(_storages(output))
-        return decision
-
-    def _refuse_changes_to_kept(self, op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        schema = getattr(op, "_schema", None)
-        if not self.kept or schema is None or not schema.is_mutable:
-            return
-        values = [*args, *kwargs.values()]
-        written = [values[i] for i, arg in enumerate(schema.arguments[: len(values)]) if _writes(arg)]
-        if any(self.kept & _storages(value) for value in written):
-            raise RuntimeError(
-                f"layer {self.index} changes in place ({op}) the output of an op that the 'selective' policy keeps "
-                "for backward; backward would get the changed value. Give this layer another policy "
-                f"(layer_policies={{{self.index}: 'recompute'}})"
-            )
-
-
-def _writes(argument: Any) -> bool:
-    alias = getattr(argument, "alias_info", None)
-    return bool(alias is not None and alias.is_write)
-
-
-def _storages(value: Any) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)}
-
-
-_KEPT_PACKETS = frozenset(getattr(torch.ops.aten, name) for name in KEPT_OPS if hasattr(torch.ops.aten, name))
-_GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm)  # where a low-rank expansion can show
-
-
-@functools.cache
-def _kept_packet(packet: Any) -> bool:
-    """Whether this op's outputs are kept (asked once per op: this runs for every op of every
-    selective layer)."""
-    return packet in _KEPT_PACKETS or "flash_attn" in str(packet)
-
-
-def _keep_projections_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-    packet = getattr(op, "overloadpacket", op)
-    kept = _kept_packet(packet) and not (packet in _GEMMS and _low_rank_expansion(args))
-    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _low_rank_expansion(args: tuple[Any, ...]) -> bool:
-    """A GEMM from a small rank up to a much wider output, like LoRA's B (rank r, at most
-    `LOW_RANK`, up to the projection's width, at least eight times r): as big to keep as the
-    projection it is added to, and cheap to run again (2r flops per output element). Wide
-    low-rank projections of a model itself (DeepSeek's MLA, rank 512 and up) stay kept."""
-    matrices = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2]
-    if len(matrices) < 2:
-        return False
-    rank, width = matrices[-2].shape[-1], matrices[-1].shape[-1]
-    return rank <= LOW_RANK and 8 * rank <= width
-
-
-LOW_RANK = 256
-
-
 SELECTIVE = SelectivePolicy(
     name="selective",
     checkpointed=True,
     input_on_host=None,
     needs_non_reentrant=True,
 )
+
+
+def __getattr__(name: str) -> Any:
+    """The op-level rules (`KEPT_OPS`, `LOW_RANK`, ...) live in `_selective_ops`, with torch."""
+    if name.startswith("__"):  # the import system's own questions
+        raise AttributeError(name)
+    from . import _selective_ops
+
+    try:
+        return getattr(_selective_ops, name)
+    except AttributeError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None

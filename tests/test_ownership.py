@@ -1,0 +1,133 @@
+"""Ownership: one model, one wrapper at a time. A wrapper whose model another wrapper has taken
+stays replaced, and disabling any set of wrappers in any order leaves the model exactly as it
+was before the first wrap: no flag, shim, route, override, hook or marker of remat's."""
+
+import contextlib
+import gc
+
+import pytest
+import torch
+from conftest import RecomputeCounter, add_lora, batch, decoder_layers, step_grads, tiny_model
+
+from remat import CheckpointConfig, CheckpointedModel
+
+_DICT_ATTRIBUTES = ("_parameters", "_buffers", "_modules")
+
+
+def _plain(value):
+    """How an attribute is compared: simple values by value, anything else by identity."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return ("value", value)
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _plain(v)) for k, v in value.items()))
+    return ("object", id(value))
+
+
+def snapshot(model):
+    """Every module's instance attributes (hook dicts and the parameter/module tables included),
+    the model config's fields, and every tensor's value: what remat may touch."""
+    modules = {name: {k: _plain(v) for k, v in vars(m).items()} for name, m in model.named_modules()}
+    config = dict(vars(model.config)) if hasattr(model, "config") else {}
+    tensors = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return modules, config, tensors
+
+
+def assert_as_before(model, before):
+    modules, config, tensors = snapshot(model)
+    assert modules.keys() == before[0].keys()
+    for name, attributes in before[0].items():
+        assert modules[name] == attributes, (
+            f"{name or 'the model'}: {sorted(set(modules[name].items()) ^ set(attributes.items()))}"
+        )
+    assert config == before[1]
+    assert tensors.keys() == before[2].keys()
+    assert all(torch.equal(tensors[k], before[2][k]) for k in tensors)
+
+
+def _trainable(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _recomputed(call, model):
+    counter = RecomputeCounter(decoder_layers(model))
+    step_grads(call, _trainable(model), batch())
+    counter.remove()
+    model.zero_grad(set_to_none=True)
+    return counter.recomputed()
+
+
+def test_a_replaced_wrapper_refuses_to_come_back_and_the_new_map_is_what_runs():
+    model = add_lora(tiny_model())
+    cm1 = CheckpointedModel(model)
+    cm1.disable()
+    cm2 = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    with pytest.raises(RuntimeError, match=r"enable\(\): another CheckpointedModel took this wrapper's model over"):
+        cm1.enable()
+    with pytest.raises(RuntimeError, match=r"for_training\(\): another CheckpointedModel took"):
+        cm1.for_training()
+    assert not cm1.is_enabled
+    assert cm2.checkpoint_map.checkpointed == [0, 2]
+    assert _recomputed(cm2, model) == [0, 2], "cm2's map, and only it, runs"
+
+
+def test_a_replaced_wrapper_stays_replaced_after_the_new_one_is_disabled_too():
+    model = add_lora(tiny_model())
+    cm1 = CheckpointedModel(model)
+    cm1.disable()
+    CheckpointedModel(model, CheckpointConfig(every_n_layers=2)).disable()
+    with pytest.raises(RuntimeError, match="another CheckpointedModel took"):
+        cm1.enable()
+    assert "replaced by another CheckpointedModel" in str(cm1.checkpoint_map)
+    cm3 = CheckpointedModel(model, CheckpointConfig(every_n_layers=3))  # a new wrapper is welcome
+    assert _recomputed(cm3, model) == [0, 3]
+
+
+@pytest.mark.parametrize("order", ["new then old", "old then new"])
+def test_disabling_every_wrapper_in_any_order_leaves_the_model_as_before_the_first_wrap(order):
+    model = add_lora(tiny_model())
+    before = snapshot(model)
+    cm1 = CheckpointedModel(model, CheckpointConfig(every_n_layers=2, swap_layers=[1]))
+    step_grads(cm1, _trainable(model), batch())
+    model.gradient_checkpointing_disable()  # a route, as TRL calls it around generation
+    model.gradient_checkpointing_enable()
+    cm1.disable()
+    cm2 = CheckpointedModel(model, CheckpointConfig(every_n_layers=2, offload=True, offload_min_bytes=0))
+    with contextlib.suppress(RuntimeError):  # refused (the test above); whatever it does, the end is clean
+        cm1.enable()
+    with cm2.for_inference():
+        pass
+    step_grads(cm2, _trainable(model), batch())
+    model.zero_grad(set_to_none=True)
+    for wrapper in (cm2, cm1) if order == "new then old" else (cm1, cm2):
+        wrapper.disable()
+    assert_as_before(model, before)
+    assert _recomputed(model, model) == []
+
+
+def test_a_takeover_from_a_dropped_wrapper_then_disable_leaves_the_model_as_before():
+    model = add_lora(tiny_model())
+    before = snapshot(model)
+    CheckpointedModel(model, CheckpointConfig(every_n_layers=2, swap_layers=[3]))
+    gc.collect()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=3))
+    assert _recomputed(cm, model) == [0, 3]
+    cm.disable()
+    assert_as_before(model, before)
+
+
+def test_a_wrapper_disabled_and_enabled_again_without_a_rival_is_its_own_owner():
+    model = add_lora(tiny_model())
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    cm.disable()
+    cm.enable()
+    cm.for_training()
+    assert _recomputed(cm, model) == [0, 2]
+
+
+def test_exit_without_enter_says_how_to_use_the_context_manager():
+    cm = CheckpointedModel(add_lora(tiny_model()))
+    with pytest.raises(RuntimeError, match=r"__exit__\(\) without a matching cm.__enter__\(\).*with cm.for_inference"):
+        cm.__exit__(None, None, None)
+    with cm.for_inference():
+        assert not cm.model.training
+    assert cm.model.training
