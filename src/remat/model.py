@@ -344,7 +344,7 @@ class CheckpointedModel(nn.Module):
         return self._leave("unload", args, kwargs)
 
     def _leave(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
-        method = getattr(type(self.model), name, None)
+        method = getattr(self.model, name, None)  # a PeftModel forwards it to its tuner
         if method is None:
             raise AttributeError(
                 f"cm.{name}() is PEFT's, and cm.model is a {type(self.model).__name__}, not a PeftModel: there are no "
@@ -354,7 +354,7 @@ class CheckpointedModel(nn.Module):
         was_enabled, config = controller.is_enabled, controller.config
         controller.disable(cause=f"cm.{name}()")
         try:
-            result = method(self.model, *args, **kwargs)
+            result = method(*args, **kwargs)
         except BaseException:
             if was_enabled:  # PEFT refused: the wrapper is back as it was
                 controller.enable(config)
