@@ -97,3 +97,47 @@ def test_holders_never_checkpoint_and_turn_the_cache_off_while_training(arch):
     out = cm(input_ids=torch.randint(3, 90, (1, 6)), use_cache=True)
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache", None)
     assert cache is None or cache.get_seq_length() == 0, "no layer filled a cache while training with checkpointing"
+
+
+def _holder(source: str, in_a_file: bool, tmp_path):
+    """A module class whose forward is `source`, defined from a file or from a string (remote
+    code built at run time has no source file for inspect to read)."""
+    code = "import torch\nfrom torch import nn\nclass Holder(nn.Module):\n" + source
+    namespace: dict = {}
+    if in_a_file:
+        path = tmp_path / "holder_module.py"
+        path.write_text(code)
+        exec(compile(code, str(path), "exec"), namespace)
+    else:
+        exec(compile(code, "<generated>", "exec"), namespace)
+    return namespace["Holder"]()
+
+
+_CALLS_TORCH = """
+    def forward(self, layers, h):
+        for layer in layers:
+            h = torch.utils.checkpoint.checkpoint(lambda x: layer(x), h, use_reentrant=False)
+        return h
+"""
+_NESTED = """
+    def forward(self, layers, h):
+        def run(x):
+            return checkpoint(layers[0], x)
+        return run(h)
+"""
+_THROUGH_THE_FUNCTION = """
+    def forward(self, layers, h):
+        # a comment that says checkpoint( does not call it
+        for layer in layers:
+            h = self._gradient_checkpointing_func(layer.__call__, h)
+        return h, "checkpoint(h)"
+"""
+
+
+@pytest.mark.parametrize("in_a_file", [True, False], ids=["from a file", "built at run time"])
+def test_a_holder_that_calls_torchs_checkpoint_itself_is_recognised_from_its_code(tmp_path, in_a_file):
+    from remat.layers import calls_checkpoint_directly
+
+    assert calls_checkpoint_directly(_holder(_CALLS_TORCH, in_a_file, tmp_path))
+    assert calls_checkpoint_directly(_holder(_NESTED, in_a_file, tmp_path))
+    assert not calls_checkpoint_directly(_holder(_THROUGH_THE_FUNCTION, in_a_file, tmp_path))

@@ -12,7 +12,7 @@ from test_remote_code import _llava_batch, blocks, load_remote
 
 from remat import CheckpointConfig, CheckpointedModel
 from remat.integrations.transformers_compat import trainer_checkpointing_args
-from remat.offload import SimulatedTransport
+from remat.testing import SimulatedTransport
 
 SELECTIVE = CheckpointConfig(checkpoint_policy="selective")
 
@@ -214,3 +214,53 @@ def test_a_layer_that_changes_a_kept_output_in_place_is_refused_naming_it(throug
     decoder_layers(reference)[2].mlp.down_proj.register_forward_hook(change)
     expected = step_grads(reference, list(reference.named_parameters()), batch())[1]
     assert_same_grads(expected, step_grads(cm, list(model.named_parameters()), batch())[1])
+
+
+def test_a_policy_that_only_looks_like_trls_is_refused_trls_own_wrapper_is_recognised():
+    """TRL is recognised by the mark it puts on the enable method it wraps, not by a module name."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    from trl.models.selective_activation_checkpointing import enable_selective_activation_checkpointing
+
+    def policy_fn(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    policy_fn.__module__ = "trl.models.selective_activation_checkpointing"  # a name is not TRL
+    model = tiny_model()
+    cm = CheckpointedModel(model)
+    lookalike = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+    with pytest.raises(ValueError, match="does not take a context_fn"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"context_fn": lookalike})
+    enable_selective_activation_checkpointing(model)
+    model.gradient_checkpointing_enable()
+    assert cm.config.checkpoint_policy == "selective"
+
+
+def test_torchs_own_mutation_error_is_explained_by_the_selective_policy():
+    """torch's check for a kept tensor changed in place has no attribute of its own; the message
+    remat recognises (`transformers_compat.TORCH_SAC_MUTATED`) is checked against the error this
+    torch really raises."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from remat.policies import policy
+
+    def keep_mm(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def run(x, w):
+        kept = torch.mm(x, w)
+        return kept, kept.sin()
+
+    x, w = torch.randn(4, 4, requires_grad=True), torch.randn(4, 4, requires_grad=True)
+    context_fn = functools.partial(create_selective_checkpoint_contexts, keep_mm)
+    kept, out = checkpoint(run, x, w, use_reentrant=False, context_fn=context_fn)
+    with torch.no_grad():
+        kept.add_(1.0)
+    with pytest.raises(RuntimeError) as raised:
+        out.sum().backward()
+    explained = policy("selective").explain_recompute_error(raised.value, 3)
+    assert explained is not None and "layer_policies={3: 'recompute'}" in str(explained)
+    assert policy("selective").explain_recompute_error(RuntimeError("something else was mutated"), 3) is None
