@@ -1,13 +1,20 @@
-"""`cm.plan_for_budget(batch, budget)`: the map it returns fits the budget and holds what it
-predicted (checked with `memory_report`, an independent measurement), the smallest budget it
-names is the smallest that works, and planning leaves the model as it was."""
+"""`cm.profile(batch)` / `profile.plan(budget)` / `cm.plan_for_budget(batch, budget)` on real
+models: the planned map fits the budget and holds what it predicted, checked against counts
+that share no code with remat (`independent_memory`: a dispatch-mode count of held storages,
+torch's MemTracker for the step's peak); planning runs the model a bounded number of times and
+choosing runs it not at all (a forward counter); measuring leaves the model and everything
+outside it as it was. The choosing itself is tested without a model in test_chooser.py."""
 
+import copy
+import itertools
 import json
 import re
 
 import pytest
 import torch
+import transformers
 from conftest import add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
+from independent_memory import held_bytes, step_peak_bytes
 from test_discovery import tiny_llava
 from test_remote_code import _llava_batch
 
@@ -27,55 +34,90 @@ def _llava():
     return CheckpointedModel(model), _llava_batch()
 
 
+class Forwards:
+    """Counts the model's own forwards (a hook on the outermost module, written here)."""
+
+    def __init__(self, model):
+        self.count = 0
+        self.handle = model.register_forward_pre_hook(self._bump)
+
+    def _bump(self, module, args):
+        self.count += 1
+
+    def remove(self):
+        self.handle.remove()
+
+
 def _span(cm, data):
-    """The held bytes of the smallest and of the largest plan (all recompute, all none)."""
+    """Held bytes of the smallest and the largest plan (all recompute, all none), counted
+    independently; the wrapper is left as it was made."""
     n = len(cm.checkpoint_map)
-    low = cm.enable(CheckpointConfig(layer_policies=dict.fromkeys(range(n), "recompute"))).memory_report(data)
-    high = cm.enable(CheckpointConfig(layer_policies=dict.fromkeys(range(n), "none"))).memory_report(data)
+    low = held_bytes(cm.enable(CheckpointConfig(layer_policies=dict.fromkeys(range(n), "recompute"))), data)
+    high = held_bytes(cm.enable(CheckpointConfig(layer_policies=dict.fromkeys(range(n), "none"))), data)
     cm.enable(CheckpointConfig())
-    for p in cm.model.parameters():
-        p.grad = None
-    return low.device_bytes, high.device_bytes
+    return low, high
 
 
-@pytest.mark.parametrize("family", [_llama, _llava], ids=["llama-lora", "llava"])
-@pytest.mark.parametrize("fraction", [0.2, 0.5, 0.85])
-def test_the_planned_map_fits_the_budget_and_holds_what_was_predicted(family, fraction):
-    cm, data = family()
+@pytest.fixture(scope="module", params=[_llama, _llava], ids=["llama-lora", "llava"])
+def profiled(request):
+    cm, data = request.param()
     low, high = _span(cm, data)
+    forwards = Forwards(cm.model)
+    profile = cm.profile(data, progress=False)
+    forwards.remove()
+    return cm, data, profile, low, high, forwards.count
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.5, 0.85])
+def test_the_planned_map_fits_the_budget_and_holds_what_was_predicted(profiled, fraction):
+    cm, data, profile, low, high, _ = profiled
     budget = int(low + fraction * (high - low))
-    planned = cm.plan_for_budget(data, budget, repeats=1)
+    planned = profile.plan(budget)
     assert isinstance(planned, PlannedConfig) and planned.predicted_device_bytes <= budget
     cm.enable(planned)
     assert [p.policy for p in cm.checkpoint_map] == [c.policy for c in planned.choices]
-    measured = cm.memory_report(data).device_bytes
+    measured = held_bytes(cm, data)
+    cm.enable(CheckpointConfig())
     assert measured <= budget
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
 
 
-def test_a_budget_that_nothing_fits_names_the_smallest_one_that_does():
-    cm, data = _llama()
-    low, _ = _span(cm, data)
+def test_profiling_is_a_bounded_number_of_steps_and_choosing_runs_nothing(profiled):
+    cm, data, profile, low, high, counted = profiled
+    assert 0 < counted <= 20, counted  # training steps (one forward each; recomputes are not forwards)
+    forwards = Forwards(cm.model)
+    for budget in (low, (low + high) // 2, high):
+        profile.plan(budget)
+    frontier = profile.frontier()
+    figure = profile.plot()
+    forwards.remove()
+    assert forwards.count == 0
+    assert type(figure).__name__ == "Figure" and figure.axes[0].get_xlabel().startswith("predicted MiB")
+    sizes = [p.predicted_device_bytes for p in frontier]
+    times = [p.predicted_seconds for p in frontier]
+    assert sizes == sorted(sizes) and all(b <= a for a, b in itertools.pairwise(times))
+    assert all(t >= 0 for t in times) and len(frontier) >= 2
+    assert {c.policy for c in frontier[0].choices} == {"recompute"}
+    assert {c.policy for c in frontier[-1].choices} == {"none"}
+    labels = {t.get_text() for t in figure.axes[0].texts}
+    assert "every_n_layers=1" in labels and "no checkpointing" in labels  # native's options marked
+
+
+def test_a_budget_that_nothing_fits_names_the_smallest_one_that_does(profiled):
+    cm, data, profile, low, _, _ = profiled
     with pytest.raises(ValueError, match=r"the smallest is (\d+) bytes") as info:
-        cm.plan_for_budget(data, low // 2, repeats=1)
+        profile.plan(low // 2)
     smallest = int(re.search(r"the smallest is (\d+) bytes", str(info.value)).group(1))
-    assert smallest == low
-    planned = cm.plan_for_budget(data, smallest, repeats=1)
-    assert {c.policy for c in planned.choices} == {"recompute"}
+    assert abs(smallest - low) <= 0.05 * low  # every layer recomputed, counted independently
+    assert {c.policy for c in profile.plan(smallest).choices} == {"recompute"}
     with pytest.raises(ValueError, match="smallest is"):
-        cm.plan_for_budget(data, smallest - 1, repeats=1)
-
-
-def test_the_ends_of_the_range_give_all_none_and_all_recompute():
-    cm, data = _llama()
-    low, _ = _span(cm, data)
-    assert {c.policy for c in cm.plan_for_budget(data, "1GiB", repeats=1).choices} == {"none"}
-    assert {c.policy for c in cm.plan_for_budget(data, low, repeats=1).choices} == {"recompute"}
+        profile.plan(smallest - 1)
+    assert {c.policy for c in profile.plan("1GiB").choices} == {"none"}
 
 
 def test_swapped_layers_stay_checkpointed_and_a_cpu_model_gets_no_offload():
     cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(swap_layers=[1]))
-    planned = cm.plan_for_budget(batch(), "1GiB", repeats=1)
+    planned = cm.plan_for_budget(batch(), "1GiB", repeats=1, progress=False)
     assert [c.policy for c in planned.choices][1] != "none"
     assert [c.policy for c in planned.choices][:1] + [c.policy for c in planned.choices][2:] == ["none"] * 3
     assert "offload" not in {c.policy for c in planned.choices}
@@ -84,7 +126,7 @@ def test_swapped_layers_stay_checkpointed_and_a_cpu_model_gets_no_offload():
     assert cm.checkpoint_map[1].swapped and cm.checkpoint_map[1].checkpointed
 
 
-def test_planning_leaves_the_model_as_it_was():
+def test_planning_leaves_the_model_and_everything_outside_it_as_it_was():
     cm, data = _llama()
     config = CheckpointConfig(every_n_layers=2)
     cm.enable(config)
@@ -102,12 +144,16 @@ def test_planning_leaves_the_model_as_it_was():
         module.seen += 1
 
     handle = mlp.register_forward_pre_hook(count)
-    cm.plan_for_budget(data, "1GiB", repeats=1)
+    optimizer = torch.optim.AdamW([p for _, p in named], lr=0.1, weight_decay=0.5)
+    weights = {n: p.detach().clone() for n, p in named}
+    cm.plan_for_budget(data, "1GiB", repeats=1, progress=False, optimizer=optimizer, scope="step")
     handle.remove()
     assert mlp.calls == 0 and mlp.seen.item() == 0, "the measuring steps' counts were put back"
     assert cm.config == config and cm.checkpoint_map.checkpointed == [] and named[0][1].grad is marker
     assert all(p.grad is None for _, p in named[1:])
     assert torch.equal(torch.random.get_rng_state(), rng)
+    assert not optimizer.state, "the optimizer's state was put back (none, as before)"
+    assert all(torch.equal(p, weights[n]) for n, p in named), "the parameters it stepped were put back"
     cm.model.gradient_checkpointing_enable()
     assert cm.checkpoint_map.checkpointed == [0, 2, 4]
     reference = add_lora(tiny_model(num_hidden_layers=6))
@@ -115,10 +161,28 @@ def test_planning_leaves_the_model_as_it_was():
     assert_same_grads(expected, step_grads(cm, named, data)[1])
 
 
+@pytest.mark.parametrize("how", ["plan_for_budget", "memory_report"])
+def test_a_soft_prompt_outside_the_model_keeps_its_gradient(how):
+    """A trainable tensor passed as `inputs_embeds` (a soft prompt): measuring must not add the
+    measuring steps' gradients to it (the user's next optimizer step would use them)."""
+    cm, data = _llama()
+    embeds = cm.model.get_input_embeddings()(data.pop("input_ids")).detach()
+    prompt = embeds.clone().requires_grad_(True)
+    prompt.grad = torch.full_like(prompt, 0.25)
+    before = prompt.grad.clone()
+    if how == "plan_for_budget":
+        cm.plan_for_budget({**data, "inputs_embeds": prompt}, "1GiB", repeats=1, progress=False)
+    else:
+        cm.memory_report({**data, "inputs_embeds": prompt})
+    assert torch.equal(prompt.grad, before)
+    fresh = embeds.clone().requires_grad_(True)  # and the step did see an input that requires grad
+    cm.memory_report({**data, "inputs_embeds": fresh})
+    assert fresh.grad is None
+
+
 def test_the_plan_prints_per_layer_and_is_a_config_like_any_other(tmp_path):
     cm, data = _llama()
-    low, high = _span(cm, data)
-    planned = cm.plan_for_budget(data, (low + high) // 2, repeats=1)
+    planned = cm.plan_for_budget(data, "1GiB", repeats=1, progress=False)
     text = str(planned)
     assert text.count("base_model.model.model.layers.") == 6 and "total (predicted)" in text and "budget" in text
     path = planned.save_pretrained(tmp_path)
@@ -131,48 +195,52 @@ def test_the_plan_prints_per_layer_and_is_a_config_like_any_other(tmp_path):
     assert [p.policy for p in cm.checkpoint_map] == [c.policy for c in planned.choices]
 
 
-@pytest.mark.parametrize("budget, error", [("lots", ValueError), (-5, ValueError), (1.5, TypeError)])
-def test_bad_budgets_are_clear_errors_that_change_nothing(budget, error):
+@pytest.mark.parametrize(
+    "budget, error, match",
+    [("lots", ValueError, "budget"), (-5, ValueError, "budget"), (1.5, TypeError, "budget"), (0, ValueError, "0")],
+)
+def test_bad_budgets_are_refused_before_measuring_and_change_nothing(budget, error, match):
     cm, data = _llama()
-    with pytest.raises(error, match="budget"):
+    forwards = Forwards(cm.model)
+    with pytest.raises(error, match=match):
         cm.plan_for_budget(data, budget)
+    with pytest.raises(ValueError, match="weights alone"):  # the step holds the weights at least
+        cm.plan_for_budget(data, 1000, scope="step", optimizer=torch.optim.SGD(cm.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="optimizer"):
+        cm.plan_for_budget(data, "1GiB", scope="step")
+    with pytest.raises(ValueError, match="scope"):
+        cm.plan_for_budget(data, "1GiB", scope="everything")
+    assert forwards.count == 0
     assert cm.config == CheckpointConfig() and controller_of(cm).is_enabled
 
 
-def test_planning_a_model_in_inference_mode_is_refused():
+def test_a_batch_without_labels_or_loss_fn_is_refused_before_any_work_and_loss_fn_plans_a_headless_model():
     cm, data = _llama()
-    cm.for_inference()
-    with pytest.raises(RuntimeError, match="for_training"):
-        cm.plan_for_budget(data, "1GiB")
-
-
-def test_choosing_keeps_the_last_offloaded_input_on_the_device():
-    """The choice itself, on profiles given by hand (offload needs an accelerator to measure):
-    with offload, the input of the last checkpointed layer stays on the device (measured so on the
-    last layer), and a map whose last checkpointed layer is another offloaded one is predicted
-    with that layer's input on the device."""
-    from remat.planner import _fastest_fitting, _front
-    from remat.policies import LayerProfile
-
-    def _choose(profiles, options, budget, outside, names):
-        alone = {p.index: p.held["none"] for p in profiles}  # the all-"none" run: as measured per layer here
-        return _fastest_fitting(_front(profiles, options), profiles, budget, outside, names, alone)
-
-    def profile(i, last):
-        held = {"none": (100, 0), "recompute": (10, 0), "offload": ((10, 0) if last else (0, 10))}
-        seconds = {"none": 0.0, "recompute": 1.0, "offload": 1.5}
-        return LayerProfile(index=i, input_bytes=10, held=held, seconds=seconds)
-
-    profiles = [profile(0, False), profile(1, False), profile(2, True)]
-    outside, names = {False: 5, True: 5}, ["a", "b", "c"]
-    everything = [["none", "recompute", "offload"]] * 3
-    fastest = _choose(profiles, everything, 5 + 110, outside, names)  # one none, one recompute, one offload
-    assert sorted(c.policy for c in fastest) == ["none", "offload", "recompute"]
-    assert sum(c.device_bytes for c in fastest) == 110 and sum(c.seconds for c in fastest) == 2.5
-    lone = _choose(profiles[:2], [["offload"], ["none"]], 1000, outside, names)
-    assert [(c.policy, c.device_bytes, c.host_bytes) for c in lone] == [("offload", 10, 0), ("none", 100, 0)]
-    # uncorrected, offloading layer 0 would fit 105 bytes; with its input on the device nothing does
-    assert _choose(profiles[:2], [["offload", "recompute"], ["none"]], 5 + 100, outside, names) is None
+    forwards = Forwards(cm.model)
+    unlabelled = {k: v for k, v in data.items() if k != "labels"}
+    for run in (
+        lambda: cm.plan_for_budget(unlabelled, "1GiB"),
+        lambda: cm.profile(unlabelled),
+        lambda: cm.memory_report(unlabelled),
+    ):
+        with pytest.raises(ValueError, match=r"no labels .* loss_fn"):
+            run()
+    assert forwards.count == 0
+    # a base model without a language-model head: its output has no loss at all
+    torch.manual_seed(0)
+    config = tiny_model().config
+    base = transformers.AutoModel.from_config(config, attn_implementation="eager").train()
+    headless = CheckpointedModel(base)
+    loss_fn = lambda outputs, batch: outputs.last_hidden_state.pow(2).mean()
+    profile = headless.profile(unlabelled, loss_fn=loss_fn, repeats=1, progress=False)
+    planned = profile.plan(profile.frontier()[0].predicted_device_bytes)
+    headless.enable(planned)
+    measured = held_bytes(headless, unlabelled, loss_of=loss_fn)
+    assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
+    report = headless.memory_report(unlabelled, loss_fn=loss_fn)
+    assert report.loss == pytest.approx(loss_fn(base(**unlabelled), None).item(), rel=1e-4)
+    with pytest.raises(ValueError, match="loss_fn"):
+        headless.memory_report(data)  # labels, but the model computes no loss from them
 
 
 def test_measuring_a_map_that_runs_out_of_memory_falls_back_to_groups_of_layers():
@@ -185,16 +253,15 @@ def test_measuring_a_map_that_runs_out_of_memory_falls_back_to_groups_of_layers(
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     handle = cm.model.register_forward_pre_hook(small_device)
-    planned = cm.plan_for_budget(data, "1GiB", repeats=1)
+    planned = cm.plan_for_budget(data, "1GiB", repeats=1, progress=False)
     handle.remove()
-    assert any("measured in" in note and "groups" in note for note in planned.notes)
+    assert any("smaller groups" in note for note in planned.notes)
     policies = [c.policy for c in planned.choices]
     # every layer measured, so the fastest map is known; nothing checkpointed ran out of memory as a
-    # whole, so that map is not offered: the fastest one left checkpoints one layer (recompute or
-    # selective, whichever measured faster)
+    # whole, so that map is not offered: the fastest one left checkpoints one layer
     assert policies.count("none") == len(policies) - 1, policies
     cm.enable(planned)
-    measured = cm.memory_report(data).device_bytes  # measured in groups: within 5%, not exact
+    measured = held_bytes(cm, data)
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
 
 
@@ -203,12 +270,74 @@ def test_planning_leaves_the_offload_and_swap_counters_and_refuses_an_optimizer_
     cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))
     step_grads(cm, [(n, p) for n, p in model.named_parameters() if p.requires_grad], batch())
     fetches, peak = cm.swap_stats[1].fetches, controller_of(cm).swapper.peak_resident_bytes
-    cm.plan_for_budget(batch(), "1GiB", repeats=1)
+    cm.plan_for_budget(batch(), "1GiB", repeats=1, progress=False)
     assert cm.swap_stats[1].fetches == fetches and controller_of(cm).swapper.peak_resident_bytes == peak
     lora = next(p for n, p in model.named_parameters() if "lora_A" in n)
     lora.register_post_accumulate_grad_hook(lambda p: None)
     with pytest.raises(RuntimeError, match="post-accumulate-grad hook"):
         cm.plan_for_budget(batch(), "1GiB", repeats=1)
+
+
+def test_planning_a_model_in_inference_mode_is_refused():
+    cm, data = _llama()
+    cm.for_inference()
+    with pytest.raises(RuntimeError, match="for_training"):
+        cm.plan_for_budget(data, "1GiB")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_step_scope_the_predicted_peak_matches_memtracker_and_fits(arch):
+    """`scope="step"`: the peak of one whole training step (forward, backward, optimizer step), as
+    torch's MemTracker counts it, in a step after the first (the optimizer's state exists)."""
+    cm = CheckpointedModel(add_lora(tiny_model(arch, num_hidden_layers=4)))
+    data = batch(size=2, seq=24)
+    trainable = [p for p in cm.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    profile = cm.profile(data, optimizer=optimizer, repeats=1, progress=False)
+    assert not optimizer.state
+    frontier = profile.frontier(scope="step")
+    low, high = frontier[0].predicted_peak_bytes, frontier[-1].predicted_peak_bytes
+    weights = [p.detach().clone() for p in trainable]
+    for fraction in (0.1, 0.5, 0.9):
+        budget = int(low + fraction * (high - low))
+        planned = profile.plan(budget, scope="step")
+        assert planned.predicted_peak_bytes <= budget
+        cm.enable(planned)
+        cm(**data).loss.backward()  # a first step makes the optimizer's state
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        measured = step_peak_bytes(cm, data, optimizer)
+        assert measured <= budget, (arch, fraction, planned.predicted_peak_bytes, measured)
+        assert abs(measured - planned.predicted_peak_bytes) <= 0.05 * planned.predicted_peak_bytes
+        optimizer.state.clear()
+        with torch.no_grad():
+            for p, w in zip(trainable, weights, strict=True):
+                p.copy_(w)
+
+
+def test_tokens_a_plan_for_twice_the_tokens_holds_its_prediction_at_that_size():
+    """Profiled on 2 sequences, planned for 4 (twice the tokens) and applied to 4."""
+    cm, data = _llama()
+    profile = cm.profile(data, repeats=1, progress=False)
+    bigger = batch(size=4, seq=32)
+    double = 2 * profile.tokens
+    frontier = profile.frontier(tokens=double)
+    assert frontier[0].tokens == double
+    assert frontier[0].predicted_device_bytes > profile.frontier()[0].predicted_device_bytes
+    budget = (frontier[0].predicted_device_bytes + frontier[-1].predicted_device_bytes) // 2
+    planned = profile.plan(budget, tokens=double)
+    cm.enable(planned)
+    measured = held_bytes(cm, bigger)
+    assert measured <= budget
+    assert abs(measured - planned.predicted_device_bytes) <= 0.10 * planned.predicted_device_bytes
+
+
+def test_a_profile_is_its_own_object_copyable_and_printable():
+    cm, data = _llama()
+    profile = cm.profile(data, repeats=1, progress=False)
+    assert "6 layers" in repr(profile) and profile.tokens == 64
+    twin = copy.deepcopy(profile)
+    assert twin.plan("1GiB") == profile.plan("1GiB")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -226,7 +355,7 @@ def test_cuda_a_budget_below_every_layer_recomputed_is_met_by_offloading_as_pred
     assert offloaded < low, "offloading every layer holds less on the device than recomputing every layer"
     cm.enable(CheckpointConfig(offload_min_bytes=0))
     budget = (low + offloaded) // 2
-    planned = cm.plan_for_budget(data, budget, repeats=1)
+    planned = cm.plan_for_budget(data, budget, repeats=1, progress=False)
     assert "offload" in {c.policy for c in planned.choices}
     cm.enable(planned)
     measured = cm.memory_report(data).device_bytes

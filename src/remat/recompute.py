@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .refs import Ref
+from .snapshot import Watched
 
 if TYPE_CHECKING:
     from .offload import Offloader
@@ -52,49 +52,29 @@ class _LayerState:
     """The buffers and numeric attributes of a layer that its forward changes (an MoE router's
     token counts, a step counter), so the recompute can leave them as the forward did.
 
-    Only what the forward actually changed is touched: buffers by version counter, attributes by
-    value. Writing back every buffer would bump version counters that a reentrant backward
-    checks (rotary caches read through views), and would clone large caches on every recompute.
+    Only what the forward actually changed is copied and written back (`remat.snapshot`):
+    writing back every buffer would bump version counters that a reentrant backward checks
+    (rotary caches read through views), and would clone large caches on every recompute.
     """
 
     def __init__(self, module: nn.Module):
-        # The shim lives on the layer, so it names the layer's modules weakly (`remat.refs`).
-        self.buffers = list(module.buffers())
-        self.numbers = [
-            (Ref(m), key) for m in module.modules() for key, value in vars(m).items() if type(value) in (int, float)
-        ]
-        self.changed_buffers: list[torch.Tensor] = []
-        self.changed_numbers: list[tuple[Ref[nn.Module], str]] = []
+        # The shim lives on the layer, so the snapshot names the layer's modules weakly.
+        self.watched = Watched(module.modules())
+        self.changed = Watched()
 
     def watch_forward(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        versions = [b._version for b in self.buffers]
-        values = [_value(m, key) for m, key in self.numbers]
+        before = self.watched.snapshot()
         out = function(*args, **kwargs)
-        self.changed_buffers = [b for b, v in zip(self.buffers, versions, strict=True) if b._version != v]
-        self.changed_numbers = [
-            (m, key) for (m, key), v in zip(self.numbers, values, strict=True) if _value(m, key) != v
-        ]
+        self.changed = before.changed()
         return out
 
     @contextlib.contextmanager
     def kept(self) -> Iterator[None]:
-        saved = [(b, b._version, b.clone()) for b in self.changed_buffers]
-        numbers = [(m(), key, _value(m, key)) for m, key in self.changed_numbers]
+        saved = self.changed.snapshot(copy=True)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for buffer, version, value in saved:
-                    if buffer._version != version:
-                        buffer.copy_(value)
-            for module, key, value in numbers:
-                if module is not None:
-                    object.__setattr__(module, key, value)
-
-
-def _value(ref: Ref[nn.Module], key: str) -> Any:
-    module = ref()
-    return None if module is None else vars(module).get(key)
+            saved.restore()
 
 
 _told: set[str] = set()

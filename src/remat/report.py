@@ -13,6 +13,11 @@ the layers and "outside layers" add up to the total exactly.
 
 On CUDA the allocator's figure for the same step (`torch.cuda.memory_allocated` after forward,
 minus before) is reported beside the attributed total.
+
+The report is handed the wrapper's controller (anything with the attributes of `Measured`), not
+the wrapper: rooms below the wrapper never reach back up into it. The step's loss and inputs are
+settled by `remat.loss` (a `loss_fn` for models without `.loss`; tensors of the batch that
+require grad, a soft prompt, keep their gradients).
 """
 
 from __future__ import annotations
@@ -20,18 +25,26 @@ from __future__ import annotations
 import gc
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .display import render_table
+from .loss import LossFn, check_loss_source, own_inputs, step_loss
 from .measure import storage_key, track_outputs, weight_storages
-from .model import controller_of
 
-if TYPE_CHECKING:
-    from .model import CheckpointedModel
+
+class Measured(Protocol):
+    """What the report and the planner read of a wrapper's controller (`remat.controller`)."""
+
+    model: nn.Module
+    checkpoint_map: Any  # remat.plan.CheckpointMap
+    discovery: Any  # remat.layers.Discovery: .layers[i].module
+    offloader: Any  # remat.offload.Offloader
+    swapper: Any  # remat.swap.WeightSwapper
+    inference: bool
 
 
 @dataclass(frozen=True)
@@ -198,20 +211,22 @@ def _weight_bytes(module: nn.Module) -> int:
     return sum(seen.values())
 
 
-def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
-    """Run one training step of `cm` on `batch` (forward, backward; no optimizer step) and
-    measure it. Gradients are left in place, as after any backward."""
-    model = cm.model
-    layers = cm.layers
-    plans = list(cm.checkpoint_map)
+def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
+    """Run one training step of the controller's model on `batch` (forward, backward; no
+    optimizer step) and measure it. The model's gradients are left in place, as after any
+    backward; tensors of the batch that require grad get none (see `remat.loss`)."""
+    model = state.model
+    check_loss_source(model, batch, loss_fn, "memory_report")
+    batch = own_inputs(batch)
+    layers = [layer.module for layer in state.discovery.layers]
+    plans = list(state.checkpoint_map)
     param = next(model.parameters())
     device = param.device
-    state = controller_of(cm)
     swapper = state.swapper if state.swapper.layers else None
     before_fetches = {i: (e.stats.fetches, e.stats.bytes_fetched) for i, e in swapper.layers.items()} if swapper else {}
     if swapper is not None:
         swapper.peak_resident_bytes = swapper.resident_bytes
-    cm.reset_offload_stats()
+    state.offloader.reset_stats()
     scopes = _LayerScopes(layers)
     counter = _RunCounter(layers)
     exclude = weight_storages(model)
@@ -221,7 +236,7 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
         with track_outputs(scope=scopes.current) as tracker:
-            loss = cm(**batch).loss
+            loss = step_loss(model, batch, loss_fn)
         allocator = None
         if on_cuda:
             torch.cuda.synchronize(device)
@@ -271,7 +286,7 @@ def memory_report(cm: CheckpointedModel, batch: dict[str, Any]) -> MemoryReport:
             _weight_bytes(layers[i]),
             counter.runs[i],
             *_fetched_since(swapper, i, before_fetches),
-            _offload_note(cm.offload_stats.get(i)),
+            _offload_note(state.offloader.stats.get(i)),
         )
         for i, plan in enumerate(plans)
     )

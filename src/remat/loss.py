@@ -1,0 +1,74 @@
+"""The loss of one measuring step, and the inputs it runs on.
+
+The memory report and the planner run training steps on a batch the user hands them. Two things
+are settled here, once for both:
+
+- Where the loss comes from: the model's own (`outputs.loss`, which transformers computes when
+  the batch has labels), or `loss_fn(outputs, batch)` for a model whose output has none (a base
+  model with a custom head, BertModel). A batch with neither is refused before any work.
+- That the step touches nothing outside the model: a tensor of the batch that requires grad (a
+  soft prompt passed as `inputs_embeds`) is replaced by a fresh leaf with the same values, so
+  the measuring steps' gradients never reach the user's tensor. The autograd graph the model
+  builds is the same (its input still requires grad).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
+
+
+def label_names(model: nn.Module) -> set[str]:
+    """The batch keys from which the model computes its own loss (transformers' `find_labels`
+    on the transformers model, under a PeftModel if there is one), and "labels"."""
+    from transformers.utils import find_labels
+
+    base = model.get_base_model() if hasattr(type(model), "get_base_model") else model
+    return {"labels", *find_labels(type(base))}
+
+
+def check_loss_source(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None, what: str) -> None:
+    """Refuse, before any work, a batch from which no loss can come."""
+    if loss_fn is not None:
+        if not callable(loss_fn):
+            raise TypeError(
+                f"{what}: loss_fn must be a callable (outputs, batch) -> loss, got {type(loss_fn).__name__}"
+            )
+        return
+    names = label_names(model)
+    if not any(batch.get(name) is not None for name in names):
+        raise ValueError(
+            f"{what} runs training steps and needs a loss: this batch has no labels ({', '.join(sorted(names))}) "
+            "and no loss_fn was given. Add labels to the batch, or pass loss_fn=lambda outputs, batch: ... "
+            "returning a scalar tensor"
+        )
+
+
+def own_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+    """The batch with every tensor that requires grad replaced by a fresh leaf of the same values
+    (sharing its memory), so gradients of the measuring steps stay inside the model."""
+    return {
+        key: value.detach().requires_grad_(True) if isinstance(value, torch.Tensor) and value.requires_grad else value
+        for key, value in batch.items()
+    }
+
+
+def step_loss(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None) -> torch.Tensor:
+    """Forward `model(**batch)` and the loss of it (see the module docstring)."""
+    outputs = model(**batch)
+    if loss_fn is not None:
+        loss = loss_fn(outputs, batch)
+    else:
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        source = "loss_fn" if loss_fn is not None else "the model's output .loss"
+        raise ValueError(
+            f"{source} gave {type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}, "
+            "not a scalar tensor: pass loss_fn=lambda outputs, batch: ... returning the scalar loss"
+        )
+    return loss

@@ -1,0 +1,130 @@
+"""The planner: measure a profile once, then choose maps for any budget without running the model.
+
+    profile = cm.profile(batch)                  # a few training steps, with a progress bar
+    planned = profile.plan("6GiB")               # the fastest map whose held activations fit
+    planned = profile.plan("20GiB", scope="step", tokens=8192)   # (scope="step" needs optimizer=)
+    profile.frontier(); profile.plot()           # every undominated map; a matplotlib Figure
+    planned = cm.plan_for_budget(batch, "6GiB")  # the one-line form: profile, then plan
+
+Three rooms with one job each:
+
+- `measuring`: the training steps (bytes per layer and policy from `remat.report`, the step's
+  peak from torch's `MemTracker`, times against "recompute everywhere"), and putting the model
+  back as it was afterwards (`remat.snapshot`).
+- `chooser`: a pure function of the measurements (no torch, no model): every undominated
+  combination of per-layer policies, the fastest one that fits a budget, the frontier.
+- `profile`: `Profile` (measurements + `plan` / `frontier` / `plot`) and `PlannedConfig`, the
+  `CheckpointConfig` a plan is, which remembers its prediction and prints it.
+
+The planner is handed the wrapper's controller (`remat.controller.Controller`), never the
+wrapper: data flows down from `remat.model`.
+
+What a plan promises: its predicted held activations (`planned.predicted_device_bytes`) match a
+measurement of the planned map within a few percent, and fit the budget; with `scope="step"`,
+the same for the peak of a whole step as `MemTracker` counts it (`predicted_peak_bytes`).
+Time (`predicted_seconds`) is a model of noisy measurements (medians over alternated repeats,
+floors from physics), never negative. For `tokens` other than the profiled batch's, bytes and
+seconds are scaled in proportion to the tokens (see `Measurements.scaled`).
+
+Cost: measuring is 4 memory steps (3 with a "selective"-less candidate set, one more for offload
+on an accelerator) and `repeats` x 3 timed steps on a CPU: about 13 training steps' worth with
+the default `repeats=3` on the benchmark's small preset (see benchmarks/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..arguments import parse_bytes
+from ..loss import LossFn
+from .chooser import SCOPES, LayerChoice, Measurements, Outside, Plan, StepMemory
+from .measuring import Controlled, check_measurable, measure
+from .profile import PlannedConfig, Profile
+
+
+def profile_model(
+    state: Controlled,
+    batch: Mapping[str, Any],
+    *,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    progress: bool = True,
+    repeats: int = 3,
+) -> Profile:
+    """Measure the controller's model on `batch` (see `remat.planner.measuring`) and return the
+    `Profile`. Refuses before any work what cannot be measured."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    batch = dict(batch)
+    check_measurable(state, batch, loss_fn, "profile")
+    config = state.config
+    started = time.perf_counter()
+    measurements, notes = measure(
+        state, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats, progress=progress
+    )
+    return Profile(measurements, config, tuple(notes), time.perf_counter() - started)
+
+
+def plan_for_budget(
+    state: Controlled,
+    batch: Mapping[str, Any],
+    budget: int | str,
+    *,
+    scope: str = "activations",
+    tokens: int | None = None,
+    loss_fn: LossFn | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    progress: bool = True,
+    repeats: int = 3,
+) -> PlannedConfig:
+    """`profile_model(...)` then `profile.plan(budget, scope=scope, tokens=tokens)`. A budget no
+    map can meet (zero or negative), an unknown scope, or `scope="step"` without an optimizer is
+    refused before measuring."""
+    limit = parse_bytes(budget, "budget")
+    if limit <= 0:
+        raise ValueError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    if scope == "step":
+        if optimizer is None:
+            raise ValueError('scope="step" bounds the whole training step, optimizer included: pass optimizer=')
+        weights = _device_weight_bytes(state)
+        if limit < weights:
+            raise ValueError(
+                f"no map fits a step budget of {limit} bytes ({limit / 2**20:.1f} MiB): the weights alone take "
+                f"{weights} bytes ({weights / 2**20:.1f} MiB) on the device"
+            )
+    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
+        raise ValueError(f"tokens must be an int >= 1 (batch x sequence length), got {tokens!r}")
+    found = profile_model(state, batch, loss_fn=loss_fn, optimizer=optimizer, progress=progress, repeats=repeats)
+    return found.plan(limit, scope=scope, tokens=tokens)
+
+
+def _device_weight_bytes(state: Controlled) -> int:
+    """Parameters and buffers resident on the model's device (swapped weights wait on the host)."""
+    device = next(state.model.parameters()).device
+    seen: dict[int, int] = {}
+    for tensor in (*state.model.parameters(), *state.model.buffers()):
+        if tensor.device == device and tensor.numel():
+            storage = tensor.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+__all__ = [
+    "LayerChoice",
+    "Measurements",
+    "Outside",
+    "Plan",
+    "PlannedConfig",
+    "Profile",
+    "StepMemory",
+    "plan_for_budget",
+    "profile_model",
+]

@@ -1,0 +1,276 @@
+"""Choosing a map from measurements: a pure function, tested like `remat.plan` with no model.
+
+What the chooser knows (`Measurements`): per layer, the bytes it holds for backward and the
+seconds it adds under each policy it may take (`remat.policies.LayerProfile`); the bytes held
+outside the layers (embeddings, logits, loss), which depend only on whether any layer is
+checkpointed; what each layer holds when no layer is checkpointed (transformers 4.57 keeps more
+in a "none" layer while another layer is checkpointed, so that map is priced by its own run);
+the step time with nothing recomputed; and, for `scope="step"`, what a whole training step needs
+besides the held activations (`StepMemory`).
+
+How it chooses: a map's bytes and time are sums over layers, with one exact correction: with
+offload, the input of the last checkpointed layer stays on the device (backward needs it
+first). Layer by layer, the chooser keeps every combination that no other beats in both bytes
+and time (`Combination`, with what it may still owe for that correction kept apart), then picks
+the fastest whose bytes fit the budget (of two as fast, the one that holds less serves every
+budget the other does). `frontier` lists every undominated map, ascending in bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from ..policies import LayerProfile, policy
+
+FRONT_LIMIT = 20_000  # combinations kept per layer; far above what identical layers produce
+SCOPES = ("activations", "step")
+
+
+class Outside(NamedTuple):
+    """Bytes held outside the layers (embeddings, logits, loss), by whether any layer is checkpointed."""
+
+    checkpointing: int
+    not_checkpointing: int
+
+    def of(self, checkpointing: bool) -> int:
+        return self.checkpointing if checkpointing else self.not_checkpointing
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """What a whole training step needs besides the held activations, as `MemTracker` counted it
+    (weights, gradients, optimizer state, and what backward and the optimizer need for a moment):
+    `peak - held`, by (the last layer's policy, whether any layer is checkpointed). The peak comes
+    early in backward, at the head and the last layer, so the rest of the map does not change it
+    (measured on Llama and Qwen3: equal to the byte for every map with the same key)."""
+
+    extras: Mapping[tuple[str, bool], int]
+
+    def extra(self, policies: Sequence[str]) -> int | None:
+        """For a map: its key's measurement, else the largest measured (None: nothing measured)."""
+        key = (policies[-1], checkpoints(policies)) if policies else None
+        if key in self.extras:
+            return self.extras[key]
+        return max(self.extras.values(), default=None)
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """Everything the chooser needs, measured on one batch of `tokens` tokens (see the module doc)."""
+
+    layers: tuple[LayerProfile, ...]
+    names: tuple[str, ...]
+    options: tuple[tuple[str, ...], ...]  # the policies each layer may take
+    outside: Outside
+    alone: tuple[tuple[int, int], ...] | None  # per layer, held with nothing checkpointed; None: not offered
+    base_seconds: float  # the step with nothing recomputed
+    tokens: int
+    step: StepMemory | None = None
+
+    def scaled(self, tokens: int | None) -> Measurements:
+        """The same measurements for a batch of `tokens` tokens: activation bytes and seconds in
+        proportion to the tokens (what a layer holds and costs grows with batch x sequence length
+        under SDPA and flash attention; eager attention's scores grow with the square of the
+        sequence length, and are not modelled). Weights, gradients and optimizer state do not scale."""
+        if tokens is None or tokens == self.tokens:
+            return self
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"tokens must be an int >= 1 (batch x sequence length), got {tokens!r}")
+        ratio = tokens / self.tokens
+        grow = lambda b: round(b * ratio)
+        layers = tuple(
+            dataclasses.replace(
+                p,
+                input_bytes=grow(p.input_bytes),
+                held={k: (grow(d), grow(h)) for k, (d, h) in p.held.items()},
+                seconds={k: s * ratio for k, s in p.seconds.items()},
+            )
+            for p in self.layers
+        )
+        alone = None if self.alone is None else tuple((grow(d), grow(h)) for d, h in self.alone)
+        outside = Outside(grow(self.outside.checkpointing), grow(self.outside.not_checkpointing))
+        return dataclasses.replace(
+            self, layers=layers, alone=alone, outside=outside, base_seconds=self.base_seconds * ratio, tokens=tokens
+        )
+
+
+class Combination(NamedTuple):
+    """Policies chosen for the first layers, with their device bytes so far, the bytes still owed
+    if the last checkpointed layer is offloaded and no later layer is checkpointed (that input then
+    stays on the device), and the seconds they add."""
+
+    device_bytes: int
+    owed_bytes: int
+    seconds: float
+    policies: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LayerChoice:
+    """One layer of a chosen map: its policy, and what it is predicted to hold and add."""
+
+    index: int
+    name: str
+    policy: str
+    device_bytes: int
+    host_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A chosen map and its prediction. `device_bytes` is what the scope bounds: held activations
+    (layers and outside them) for "activations", the peak of the whole step for "step"."""
+
+    choices: tuple[LayerChoice, ...]
+    outside_bytes: int
+    activation_bytes: int
+    device_bytes: int
+    seconds: float
+    scope: str
+    peak_bytes: int | None  # the peak of one whole step, when the measurements have it
+
+
+def combinations(m: Measurements) -> list[Combination]:
+    """Every combination that no other beats in bytes and time, layer by layer."""
+    last = len(m.layers) - 1
+    front = [Combination(0, 0, 0.0, ())]
+    for profile, names in zip(m.layers, m.options, strict=True):
+        grown = []
+        for name in names:
+            cost = policy(name).cost(profile)
+            if not policy(name).checkpointed:
+                grown += [
+                    Combination(
+                        c.device_bytes + cost.device_bytes, c.owed_bytes, c.seconds + cost.seconds, (*c.policies, name)
+                    )
+                    for c in front
+                ]
+                continue
+            # A checkpointed layer settles what the previous one owed. An offloaded layer owes its
+            # input, except the last layer, whose measurement already has its input on the device.
+            # (What it owes is what went to the host: an input under offload_min_bytes never left.)
+            owes = min(profile.input_bytes, cost.host_bytes) if name == "offload" and profile.index != last else 0
+            grown += [
+                Combination(c.device_bytes + cost.device_bytes, owes, c.seconds + cost.seconds, (*c.policies, name))
+                for c in front
+            ]
+        # after the last layer, kept per last policy too: the step's peak depends on it
+        front = undominated(grown, by_last_policy=profile.index == last)
+    return front
+
+
+def undominated(found: list[Combination], by_last_policy: bool = False) -> list[Combination]:
+    """Per amount owed (and with `by_last_policy`, per last policy): sorted by bytes, each strictly
+    faster than every one with fewer bytes (of two as fast, the one holding less serves every
+    budget the other does)."""
+    kept: list[Combination] = []
+    key = lambda c: (c.owed_bytes, c.policies[-1] if by_last_policy and c.policies else "")
+    for group_key in sorted({key(c) for c in found}):
+        group: list[Combination] = []
+        for c in sorted((c for c in found if key(c) == group_key), key=lambda c: (c.device_bytes, c.seconds)):
+            if not group or c.seconds < group[-1].seconds:
+                group.append(c)
+        if len(group) > FRONT_LIMIT:  # thin evenly; the ends (least bytes, fastest) always stay
+            step = len(group) / FRONT_LIMIT
+            group = [group[int(i * step)] for i in range(FRONT_LIMIT)] + [group[-1]]
+        kept += group
+    return kept
+
+
+def checkpoints(policies: Sequence[str]) -> bool:
+    return any(policy(name).checkpointed for name in policies)
+
+
+def activation_bytes(m: Measurements, c: Combination) -> float:
+    """A combination's held device bytes: layers, what it owes, and outside the layers (inf when
+    it checkpoints nothing and that map was not offered)."""
+    if not checkpoints(c.policies):  # priced by the run with nothing checkpointed, if it was offered
+        if m.alone is None or len(m.alone) != len(c.policies):
+            return float("inf")
+        return m.outside.not_checkpointing + sum(d for d, _ in m.alone)
+    return c.device_bytes + c.owed_bytes + m.outside.checkpointing
+
+
+def scoped_bytes(m: Measurements, c: Combination, scope: str) -> float:
+    """What `scope` bounds for a combination: held activations, or the peak of the whole step."""
+    held = activation_bytes(m, c)
+    if scope == "activations":
+        return held
+    extra = m.step.extra(c.policies) if m.step is not None else None
+    return float("inf") if extra is None else held + extra
+
+
+def check_scope(m: Measurements, scope: str) -> None:
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    if scope == "step" and m.step is None:
+        raise ValueError('scope="step" needs the peak of a whole step, which this profile did not measure')
+
+
+def choose(m: Measurements, budget: int, scope: str = "activations") -> Plan | None:
+    """The fastest map whose `scope` bytes fit `budget`; None when nothing fits."""
+    check_scope(m, scope)
+    fitting = [c for c in combinations(m) if scoped_bytes(m, c, scope) <= budget]
+    if not fitting:
+        return None
+    return _plan(m, min(fitting, key=lambda c: (c.seconds, c.device_bytes + c.owed_bytes)), scope)
+
+
+def smallest(m: Measurements, scope: str = "activations") -> float:
+    """The fewest `scope` bytes any map holds."""
+    check_scope(m, scope)
+    return min(scoped_bytes(m, c, scope) for c in combinations(m))
+
+
+def frontier(m: Measurements, scope: str = "activations") -> list[Plan]:
+    """Every undominated map: ascending in predicted bytes, each strictly faster than the one before."""
+    check_scope(m, scope)
+    ranked = sorted(
+        ((scoped_bytes(m, c, scope), c) for c in combinations(m)),
+        key=lambda pair: (pair[0], pair[1].seconds),
+    )
+    kept: list[Combination] = []
+    best = float("inf")
+    for nbytes, c in ranked:
+        if nbytes != float("inf") and c.seconds < best:
+            kept.append(c)
+            best = c.seconds
+    return [_plan(m, c, scope) for c in kept]
+
+
+def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
+    choices = _layer_choices(m, c.policies)
+    checkpointing = checkpoints(c.policies)
+    if not checkpointing:
+        assert m.alone is not None  # a combination without checkpointing fits only when offered
+        choices = [
+            dataclasses.replace(x, device_bytes=m.alone[x.index][0], host_bytes=m.alone[x.index][1]) for x in choices
+        ]
+    outside = m.outside.of(checkpointing)
+    held = outside + sum(x.device_bytes for x in choices)
+    extra = m.step.extra(c.policies) if m.step is not None else None
+    peak = None if extra is None else int(held + extra)
+    seconds = max(0.0, m.base_seconds + sum(x.seconds for x in choices))  # never negative, whatever the noise
+    return Plan(tuple(choices), outside, int(held), int(scoped_bytes(m, c, scope)), seconds, scope, peak)
+
+
+def _layer_choices(m: Measurements, chosen: Sequence[str]) -> list[LayerChoice]:
+    out = []
+    for profile, name in zip(m.layers, chosen, strict=True):
+        cost = policy(name).cost(profile)
+        out.append(
+            LayerChoice(profile.index, m.names[profile.index], name, cost.device_bytes, cost.host_bytes, cost.seconds)
+        )
+    checkpointed = [x for x in out if policy(x.policy).checkpointed]
+    if checkpointed and checkpointed[-1].policy == "offload" and checkpointed[-1].index != len(out) - 1:
+        # The last checkpointed layer's input stays on the device (measured so on the last layer only).
+        last = checkpointed[-1]
+        moved = min(m.layers[last.index].input_bytes, last.host_bytes)
+        out[last.index] = dataclasses.replace(
+            last, device_bytes=last.device_bytes + moved, host_bytes=last.host_bytes - moved
+        )
+    return out

@@ -1,0 +1,166 @@
+"""`Profile`: what `cm.profile(batch)` measured, and the plans chosen from it without running
+the model; `PlannedConfig`: a plan as a `CheckpointConfig` that remembers its prediction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..arguments import parse_bytes
+from ..config import CheckpointConfig
+from ..display import render_table
+from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, scoped_bytes, smallest
+
+_MIB = 2**20
+
+
+class PlannedConfig(CheckpointConfig):
+    """What `profile.plan` and `plan_for_budget` return: a `CheckpointConfig` (equal to, saved
+    and loaded like, the plain config with the same fields) that also remembers its prediction;
+    `str()` shows it."""
+
+    choices: tuple[LayerChoice, ...]
+    outside_bytes: int
+    budget: int
+    scope: str
+    tokens: int
+    predicted_seconds: float
+    predicted_peak_bytes: int | None  # the peak of one whole step, when the profile measured it
+    notes: tuple[str, ...]
+
+    @classmethod
+    def of(cls, config: CheckpointConfig, **prediction: Any) -> PlannedConfig:
+        planned = cls(**{name: getattr(config, name) for name in config.to_dict()})
+        for key, value in prediction.items():
+            object.__setattr__(planned, key, value)
+        return planned
+
+    @property
+    def predicted_device_bytes(self) -> int:
+        """Activations held for backward on the device, in the layers and outside them."""
+        return self.outside_bytes + sum(c.device_bytes for c in self.choices)
+
+    @property
+    def predicted_host_bytes(self) -> int:
+        return sum(c.host_bytes for c in self.choices)
+
+    def __str__(self) -> str:
+        mib = lambda b: f"{b / _MIB:.2f}"
+        rows = [
+            (str(c.index), c.name, c.policy, mib(c.device_bytes), mib(c.host_bytes), f"{c.seconds * 1e3:+.1f}")
+            for c in self.choices
+        ]
+        rows.append(("", "outside layers", "", mib(self.outside_bytes), "0.00", ""))
+        totals = (mib(self.predicted_device_bytes), mib(self.predicted_host_bytes))
+        rows.append(("", "total (predicted)", "", *totals, f"{self.predicted_seconds * 1e3:.1f} per step"))
+        header = ("index", "name", "policy", "held MiB (device)", "held MiB (host)", "step ms")
+        what = "held activations on the device" if self.scope == "activations" else "peak of a whole training step"
+        lines = [render_table(header, rows), f"budget {mib(self.budget)} MiB of {what}, for {self.tokens} tokens"]
+        if self.predicted_peak_bytes is not None:
+            lines.append(f"predicted peak of a whole step: {mib(self.predicted_peak_bytes)} MiB")
+        return "\n".join([*lines, *self.notes])
+
+
+class Profile:
+    """What one `cm.profile(batch)` measured: plans for any budget are chosen from it at once,
+    without running the model.
+
+    Attributes:
+        measurements: the per-layer bytes and seconds per policy (`remat.planner.chooser`).
+        config: the config the profile was taken under (the base of every plan).
+        notes: what the measuring could not do, or did differently (shown with each plan).
+        profiling_seconds: how long the measuring took.
+    """
+
+    def __init__(
+        self, measurements: Measurements, config: CheckpointConfig, notes: tuple[str, ...], profiling_seconds: float
+    ):
+        self.measurements = measurements
+        self.config = config
+        self.notes = notes
+        self.profiling_seconds = profiling_seconds
+
+    @property
+    def tokens(self) -> int:
+        """Batch x sequence length of the profiled batch."""
+        return self.measurements.tokens
+
+    def plan(self, budget: int | str, *, scope: str = "activations", tokens: int | None = None) -> PlannedConfig:
+        """The fastest map whose bytes fit `budget` (bytes, or a size like "6GiB"): held
+        activations for `scope="activations"`, the peak of one whole training step for
+        `scope="step"`; for a batch of `tokens` tokens (default: the profiled batch's). Runs
+        nothing. Raises ValueError naming the smallest budget that fits when none does."""
+        limit = parse_bytes(budget, "budget")
+        if limit <= 0:
+            raise ValueError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
+        m = self.measurements.scaled(tokens)
+        check_scope(m, scope)
+        chosen = choose(m, limit, scope)
+        if chosen is None:
+            least = smallest(m, scope)
+            what = "outside the layers (embeddings, logits, loss)"
+            fixed = m.outside.checkpointing
+            if scope == "step" and m.step is not None:
+                what = "outside the layers and for weights, gradients, optimizer state and backward's temporaries"
+                fixed += min(m.step.extras.values())
+            raise ValueError(
+                f"no map fits a budget of {limit} bytes ({limit / _MIB:.1f} MiB) for this model and batch: the "
+                f"smallest is {int(least)} bytes ({least / _MIB:.1f} MiB), about {fixed / _MIB:.1f} MiB of it "
+                f"{what}, which no checkpointing policy changes"
+            )
+        return self._config(chosen, limit, m.tokens)
+
+    def frontier(self, *, scope: str = "activations", tokens: int | None = None) -> list[PlannedConfig]:
+        """Every undominated plan: ascending in predicted bytes (of `scope`), each predicted faster
+        than the one before. Each is a `PlannedConfig` whose budget is its own predicted bytes."""
+        m = self.measurements.scaled(tokens)
+        return [self._config(p, p.device_bytes, m.tokens) for p in frontier(m, scope)]
+
+    def plot(self, *, scope: str = "activations", tokens: int | None = None, native: bool = True) -> Any:
+        """A matplotlib Figure of the frontier: predicted step time against predicted bytes, with
+        transformers' native options (`every_n_layers` 1..4, and no checkpointing) marked where
+        this profile can price them (`native=False` leaves them out)."""
+        from .plot import frontier_figure
+
+        m = self.measurements.scaled(tokens)
+        points = [(p.device_bytes, p.seconds) for p in frontier(m, scope)]
+        marks = _native_points(m, scope) if native else {}
+        return frontier_figure(points, marks, scope=scope, tokens=m.tokens)
+
+    def _config(self, chosen: Plan, budget: int, tokens: int) -> PlannedConfig:
+        planned = self.config.replace(layer_policies={c.index: c.policy for c in chosen.choices}, offload=False)
+        return PlannedConfig.of(
+            planned,
+            choices=chosen.choices,
+            outside_bytes=chosen.outside_bytes,
+            budget=budget,
+            scope=chosen.scope,
+            tokens=tokens,
+            predicted_seconds=chosen.seconds,
+            predicted_peak_bytes=chosen.peak_bytes,
+            notes=self.notes,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Profile({len(self.measurements.layers)} layers, {self.tokens} tokens, "
+            f"step {'measured' if self.measurements.step else 'not measured'}, {self.profiling_seconds:.1f} s)"
+        )
+
+
+def _native_points(m: Measurements, scope: str) -> dict[str, tuple[float, float]]:
+    """transformers' own options, priced from the profile: every n-th layer recomputed, or none."""
+    from .chooser import Combination, _layer_choices, checkpoints
+
+    n = len(m.layers)
+    out: dict[str, tuple[float, float]] = {}
+    maps = {f"every_n_layers={k}": ["recompute" if i % k == 0 else "none" for i in range(n)] for k in (1, 2, 3, 4)}
+    maps["no checkpointing"] = ["none"] * n
+    for label, policies in maps.items():
+        if any(p not in opts for p, opts in zip(policies, m.options, strict=True)):
+            continue  # a swapped layer cannot be "none"
+        choices = _layer_choices(m, policies)
+        c = Combination(sum(x.device_bytes for x in choices), 0, sum(x.seconds for x in choices), tuple(policies))
+        nbytes = scoped_bytes(m, c, scope)
+        if nbytes != float("inf") and (checkpoints(policies) or label == "no checkpointing"):
+            out[label] = (nbytes, max(0.0, m.base_seconds + c.seconds))
+    return out
