@@ -24,7 +24,6 @@ from typing import Any
 from torch import nn
 
 from .config import CheckpointConfig
-from .saving.folder import recover
 from .saving.overrides import SaveLoadOverrides
 from .saving.pair_format import Expected, PairOwner, architecture_of, expected_for, read_model_pair, save_model_pair
 from .saving.peft_loading import check_loadable_into, load_adapters
@@ -106,8 +105,3 @@ def apply_saved_config(owner: Any, folder: str, cause: str) -> CheckpointConfig:
         config = loaded.saved.config
     owner.adopt_saved_config(config, f"{cause} from {folder}")
     return config
-
-
-def recover_folder(folder: str | os.PathLike) -> None:
-    """Finish or drop what crashed saves left in `folder` (see `remat.saving.folder`)."""
-    recover(folder)

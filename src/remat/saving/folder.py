@@ -76,6 +76,9 @@ _OURS = (_MANIFEST, _STAGING_LOCK, FOLDER_LOCK)
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _READ_ATTEMPTS = 50  # unlocked loads only: how often a load reads again after a commit came in between
+_UNLOCKED_STALE_SECONDS = 600.0
+"""Without native locks a live writer cannot be told from a crashed one: recovery then drops
+only staging folders of other processes that nothing has touched for this long."""
 
 
 class FolderChanged(ValueError):
@@ -231,6 +234,7 @@ def _folder_lock(folder: str) -> Iterator[_Lock]:
 # -- saving --------------------------------------------------------------------------------------
 
 _writing = threading.local()
+_live: set[str] = set()  # this process's staging folders, from creation to commit
 
 
 def is_staging(path: str | os.PathLike) -> bool:
@@ -255,6 +259,7 @@ def save_pair(
     target = os.path.abspath(os.fspath(target))
     os.makedirs(target, exist_ok=True)
     staging, staging_lock = _new_staging(target)
+    _live.add(staging)
     try:
         committing = False
         try:
@@ -284,6 +289,7 @@ def save_pair(
                 shutil.rmtree(staging, ignore_errors=True)
             raise
     finally:
+        _live.discard(staging)
         staging_lock.release()
     return files
 
@@ -356,6 +362,8 @@ def _recover(target: str) -> None:
         staging = os.path.join(target, name)
         if not name.startswith(STAGING_PREFIX) or os.path.islink(staging) or not os.path.isdir(staging):
             continue  # not a staging folder remat made (a link is left alone, never followed)
+        if staging in _live:
+            continue  # this process is writing it
         try:
             lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=False, remove=False)
         except _NotOurs:
@@ -366,6 +374,8 @@ def _recover(target: str) -> None:
             continue  # it cannot be locked from here (another account's): leave it
         if lock is None:
             continue  # its writer is alive
+        if not lock.held and time.time() - os.lstat(staging).st_mtime < _UNLOCKED_STALE_SECONDS:
+            continue  # no native locks: it may be a live writer's
         try:
             entries = _read_manifest(staging, target)
             remaining = [e for e in entries or () if os.path.lexists(os.path.join(staging, e["path"]))]
