@@ -1,10 +1,11 @@
-"""cm.memory_report(batch): figures checked against hand-computed byte counts."""
+"""cm.memory_report(batch): figures checked against hand-computed byte counts and against a
+count that shares no code with remat (`independent_memory.held_bytes`)."""
 
 import pytest
 from conftest import assert_same_grads, batch, step_grads, tiny_model
+from independent_memory import held_bytes
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.measure import measure_step
 
 B, S, H = 2, 16, 32
 LAYER_INPUT = B * S * H * 4  # batch x seq x hidden x 4 bytes (fp32)
@@ -37,8 +38,19 @@ def test_every_second_layer_and_the_total_match_the_independent_measurement():
     assert layers[0].device_bytes == layers[2].device_bytes == LAYER_INPUT
     assert layers[1].device_bytes == layers[3].device_bytes > 10 * LAYER_INPUT
     assert [layer.policy for layer in layers] == ["recompute", "none", "recompute", "none"]
-    independent = measure_step(cm, batch(size=B, seq=S)).activation_bytes
-    assert report.total_bytes == independent
+    assert report.total_bytes == held_bytes(cm, batch(size=B, seq=S))
+
+
+@pytest.mark.parametrize("policies", ["RNSR", "SSSS", "NNNN"])
+def test_the_total_matches_an_independent_count_for_every_policy(policies):
+    names = {"R": "recompute", "N": "none", "S": "selective"}
+    model = tiny_model(attention_dropout=0.0)
+    config = CheckpointConfig(layer_policies={i: names[c] for i, c in enumerate(policies)})
+    cm = CheckpointedModel(model, config)
+    data = batch(size=B, seq=S)
+    report = cm.memory_report(data)
+    cm.zero_grad(set_to_none=True)
+    assert report.device_bytes == held_bytes(cm, data)
 
 
 def test_one_more_checkpointed_layer_adds_one_layer_input_to_the_total():
