@@ -11,8 +11,8 @@ from conftest import RecomputeCounter, add_lora, assert_same_grads, batch, decod
 
 from remat import CheckpointConfig, CheckpointedModel
 from remat.model import controller_of
-from remat.offload import SimulatedTransport
-from remat.swap import CpuWeightMover
+from remat.testing import SimulatedTransport
+from remat.transport import CpuTransport
 
 SWAP = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], offload=True, offload_min_bytes=0)
 
@@ -129,7 +129,7 @@ def test_a_layer_whose_weights_a_pending_backward_holds_cannot_join_the_swap(for
     assert_same_grads(_reference_grads(), step_grads(cm, _trainable(model), batch())[1])
 
 
-class CountingMover(CpuWeightMover):
+class CountingMover(CpuTransport):
     def __init__(self):
         super().__init__()
         self.copied = 0

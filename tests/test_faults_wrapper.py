@@ -24,7 +24,8 @@ from test_remote_code import blocks, load_remote
 
 from remat import CheckpointConfig, CheckpointedModel
 from remat.model import controller_of
-from remat.offload import HostPool, SimulatedTransport
+from remat.testing import SimulatedTransport
+from remat.transport import HostPool
 
 
 def _trainable(model):
@@ -189,7 +190,7 @@ def test_a_buffer_returned_by_a_gc_pass_inside_the_pool_does_not_deadlock():
     worker.start()
     worker.join(timeout=10)
     assert not worker.is_alive(), "release() waited for a lock its own thread holds"
-    assert pool.pooled_buffers == 1 and pool.acquire(1024) is buffer
+    assert len(pool.pooled()) == 1 and pool.acquire(1024) is buffer
 
 
 # -- modes ---------------------------------------------------------------------------------------

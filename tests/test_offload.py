@@ -1,7 +1,7 @@
 """The "offload" policy: exact, only the checkpoint inputs move, keep-last and the floor decided
 while forward runs, pooled host buffers, fallbacks, and abandoned steps.
 
-The ordering and bookkeeping run through `SimulatedTransport`, which plays a device/host pair on
+The ordering and bookkeeping run through `remat.testing.SimulatedTransport`, which plays a device/host pair on
 the CPU with real (so exact) copies and logs every copy in order. CUDA tests at the end run the
 real streams and pinned memory where a GPU exists.
 """
@@ -22,7 +22,9 @@ from conftest import (
 
 from remat import CheckpointConfig, CheckpointedModel
 from remat.model import controller_of
-from remat.offload import KEPT_LAST, KEPT_ON_CPU, KEPT_SMALL, Offloader, SimulatedTransport
+from remat.offload import KEPT_LAST, KEPT_ON_CPU, KEPT_SMALL, Offloader
+from remat.testing import SimulatedTransport
+from remat.transport import default_host_budget
 
 LAYER_INPUT = 2 * 12 * 32 * 4  # batch x seq x hidden x fp32, the conftest defaults
 
@@ -134,29 +136,33 @@ def test_host_buffers_are_allocated_once_and_reused_every_step():
         step_grads(cm, named, batch())
     assert transport.allocations == 3
     pool = controller_of(cm).offloader.pools[0]
-    assert pool.pooled_buffers == 3 and pool.allocated_bytes == 3 * 2**20  # whole MiB each
+    assert len(pool.pooled()) == 3 and pool.allocated_bytes == 3 * 2**20  # whole MiB each
 
 
-def test_pinned_buffers_are_freed_when_nothing_offloads_any_more(caplog):
+def test_host_buffers_go_back_to_the_transport_when_nothing_offloads_any_more(caplog):
+    """Checked through the transport that allocated them (`live_buffers()` counts the buffers it
+    gave out that are still referenced anywhere), not through the pool's own counters; real
+    pinned memory is checked by the CUDA test below."""
     transport = SimulatedTransport()
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
     step_grads(cm, named, batch())
     pool = controller_of(cm).offloader.pools[0]
     cm.model.gradient_checkpointing_disable()  # a toggle (generation): the pool stays for its return
     cm.model.gradient_checkpointing_enable()
-    assert pool.pooled_buffers == 3 and pool.allocated_bytes == 3 * 2**20
+    assert transport.live_buffers() == 3 and pool.allocated_bytes == 3 * 2**20
     with caplog.at_level(logging.INFO, logger="remat"):
         cm.disable()
-    assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0 and transport.cache_emptied == 1
+    assert transport.live_buffers() == 0 and pool.allocated_bytes == 0
+    assert transport.live_when_emptied == [0], "the host cache is emptied once, after the last buffer died"
     assert "released 3.0 MiB of pinned host memory" in caplog.text
     cm.enable()
     _, got = step_grads(cm, named, batch())  # refilled on demand, and exact
-    assert transport.allocations == 6 and pool.allocated_bytes == 3 * 2**20
+    assert transport.allocations == 6 and transport.live_buffers() == 3 and pool.allocated_bytes == 3 * 2**20
     reference = tiny_model()
     _, expected = step_grads(reference, list(reference.named_parameters()), batch())
     assert_same_grads(expected, got)
     cm.enable(CheckpointConfig())  # still checkpointing, but nothing offloads
-    assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0
+    assert transport.live_buffers() == 0 and pool.allocated_bytes == 0 and transport.live_when_emptied == [0, 0]
 
 
 def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done():
@@ -172,7 +178,8 @@ def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done()
     loss.backward()
     assert_same_grads(expected, {n: p.grad for n, p in named})
     del loss
-    assert pool.pooled_buffers == 0 and pool.allocated_bytes == 0 and transport.cache_emptied == 1  # once, at the last
+    assert len(pool.pooled()) == 0 and pool.allocated_bytes == 0 and transport.cache_emptied == 1  # once, at the last
+    assert transport.live_buffers() == 0 and transport.live_when_emptied == [0]
 
 
 def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):
@@ -211,8 +218,6 @@ def test_buffers_are_reused_across_varying_sequence_lengths():
 
 
 def test_the_default_host_budget_is_shared_by_the_ranks_of_one_host(monkeypatch):
-    from remat.offload import default_host_budget
-
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     alone = default_host_budget()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
@@ -229,13 +234,13 @@ def test_a_forward_without_backward_returns_its_buffers():
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
     loss = cm(**batch()).loss
     pool = controller_of(cm).offloader.pools[0]
-    assert pool.pooled_buffers == 0 and controller_of(cm).offloader.live_host_bytes() == {
+    assert len(pool.pooled()) == 0 and controller_of(cm).offloader.live_host_bytes() == {
         0: LAYER_INPUT,
         1: LAYER_INPUT,
         2: LAYER_INPUT,
     }
     del loss
-    assert pool.pooled_buffers == 3 and controller_of(cm).offloader.live_host_bytes() == {}
+    assert len(pool.pooled()) == 3 and controller_of(cm).offloader.live_host_bytes() == {}
     _, got = step_grads(cm, named, batch())  # the next step is unaffected
     ref_model = tiny_model()
     _, ref = step_grads(ref_model, list(ref_model.named_parameters()), batch())
@@ -258,7 +263,9 @@ def test_an_exception_in_forward_returns_its_buffers():
     import gc
 
     gc.collect()
-    assert controller_of(cm).offloader.pools[0].pooled_buffers == 3 and controller_of(cm).offloader.live_host_bytes() == {}
+    assert (
+        len(controller_of(cm).offloader.pools[0].pooled()) == 3 and controller_of(cm).offloader.live_host_bytes() == {}
+    )
 
 
 def test_native_offload_request_becomes_this_policy_and_moves_each_input_once():
@@ -269,6 +276,43 @@ def test_native_offload_request_becomes_this_policy_and_moves_each_input_once():
     step_grads(cm, named, batch())
     assert [op for op, _ in transport.log].count("to_host") == 3
     assert sorted(transport.log) == sorted({*transport.log})  # no input copied twice
+
+
+class RecordingTransport(SimulatedTransport):
+    """Keeps what crossed: the tensors sent to the host and the device tensors given back."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent, self.returned = {}, {}
+
+    def to_host(self, src, dst, layer):
+        self.sent[layer] = src  # the device tensor itself, to compare with what the layer received
+        return super().to_host(src, dst, layer)
+
+    def to_device(self, src, meta, layer):
+        tensor, event = super().to_device(src, meta, layer)
+        self.returned[layer] = tensor
+        return tensor, event
+
+
+def test_offloaded_inputs_are_the_layers_inputs_and_recomputes_run_on_what_the_transport_returned():
+    """Seen from the layers (hooks on their first norm, independent of remat): in forward, the
+    tensor each offloaded layer received is the one sent to the host; in backward, its recompute
+    runs on the tensor the transport brought back, with the same values. Without offload,
+    nothing crosses and the recomputes read the forward's own tensors."""
+    transport = RecordingTransport()
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    seen = {i: [] for i in range(4)}
+    for i, layer in enumerate(decoder_layers(model)):
+        layer.input_layernorm.register_forward_pre_hook(lambda m, args, i=i: seen[i].append(args[0]))
+    step_grads(cm, named, batch())
+    assert sorted(transport.sent) == sorted(transport.returned) == [0, 1, 2]
+    for layer in (0, 1, 2):
+        forward_input, recompute_input = seen[layer]
+        assert forward_input.data_ptr() == transport.sent[layer].data_ptr()
+        assert recompute_input.data_ptr() == transport.returned[layer].data_ptr() != forward_input.data_ptr()
+        assert torch.equal(recompute_input, forward_input)
+    assert seen[3][0].data_ptr() == seen[3][1].data_ptr(), "keep-last: layer 3 recomputes from the device copy"
 
 
 def test_on_a_cpu_model_offload_is_exact_and_reports_that_it_saved_nothing():

@@ -11,7 +11,7 @@ from conftest import RecomputeCounter, assert_same_grads, batch, hook_snapshot, 
 from test_discovery import tiny_llava
 
 from remat import CheckpointConfig, CheckpointedModel, NoCheckpointableLayersError
-from remat.offload import SimulatedTransport
+from remat.testing import SimulatedTransport
 
 SOURCE = Path(__file__).parent / "remote_code" / "modeling_remote.py"
 

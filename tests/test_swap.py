@@ -1,5 +1,8 @@
 """Block swap: frozen weights in host memory between uses, exact, bounded by the slot pool."""
 
+import collections
+import weakref
+
 import pytest
 import torch
 from conftest import (
@@ -15,8 +18,8 @@ from conftest import (
 
 from remat import CheckpointConfig, CheckpointedModel
 from remat.model import controller_of
-from remat.offload import SimulatedTransport
 from remat.swap import BlockSwapError
+from remat.testing import SimulatedTransport
 
 
 def _lora_model(**kwargs):
@@ -195,11 +198,69 @@ def test_swapping_trainable_base_weights_is_refused_before_anything_moves():
     assert cm.config == CheckpointConfig() and [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
 
 
-def test_sharded_parameters_are_refused():
-    model, _ = _lora_model()
-    next(p for p in decoder_layers(model)[1].parameters() if not p.requires_grad).ds_id = 7  # what DeepSpeed sets
-    with pytest.raises(BlockSwapError, match="DeepSpeed or FSDP"):
-        CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))
+@pytest.mark.parametrize("how", ["torch.compile(cm.model)", "cm.model.compile()"])
+def test_torch_compile_with_block_swap_is_refused_at_the_first_call_naming_block_swap(how):
+    """Refused while torch.compile traces the first swapped layer, before anything ran: a
+    compiled graph takes the parameters as inputs and cannot follow block swap changing them.
+    The same wrapper, uncompiled, then trains exactly."""
+    model, named = _lora_model(attention_dropout=0.0)
+    reference, _ = _lora_model(attention_dropout=0.0)
+    _, expected = step_grads(reference, [(n, p) for n, p in reference.named_parameters() if p.requires_grad], batch())
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[0]))
+    if how == "cm.model.compile()":
+        cm.model.compile()
+        compiled = cm.model
+    else:
+        compiled = torch.compile(cm.model)
+    try:
+        with pytest.raises(RuntimeError, match=r"block swap cannot run under torch.compile: layer 0 .*Nothing ran"):
+            compiled(**batch())
+        swapper = controller_of(cm).swapper
+        assert swapper.resident_bytes == 0 and all(e.stats.fetches == 0 for e in swapper.layers.values())
+    finally:
+        model.__dict__.pop("_compiled_call_impl", None)  # cm.model.compile() is undone here, by hand
+        torch._dynamo.reset()
+    assert_same_grads(expected, step_grads(cm, named, batch())[1])
+
+
+def _container_sizes(root, path="", seen=None, out=None, kinds=None):
+    """len() of every list, dict, set and deque reachable from `root` through remat's own objects
+    (not into tensors, modules or test doubles), keyed by path; `kinds` collects the types visited."""
+    seen = set() if seen is None else seen
+    out = {} if out is None else out
+    if id(root) in seen or isinstance(root, (torch.Tensor, torch.nn.Module)):
+        return out
+    seen.add(id(root))
+    if kinds is not None:
+        kinds.add(type(root).__name__)
+    if isinstance(root, (list, tuple, set, frozenset, collections.deque)):
+        out[path] = len(root)
+        for i, value in enumerate(list(root)):
+            _container_sizes(value, f"{path}[{i}]", seen, out, kinds)
+    elif isinstance(root, (dict, weakref.WeakValueDictionary)):
+        out[path] = len(root)
+        for key, value in list(root.items()):
+            _container_sizes(value, f"{path}[{key!r}]", seen, out, kinds)
+    elif type(root).__module__.startswith("remat.") and type(root).__module__ != "remat.testing":
+        for name, value in getattr(root, "__dict__", {}).items():
+            _container_sizes(value, f"{path}.{name}", seen, out, kinds)
+    return out
+
+
+def test_nothing_in_the_swapper_the_offloader_or_their_transports_grows_with_the_steps():
+    model, named = _lora_model()
+    config = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], offload=True, offload_min_bytes=0)
+    cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
+    controller = controller_of(cm)
+    roots = {"swapper": controller.swapper, "offloader": controller.offloader}
+    for _ in range(2):
+        step_grads(cm, named, batch())
+    kinds = set()
+    before = _container_sizes(roots, kinds=kinds)
+    assert {"CpuTransport", "SlotPool", "Schedule", "HostPool", "SwappedLayer"} <= kinds, "the walk reaches them all"
+    for seed in range(6):
+        step_grads(cm, named, batch(seed=seed))
+    assert _container_sizes(roots) == before
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

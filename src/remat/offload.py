@@ -26,21 +26,25 @@ Rules, each for a reason:
 - On a model that runs on the CPU there is no device memory to free: inputs stay where they are
   and the counters say why.
 
-The device/host pair is behind `Transport`: `CudaTransport` uses a side stream, events and
-pinned memory; `SimulatedTransport` plays a device and a host on the CPU so the ordering, pool,
+Bytes cross through the device's transport (`remat.transport`, shared with block swap): a
+side stream, events and pinned memory on CUDA. What stays here is offload's own bookkeeping:
+which input moves, when, the per-layer counters, and the pool of host buffers it borrows.
+`remat.testing.SimulatedTransport` plays a device and a host on the CPU, so the ordering, pool,
 fallback and abandonment logic run in CI without a GPU.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
-from collections import defaultdict, deque
+from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+
+from .transport import Event, HostPool, OffloadTransport, TensorMeta, default_host_budget, transport_for
+from .transport import Transport as Transport  # where model.py has always imported it from
 
 logger = logging.getLogger("remat")
 
@@ -48,273 +52,6 @@ KEPT_SMALL = "smaller than offload_min_bytes"
 KEPT_LAST = "last checkpointed layer of forward (backward needs it first)"
 KEPT_ON_CPU = "the model runs on the CPU: nothing to offload"
 KEPT_SHARED = "not the layer's first input (masks and other inputs shared by layers stay)"
-
-
-class Event(Protocol):
-    def wait(self) -> None:
-        """Make the compute stream wait for the work this event marks."""
-
-    def synchronize(self) -> None:
-        """Block the host until that work is done."""
-
-
-class Transport(Protocol):
-    """A device/host pair: where buffers come from and how bytes cross."""
-
-    def handles(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` lives on this transport's device (only those are offloaded)."""
-
-    def allocate_host(self, nbytes: int) -> torch.Tensor: ...
-
-    def return_freed_host_memory(self) -> None:
-        """Give host buffers this transport allocated and nobody references back to the system."""
-
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
-        """Start copying `src` (on the device) into the host buffer `dst`."""
-
-    def to_device(self, src: torch.Tensor, meta: TensorMeta, layer: int) -> tuple[torch.Tensor, Event]:
-        """Start copying the host buffer `src` back into a new device tensor shaped by `meta`."""
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    shape: torch.Size
-    dtype: torch.dtype
-    device: torch.device
-    nbytes: int
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().view(-1).view(torch.uint8)
-
-
-def _from_bytes(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
-    return buffer[: meta.nbytes].view(meta.dtype).view(meta.shape)
-
-
-class DoneEvent:
-    def wait(self) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class CudaTransport:
-    """Copies on a side stream into pinned host memory; the compute stream waits on events only
-    where it reads what a copy wrote."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        self._said_cache_stays = False
-
-    def __reduce__(self) -> Any:  # a copy gets a stream of its own
-        return (type(self), (self.device,))
-
-    def handles(self, tensor: torch.Tensor) -> bool:
-        return tensor.device == self.device
-
-    def allocate_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def return_freed_host_memory(self) -> None:
-        # Pinned tensors come from torch's caching host allocator: dropping them only returns
-        # the blocks to its cache. Emptying it frees every unused cached pinned block of the
-        # process (blocks in use, ours or anyone's, are untouched).
-        empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
-        if empty_host_cache is not None:
-            empty_host_cache()
-        elif not self._said_cache_stays:  # pragma: no cover - older torch
-            self._said_cache_stays = True
-            logger.warning(
-                "offload: torch %s cannot empty its pinned-memory cache; freed buffers stay pinned "
-                "until the process ends",
-                torch.__version__,
-            )
-
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)  # the input must be fully written before it is read
-        with torch.cuda.stream(self.stream):
-            dst[: src.nbytes].copy_(_as_bytes(src), non_blocking=dst.is_pinned())
-            src.record_stream(self.stream)  # its memory is not reused until the copy is done
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return CudaEvent(event, self.device)
-
-    def to_device(self, src: torch.Tensor, meta: TensorMeta, layer: int) -> tuple[torch.Tensor, Event]:
-        with torch.cuda.stream(self.stream):
-            out = torch.empty(meta.nbytes, dtype=torch.uint8, device=meta.device)
-            out.copy_(src[: meta.nbytes], non_blocking=src.is_pinned())
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        out.record_stream(torch.cuda.current_stream(self.device))
-        return _from_bytes(out, meta), CudaEvent(event, self.device)
-
-
-class CudaEvent:
-    def __init__(self, event: Any, device: torch.device):
-        self.event = event
-        self.device = device
-
-    def wait(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
-
-
-class SimulatedTransport:
-    """A device/host pair played on the CPU, for tests: copies are real (and so exact), every
-    operation is logged in order, and pinning can be made to fail."""
-
-    def __init__(self, *, pin_fails: bool = False):
-        self.pin_fails = pin_fails
-        self.log: list[tuple[str, int]] = []  # ("to_host" | "to_device", layer index), in order
-        self.allocations = 0
-        self.cache_emptied = 0
-
-    def handles(self, tensor: torch.Tensor) -> bool:
-        return True
-
-    def allocate_host(self, nbytes: int) -> torch.Tensor:
-        if self.pin_fails:
-            raise RuntimeError("simulated: cannot pin host memory")
-        self.allocations += 1
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def return_freed_host_memory(self) -> None:
-        self.cache_emptied += 1
-
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
-        dst[: src.nbytes].copy_(_as_bytes(src))
-        self.log.append(("to_host", layer))
-        return DoneEvent()
-
-    def to_device(self, src: torch.Tensor, meta: TensorMeta, layer: int) -> tuple[torch.Tensor, Event]:
-        self.log.append(("to_device", layer))
-        return _from_bytes(src.clone(), meta), DoneEvent()
-
-
-_BUCKET = 1 << 20
-
-
-class HostPool:
-    """Host buffers, allocated once and reused. Pinned when the transport can pin; if pinning
-    fails or `max_bytes` would be exceeded, pageable buffers, with one warning.
-
-    A request takes the smallest free buffer that holds it and is at most twice its size, and
-    new buffers are rounded up to whole MiB, so sequence lengths that vary from batch to batch
-    (dynamic padding) reuse buffers instead of pinning a new one per length.
-
-    Buffers come back through `release`, which runs from `_Handle.__del__` when a graph is
-    freed: that can be a GC pass in the middle of any method here, on this thread, or the
-    autograd engine's thread. So `release` never takes the lock: it appends to a queue (atomic),
-    and the methods that hold the lock move what the queue holds into the pool first.
-    """
-
-    def __init__(self, transport: Transport, max_bytes: int | None = None):
-        self.transport = transport
-        self.max_bytes = max_bytes
-        self.free: list[tuple[torch.Tensor, Event | None]] = []
-        self.pageable_fallbacks = 0
-        self._warned = False
-        self._lock = threading.Lock()
-        self._returned: deque[tuple[torch.Tensor, Event | None]] = deque()
-        self._sizes: dict[int, int] = {}  # storage pointer -> bytes, of every pinned buffer alive
-        self._draining = False  # cleared and not used since: buffers coming back are freed
-
-    def _take_returned(self) -> None:
-        """Move returned buffers into the pool (the caller holds the lock)."""
-        while self._returned:
-            self.free.append(self._returned.popleft())
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            self._take_returned()
-            self._draining = False
-            fitting = [i for i, (b, _) in enumerate(self.free) if nbytes <= b.numel() <= 2 * max(nbytes, _BUCKET)]
-            if fitting:
-                best = min(fitting, key=lambda i: self.free[i][0].numel())
-                buffer, last_use = self.free.pop(best)
-                if last_use is not None:
-                    last_use.synchronize()  # a copy may still read or write it
-                return buffer
-        size = -(-nbytes // _BUCKET) * _BUCKET
-        if self.max_bytes is not None and self.allocated_bytes + size > self.max_bytes:
-            return self._pageable(nbytes, f"the host budget of {self.max_bytes} bytes would be exceeded")
-        try:
-            buffer = self.transport.allocate_host(size)
-        except RuntimeError as err:
-            return self._pageable(nbytes, f"pinning host memory failed ({err})")
-        self._sizes[buffer.untyped_storage().data_ptr()] = size
-        return buffer
-
-    def _pageable(self, nbytes: int, why: str) -> torch.Tensor:
-        self.pageable_fallbacks += 1
-        if not self._warned:
-            self._warned = True
-            logger.warning("offload: %s; using pageable host memory, so copies will not overlap compute", why)
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def release(self, buffer: torch.Tensor, last_use: Event | None) -> bool:
-        """Put `buffer` back into the pool. If the pool was cleared since it was taken (a graph
-        that outlived `clear()`), it is not pooled but forgotten; True then means the last
-        pinned buffer is now free, and the caller, once it has dropped its reference, calls the
-        transport's `return_freed_host_memory()` (once for all of them, not per buffer)."""
-        self._returned.append((buffer, last_use))
-        return self._forget_returned() if self._draining else False
-
-    def _forget_returned(self) -> bool:
-        """While draining: free what came back (whoever pops a buffer frees it: no lock needed).
-        True if that left no pinned buffer alive."""
-        freed = False
-        while True:
-            try:
-                buffer, last_use = self._returned.popleft()
-            except IndexError:
-                break
-            if last_use is not None:
-                last_use.synchronize()
-            freed |= self._sizes.pop(buffer.untyped_storage().data_ptr(), 0) > 0
-            del buffer, last_use
-        return freed and not self._sizes
-
-    def clear(self) -> int:
-        """Free every pooled buffer (after its last copy finished), and every buffer a pending
-        backward still holds when it comes back, until the next acquire. Returns bytes freed."""
-        with self._lock:
-            self._take_returned()
-            entries, self.free = self.free, []
-            self._draining = True
-        freed = 0
-        while entries:
-            buffer, last_use = entries.pop()
-            if last_use is not None:
-                last_use.synchronize()
-            freed += self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
-            del buffer, last_use  # the pool held the last reference
-        if self._forget_returned() or freed:  # a buffer may have come back while this ran
-            self.transport.return_freed_host_memory()
-        return freed
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Pinned bytes alive: pooled or held by a graph (acquire runs on the forward thread
-        only, so checking the budget against this needs no reservation)."""
-        return sum(list(self._sizes.values()))
-
-    @property
-    def pooled_buffers(self) -> int:
-        return len(self.pooled())
-
-    def pooled(self) -> list[torch.Tensor]:
-        """The buffers in the pool now (returned ones included)."""
-        return [buffer for buffer, _ in list(self.free) + list(self._returned)]
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("a HostPool holds host buffers of one process and cannot be copied; copy its Offloader")
 
 
 @dataclass
@@ -332,34 +69,23 @@ class LayerOffloadStats:
         self.kept_because[why] = self.kept_because.get(why, 0) + nbytes
 
 
-def default_host_budget() -> int:
-    """Half of the host's physical memory, shared by the processes of this host.
-
-    Several ranks on one machine each keep a pool of their own; `LOCAL_WORLD_SIZE` (set by
-    torchrun and accelerate) says how many share the host, so each gets its share. Past the
-    budget buffers are pageable (one warning), never an out-of-memory kill.
-    """
-    import os
-
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return total // 2 // local_ranks
-
-
 def _signature(tensor: torch.Tensor) -> tuple:
     return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
 
 
 @dataclass(frozen=True)
-class _Route:
-    transport: Transport
+class _HostRoute:
+    """Where one device's offloaded inputs go: its transport, and this offloader's pool of host
+    buffers for it (the pool's budget and buffers are offload's own bookkeeping)."""
+
+    transport: OffloadTransport
     pool: HostPool
 
 
 class _Packed:
     """One saved input: held on the device until forward moves past it, then on the host."""
 
-    def __init__(self, offloader: Offloader, route: _Route, layer: int, tensor: torch.Tensor, order: int):
+    def __init__(self, offloader: Offloader, route: _HostRoute, layer: int, tensor: torch.Tensor, order: int):
         self.offloader = offloader
         self.transport = route.transport
         self.pool = route.pool
@@ -418,14 +144,15 @@ class Offloader:
     that layer's checkpoint call.
     """
 
-    def __init__(self, min_bytes: int, transport: Transport | None = None, max_host_bytes: int | None = None):
-        """`transport=None` picks one per device as inputs arrive: CUDA tensors get a
-        `CudaTransport` (a side stream and a pinned pool of their own), CPU tensors stay put.
+    def __init__(self, min_bytes: int, transport: OffloadTransport | None = None, max_host_bytes: int | None = None):
+        """`transport=None` takes each device's shared transport as inputs arrive
+        (`remat.transport.transport_for`): CUDA tensors go through its side stream into a
+        pinned pool of this offloader's own; CPU tensors stay put.
         `max_host_bytes=None` budgets pinned memory with `default_host_budget()`."""
         self.min_bytes = min_bytes
         self.max_host_bytes = default_host_budget() if max_host_bytes is None else max_host_bytes
-        self._fixed = _Route(transport, HostPool(transport, self.max_host_bytes)) if transport is not None else None
-        self._routes: dict[torch.device, _Route | None] = {}
+        self._fixed = _HostRoute(transport, HostPool(transport, self.max_host_bytes)) if transport is not None else None
+        self._routes: dict[torch.device, _HostRoute | None] = {}
         self.stats: dict[int, LayerOffloadStats] = defaultdict(LayerOffloadStats)
         self._held_back: weakref.ref[_Packed] | None = None
         self._live: weakref.WeakValueDictionary[int, _Packed] = weakref.WeakValueDictionary()
@@ -437,15 +164,15 @@ class Offloader:
         transport = self._fixed.transport if self._fixed is not None else None
         return (_rebuilt_offloader, (self.min_bytes, transport, self.max_host_bytes, dict(self.stats)))
 
-    def _route(self, tensor: torch.Tensor) -> _Route | None:
+    def _route(self, tensor: torch.Tensor) -> _HostRoute | None:
         if self._fixed is not None:
             return self._fixed if self._fixed.transport.handles(tensor) else None
         if tensor.device not in self._routes:
-            route = None
-            if tensor.device.type == "cuda":
-                transport = CudaTransport(tensor.device)
-                route = _Route(transport, HostPool(transport, self.max_host_bytes))
-            self._routes[tensor.device] = route
+            transport = transport_for(tensor.device)
+            handled = transport.handles(tensor)
+            self._routes[tensor.device] = (
+                _HostRoute(transport, HostPool(transport, self.max_host_bytes)) if handled else None
+            )
         return self._routes[tensor.device]
 
     @property
@@ -553,7 +280,7 @@ class Offloader:
 
 
 def _rebuilt_offloader(
-    min_bytes: int, transport: Transport | None, max_host_bytes: int, stats: dict[int, LayerOffloadStats]
+    min_bytes: int, transport: OffloadTransport | None, max_host_bytes: int, stats: dict[int, LayerOffloadStats]
 ) -> Offloader:
     offloader = Offloader(min_bytes, transport, max_host_bytes)
     offloader.stats.update(stats)

@@ -28,7 +28,7 @@ def run_case(rank: int, world: int, out_dir: str, case: str) -> None:
     config = CheckpointConfig(
         every_n_layers=int(every_n), offload=offload == "1", swap_layers=int(swap), use_reentrant="reentrant" in rest
     )
-    if wrap == "fsdp" and config.swaps_any:
+    if wrap == "fsdp" and int(swap):
         _refuse_swap_under_fsdp(rank, out_dir, case, model, config)
         return
     cm = CheckpointedModel(model, config)

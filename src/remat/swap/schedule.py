@@ -1,0 +1,114 @@
+"""The schedule: when each swapped layer's weights are fetched and given back over a step.
+
+Forward runs the layers in ascending order, backward recomputes them in descending order
+(swapped layers are always checkpointed, `remat.plan`, so backward runs each again). Before a
+layer runs, its weights are fetched (waited for only then) and the next `prefetch_depth` layers
+in that order start fetching; layers the pass has gone past give their slots back.
+
+Faults: an exception in a forward or inside a recompute abandons a step halfway, with slots
+still held. Nothing relies on a step finishing: a layer that does not continue the current pass
+(a new forward, a new backward, or the first step after one that failed) starts a new pass and
+gives back every slot the last one left; a layer that finds every slot of its layout held by
+prefetches takes the slot of the one farthest away. So a failed step is followed by a normal one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from .slots import SlotPool, SwappedLayer
+
+
+class Schedule:
+    """Drives the slot pool from the layer calls of forward and of backward's recomputes.
+
+    `layers` is the swapper's own dict (index -> layer, ascending), read at every call: the
+    swapped set may change between steps, or between a forward and its backward.
+    """
+
+    def __init__(self, layers: dict[int, SwappedLayer], pool: SlotPool):
+        self.layers = layers
+        self.pool = pool
+        self.in_recompute = False  # the layers' own forward hooks stand aside
+        self._phase: tuple[str, int] | None = None  # ("forward" | "backward", last layer index)
+        self._callback_queued = False
+
+    def reset(self) -> None:
+        self._phase = None
+
+    def release_all(self) -> None:
+        for layer in self.layers.values():
+            self.pool.release(layer)
+
+    def _enter(self, direction: str, index: int) -> None:
+        """Note where the schedule is; a layer that does not continue the pass starts a new one."""
+        phase = self._phase
+        continues = phase is not None and phase[0] == direction
+        if continues and (index > phase[1] if direction == "forward" else index < phase[1]):
+            self._phase = (direction, index)
+            return
+        self.release_all()
+        self._callback_queued = False  # a backward that failed never ran its end callback
+        self._phase = (direction, index)
+
+    def before_forward(self, index: int) -> None:
+        self._enter("forward", index)
+        for earlier in [i for i in self.layers if i < index]:
+            self.pool.release(self.layers[earlier])  # done in this forward
+        self._use(index)
+        self._prefetch([i for i in self.layers if i > index])
+
+    def after_forward(self, index: int) -> None:
+        if index in self.layers:
+            self.pool.release(self.layers[index])
+
+    @contextlib.contextmanager
+    def recomputing(self, index: int) -> Iterator[None]:
+        """Backward recomputes layer `index`: fetch its weights; the layer's own hooks stand aside.
+        A layer swapped no more (disable() or a new map between forward and backward) has its
+        weights home already and needs nothing."""
+        if index not in self.layers:
+            yield
+            return
+        self.before_recompute(index)
+        self.in_recompute = True
+        try:
+            yield
+        finally:
+            self.in_recompute = False
+
+    def before_recompute(self, index: int) -> None:
+        self._enter("backward", index)
+        for later in [i for i in self.layers if i > index]:
+            self.pool.release(self.layers[later])  # backward is done with every later layer
+        self._use(index)
+        self._prefetch([i for i in reversed(self.layers) if i < index])
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._phase = None
+        self.release_all()
+
+    def _use(self, index: int) -> None:
+        layer = self.layers[index]
+        if not self.pool.fetch(layer):
+            # Every slot of this layout is held by a prefetch for later: the running layer comes
+            # first, so the prefetch farthest away gives its slot up (it is fetched again later).
+            holders = [e for e in self.layers.values() if e.slot is not None and e.layout == layer.layout]
+            if holders:
+                self.pool.release(max(holders, key=lambda e: abs(e.index - index)))
+            self.pool.fetch(layer, beyond_pool=not holders)
+        for event in layer.ready or ():
+            event.wait()
+        layer.point_at(layer.slot)
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        for index in upcoming[: self.pool.prefetch_depth]:
+            if not self.pool.fetch(self.layers[index]):
+                break

@@ -1,0 +1,172 @@
+"""`WeightSwapper`: which layers are swapped, and moving them out and home.
+
+One per wrapper, for its whole life: `update()` changes which layers are swapped, and the
+recompute shims of a step already in flight keep finding the layers they need. Changes move
+only the layers that join or leave; a layer joining takes its host copy first (the step that
+can fail), so a refusal changes nothing. The slots live in `slots`, the order of fetches in
+`schedule`, the refusals and redirections on swapped layers in `guards`, the eligibility
+checks in `checks`; host copies and copies to the device go through the device's transport
+(`remat.transport`, shared with offload).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..transport import WeightMover, transport_for
+from .checks import check_swappable, own_frozen_params, parameter_owners
+from .guards import ModelGuards, copy_refusal, guard_layer, unguard_layer
+from .schedule import Schedule
+from .slots import SlotPool, SwappedLayer, placeholder
+
+
+class WeightSwapper:
+    """Keeps the frozen weights of the swapped layers in host memory and fetches them just in time."""
+
+    def __init__(self, mover: WeightMover | None = None, prefetch_depth: int = 2):
+        self._fixed_mover = mover
+        self.layers: dict[int, SwappedLayer] = {}  # ascending index; the schedule reads this dict
+        self.pool = SlotPool(prefetch_depth)
+        self.schedule = Schedule(self.layers, self.pool)
+        self._model_guards = ModelGuards(self)
+        self.swapped_names: list[str] = []  # the swapped parameters' names in the model, in its order
+
+    def __reduce__(self) -> Any:
+        """A copy of a wrapper that swaps nothing gets a swapper of its own, with the same mover
+        if one was given. One that swaps is refused (the swapped layers refuse copies too)."""
+        if self.layers:
+            raise TypeError(copy_refusal(*next((e.index, e.name) for e in self.layers.values())))
+        return (type(self), (self._fixed_mover, self.prefetch_depth))
+
+    @property
+    def prefetch_depth(self) -> int:
+        return self.pool.prefetch_depth
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.pool.resident_bytes
+
+    @property
+    def peak_resident_bytes(self) -> int:
+        return self.pool.peak_resident_bytes
+
+    @peak_resident_bytes.setter
+    def peak_resident_bytes(self, value: int) -> None:  # the report and the planner reset it
+        self.pool.peak_resident_bytes = value
+
+    @property
+    def pool_bytes(self) -> int:
+        """The most swapped-weight bytes that can be resident at once."""
+        return self.pool.size_bytes(list(self.layers.values()))
+
+    @property
+    def in_recompute(self) -> bool:
+        return self.schedule.in_recompute
+
+    def recomputing(self, index: int) -> contextlib.AbstractContextManager[None]:
+        """The context around backward's recompute of layer `index` (see `Schedule.recomputing`)."""
+        return self.schedule.recomputing(index)
+
+    def release_all(self) -> None:
+        self.schedule.release_all()
+
+    # -- which layers are swapped -------------------------------------------------------------------
+
+    def update(self, model: nn.Module, targets: list[tuple[int, str, nn.Module]]) -> tuple[list[int], list[int]]:
+        """Swap exactly `targets` (index, name, module): layers that leave the set come home,
+        layers that join move out, the others stay as they are. Returns (joined, left).
+
+        Everything that can fail (checks, host copies) happens before anything moves.
+        """
+        wanted = {index: (name, module) for index, name, module in targets}
+        joining = sorted((i, name, module) for i, (name, module) in wanted.items() if i not in self.layers)
+        leaving = [i for i in self.layers if i not in wanted]
+        check_swappable(joining, model)
+        owners = parameter_owners(model) if joining else {}
+        entries = [(self._new_layer(i, name, module, owners), module) for i, name, module in joining]
+        for index in leaving:
+            self._bring_home(self.layers.pop(index))
+        for layer, module in entries:
+            self._move_out(layer, module)
+            self.layers[layer.index] = layer
+        ordered = sorted(self.layers.items())
+        self.layers.clear()
+        self.layers.update(ordered)  # the same dict: the schedule holds it
+        swapped = {id(p) for layer in self.layers.values() for p in layer.params}
+        self.swapped_names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in swapped]
+        self._keep_used_slots()
+        if self.layers and not self._model_guards.installed:
+            self._model_guards.install(model)
+        elif not self.layers:
+            self._model_guards.remove()
+        return [i for i, _, _ in joining], leaving
+
+    def restore(self) -> None:
+        """Bring every weight home (the swapper stays usable: `update()` swaps again)."""
+        for index in list(self.layers):
+            self._bring_home(self.layers.pop(index))
+        self._keep_used_slots()
+        self._model_guards.remove()
+        self.schedule.reset()
+
+    def _new_layer(self, index: int, name: str, module: nn.Module, owners: dict[int, set[str]]) -> SwappedLayer:
+        params = own_frozen_params(module, name, owners)
+        mover = self._mover_for(params[0].device)
+        host = [mover.host_copy(p.data) for p in params]
+        placeholders = [placeholder(p.shape, p.dtype, p.device) for p in params]
+        return SwappedLayer(index, name, params, host, placeholders, mover)
+
+    def _mover_for(self, device: torch.device) -> WeightMover:
+        return self._fixed_mover if self._fixed_mover is not None else transport_for(device)
+
+    def _move_out(self, layer: SwappedLayer, module: nn.Module) -> None:
+        layer.rest()
+        guard_layer(self, layer, module)
+
+    def _bring_home(self, layer: SwappedLayer) -> None:
+        """The true values back in place, on the device, as plain tensors; hooks and patches off."""
+        for event in layer.ready or ():  # copies still writing into the slot must finish first
+            event.synchronize()
+        self.pool.release(layer)
+        unguard_layer(layer)
+        for param, host, rest in zip(layer.params, layer.host, layer.placeholders, strict=True):
+            # The host copy is the swapper's own: on a CPU model it becomes the weight itself.
+            same_place = host.device == rest.device and not host.is_pinned()
+            param.data = host if same_place else host.to(rest.device, copy=True)
+
+    def _keep_used_slots(self) -> None:
+        self.pool.keep_only({layer.layout for layer in self.layers.values()})
+
+    # -- `.to()` and friends on a swapped layer (called by its guard) ---------------------------
+
+    def apply_to_layer(self, index: int, original_apply: Any, fn: Any, recurse: bool) -> Any:
+        """`module.to(...)` and friends on a swapped layer: torch converts everything else, the
+        swapped weights take the same dtype and device in their host copies and placeholders."""
+        layer = self.layers[index]
+        self.pool.release(layer)
+        # What `fn` does to each weight is read off an empty tensor of its dtype and device:
+        # applying it to the placeholder would allocate the full tensor on the device.
+        probes = [fn(torch.empty(0, dtype=ph.dtype, device=ph.device)) for ph in layer.placeholders]
+        for param in layer.params:
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)  # hidden from torch's loop
+        try:
+            result = original_apply(fn, recurse)
+        except BaseException:
+            layer.rest()
+            raise
+        hosts, placeholders = [], []
+        for host, old, probe in zip(layer.host, layer.placeholders, probes, strict=True):
+            converted = host.to(dtype=probe.dtype)
+            if probe.device.type != old.device.type or (host.is_pinned() and not converted.is_pinned()):
+                # e.g. .cuda(), or a dtype change of a pinned copy: the new copy is made (pinned) by the mover
+                converted = self._mover_for(probe.device).host_copy(converted)
+            hosts.append(converted)
+            placeholders.append(placeholder(old.shape, probe.dtype, probe.device))
+        layer.host, layer.placeholders, layer.mover = hosts, placeholders, self._mover_for(probes[0].device)
+        layer.rest()
+        self._keep_used_slots()
+        return result
