@@ -20,7 +20,8 @@ from typing import Any
 from .policies import CHECKPOINT_POLICIES
 from .policies import NAMES as POLICIES
 from .policies import policy as _policy
-from .saving.folder import CONFIG_NAME, read_json_object, read_pair, save_pair
+from .saving.files import read_json_object
+from .saving.folder import CONFIG_NAME, read_pair, save_pair
 
 logger = logging.getLogger("remat")
 

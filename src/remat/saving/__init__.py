@@ -1,6 +1,8 @@
 """Saving and loading: the pair (PEFT's adapters + `checkpoint_config.json`) and the folder it
 lives in. One job per file, data flowing down:
 
+- `files`: atomic writes (with the umask's permissions), strict JSON reads, fingerprints.
+- `locks`: file locks from `filelock` on descriptors remat opens itself (no symlink followed).
 - `folder`: the folder transaction (staging, lock, commit, recovery) with the one save
   (`save_pair`) and the one load (`read_pair`); it knows files, not models.
 - `peft_names`: PEFT's file names and folder layout, taken from PEFT.
@@ -13,6 +15,7 @@ lives in. One job per file, data flowing down:
 `remat.persistence` joins them for the wrapper. This package imports nothing above it.
 """
 
-from .folder import CONFIG_NAME, STAGING_PREFIX, read_json_object, sha256_file, write_file_atomically
+from .files import read_json_object, sha256_file, write_file_atomically
+from .folder import CONFIG_NAME, STAGING_PREFIX
 
 __all__ = ["CONFIG_NAME", "STAGING_PREFIX", "read_json_object", "sha256_file", "write_file_atomically"]

@@ -1,6 +1,6 @@
 """A folder is a transaction: saves commit whole, in order; loads read one whole save.
 
-This module knows files, not models (it imports nothing from remat), so that every save path
+This module knows files, not models (it imports nothing from remat above `remat.saving`), so that every save path
 (`cm.save_pretrained`, a Trainer / TRL checkpoint, `CheckpointConfig.save_pretrained`) and
 every load path (`CheckpointedModel.from_pretrained`, `load_adapter` on Trainer resume,
 `CheckpointConfig.from_pretrained`) goes through the same two functions: `save_pair` and
@@ -48,12 +48,9 @@ saves and loads go on unlocked (one warning says so).
 from __future__ import annotations
 
 import contextlib
-import errno
-import hashlib
 import json
 import logging
 import os
-import secrets
 import shutil
 import stat
 import tempfile
@@ -63,7 +60,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import filelock
+from .files import CLOEXEC, NOFOLLOW, fsync_file, fsync_folder, read_json_object, write_file_atomically
+from .locks import Lock, NotOurs
+from .locks import take_lock as _take_lock
 
 logger = logging.getLogger("remat")
 
@@ -73,8 +72,6 @@ FOLDER_LOCK = ".remat-lock"
 _MANIFEST = "COMMIT"
 _STAGING_LOCK = "LOCK"
 _OURS = (_MANIFEST, _STAGING_LOCK, FOLDER_LOCK)
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _READ_ATTEMPTS = 50  # unlocked loads only: how often a load reads again after a commit came in between
 _UNLOCKED_STALE_SECONDS = 600.0
 """Without native locks a live writer cannot be told from a crashed one: recovery then drops
@@ -86,141 +83,16 @@ class FolderChanged(ValueError):
     load reads again), or the folder mixes two saves."""
 
 
-class _NotOurs(OSError):
-    """A lock file that is a symlink: remat did not make it and will not open it."""
-
-
-# -- files ---------------------------------------------------------------------------------------
-
-
-def write_file_atomically(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and one rename. The
-    file gets the process umask's permissions (0644 under umask 022), as PEFT's files do."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".tmp-{secrets.token_hex(8)}.json")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, 0o666)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_folder(folder)
-
-
-def read_json_object(path: str, name: str | None = None) -> dict[str, Any]:
-    """The JSON object in `path`, or a ValueError that names the file (`name`, if the file read
-    is a copy) and what is wrong."""
-    name = name or path
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"no checkpoint config at {name}") from None
-    if not text.strip():
-        raise ValueError(f"{name}: the file is empty")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{name}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{name}: expected a JSON object, got {type(data).__name__}")
-    return data
-
-
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-# -- locks ---------------------------------------------------------------------------------------
-
-_warned_no_locks = False
-
-
-class _Lock:
-    """A held lock on a file (or, `fd` None, the absence of one where none can be taken).
-    `remove`: the holder deletes the file before letting go, so no lock file stays behind
-    (a waiter that then gets the lock on the deleted file notices and takes the new one)."""
-
-    def __init__(self, fd: int | None, path: str, remove: bool):
-        self.fd, self.path, self.remove = fd, path, remove
-
-    @property
-    def held(self) -> bool:
-        return self.fd is not None
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        fd, self.fd = self.fd, None
-        try:
-            if self.remove:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self.path)
-        finally:
-            with contextlib.suppress(OSError):
-                filelock.unlock_descriptor(fd)
-            os.close(fd)
-
-
-def _take_lock(path: str, *, wait: bool, remove: bool) -> _Lock | None:
-    """The exclusive lock on `path` (made if missing), or None if `wait` is False and another
-    holds it. A lock that cannot be taken here (no write access, no native locks) comes back
-    not held. Raises `_NotOurs` for a symlink."""
-    global _warned_no_locks
-    while True:
-        if os.path.islink(path):
-            raise _NotOurs(errno.ELOOP, "a symlink where remat's lock file goes", path)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | _NOFOLLOW | _CLOEXEC, 0o666)
-        except OSError as err:
-            if err.errno == errno.ELOOP:
-                raise _NotOurs(errno.ELOOP, "a symlink where remat's lock file goes", path) from None
-            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                return _Lock(None, path, remove)
-            raise
-        try:
-            got = filelock.lock_descriptor(fd, blocking=wait, poll_interval=0.005)
-        except OSError as err:
-            os.close(fd)
-            if err.errno != errno.ENOSYS:
-                raise
-            if not _warned_no_locks:
-                _warned_no_locks = True
-                logger.warning(
-                    "this system has no file locks: saves into one folder from several processes are not ordered"
-                )
-            return _Lock(None, path, remove)
-        if not got:
-            os.close(fd)
-            return None
-        try:
-            current = os.lstat(path)
-        except FileNotFoundError:
-            current = None
-        if current is not None and os.path.samestat(os.fstat(fd), current):
-            return _Lock(fd, path, remove)
-        # The holder before us deleted the file we locked: take the one at the path now.
-        with contextlib.suppress(OSError):
-            filelock.unlock_descriptor(fd)
-        os.close(fd)
+# -- the folder's lock ------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
-def _folder_lock(folder: str) -> Iterator[_Lock]:
+def _folder_lock(folder: str) -> Iterator[Lock]:
     """The folder's lock, held for one commit or one load's reading."""
     path = os.path.join(folder, FOLDER_LOCK)
     try:
         lock = _take_lock(path, wait=True, remove=True)
-    except _NotOurs:
+    except NotOurs:
         logger.warning("%s: %s is a symlink, not remat's lock file; removing the link", folder, FOLDER_LOCK)
         os.unlink(path)
         lock = _take_lock(path, wait=True, remove=True)
@@ -273,7 +145,7 @@ def save_pair(
             files = [f for f in (order if order is not None else _files_under(staging)) if f != CONFIG_NAME]
             files.append(CONFIG_NAME)
             for relative in files:
-                _fsync_file(os.path.join(staging, relative))
+                fsync_file(os.path.join(staging, relative))
             with _folder_lock(target):
                 _recover(target)
                 kept = set(keep)
@@ -302,7 +174,7 @@ def _commit(staging: str, target: str, files: list[str]) -> None:
         _rename(os.path.join(staging, relative), destination)
         folders.add(os.path.dirname(destination))
     for folder in folders:
-        _fsync_folder(folder)
+        fsync_folder(folder)
     shutil.rmtree(staging, ignore_errors=True)  # the manifest, the lock and what was not committed
 
 
@@ -311,7 +183,7 @@ def _rename(source: str, destination: str) -> None:
     os.replace(source, destination)
 
 
-def _new_staging(target: str, attempts: int = 10) -> tuple[str, _Lock]:
+def _new_staging(target: str, attempts: int = 10) -> tuple[str, Lock]:
     """A new staging folder in `target` and its lock. Until it is locked the folder looks like a
     crashed save to another process's recovery, which may remove it; then another is made."""
     for _ in range(attempts):
@@ -366,7 +238,7 @@ def _recover(target: str) -> None:
             continue  # this process is writing it
         try:
             lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=False, remove=False)
-        except _NotOurs:
+        except NotOurs:
             logger.warning("%s: dropping %s, which remat did not write (its LOCK is a symlink)", target, name)
             shutil.rmtree(staging, ignore_errors=True)
             continue
@@ -399,7 +271,7 @@ def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
     one remat wrote: a link, not JSON, a field missing or of another type, a path that leaves
     the staging or the target folder or goes through a link."""
     try:
-        fd = os.open(os.path.join(staging, _MANIFEST), os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+        fd = os.open(os.path.join(staging, _MANIFEST), os.O_RDONLY | NOFOLLOW | CLOEXEC)
         with os.fdopen(fd, encoding="utf-8") as handle:
             data = json.load(handle)
     except (OSError, ValueError):
@@ -503,20 +375,3 @@ def _copy_in(folder: str, copy: str, relative: str) -> bool:
     except FileNotFoundError:
         return False
     return True
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_folder(path: str) -> None:
-    with contextlib.suppress(OSError):  # some file systems cannot fsync a folder
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

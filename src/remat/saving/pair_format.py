@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import CheckpointConfig
-from .folder import CONFIG_NAME, FolderChanged, Snapshot, read_pair, save_pair, sha256_file
+from .files import sha256_file
+from .folder import CONFIG_NAME, FolderChanged, Snapshot, read_pair, save_pair
 from .peft_names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_folder, is_peft_model
 
 logger = logging.getLogger("remat")
