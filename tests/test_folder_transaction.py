@@ -301,6 +301,34 @@ def test_a_trainer_checkpoint_killed_at_a_rename_leaves_the_previous_one_loadabl
     assert {"training_args.bin", "adapter_model.safetensors", "checkpoint_config.json"} <= set(os.listdir(folder))
 
 
+def test_resume_finishes_a_first_save_that_crashed_before_its_config_was_in_place(tmp_path):
+    """The first save into a folder, killed after PEFT's files were renamed into place and before
+    checkpoint_config.json: Trainer's resume (load_adapter) finishes it first and loads it whole."""
+    folder = tmp_path / "checkpoint"
+    cm = _lora_cm()
+    _mark(cm, 5)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            real = transaction._rename
+
+            def rename(source, destination):
+                if os.path.basename(destination) == "checkpoint_config.json":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                real(source, destination)
+
+            transaction._rename = rename
+            cm.save_pretrained(folder)
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and (folder / "adapter_model.safetensors").exists()
+    assert not (folder / "checkpoint_config.json").exists()
+    resumed = _lora_cm()
+    resumed.model.load_adapter(str(folder), "default", is_trainable=True)
+    assert _whole(resumed) == (5, 8)
+
+
 # -- recovery never leaves the folder ---------------------------------------------------------------
 
 

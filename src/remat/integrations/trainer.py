@@ -37,7 +37,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from ..model import CheckpointedModel, controller_of
 from ..persistence import apply_saved_config
-from ..saving.folder import CONFIG_NAME
+from ..saving.folder import CONFIG_NAME, recover
 from ..saving.pair_format import save_model_pair
 from .transformers_compat import trainer_asks_for_checkpointing
 
@@ -150,6 +150,8 @@ def _apply_saved_config(cm: CheckpointedModel, folder: str | None, cause: str) -
     `remat.persistence.apply_saved_config`). A PeftModel's `load_adapter`, through remat's
     override, has already applied the config of the very save whose adapters it loaded: read
     again, a save committed in between would pair its config with the older adapters."""
+    if folder is not None:
+        recover(folder)  # a save that crashed mid-commit may not have its config in place yet
     if folder is None or not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
         logger.warning("%s from %s: no %s there, the current checkpoint map stays", cause, folder, CONFIG_NAME)
         return

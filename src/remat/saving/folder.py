@@ -218,9 +218,10 @@ def _state(path: str) -> list[int] | None:
 
 
 def recover(target: str | os.PathLike) -> None:
-    """Finish or drop what crashed saves left in `target`, under the folder's lock."""
+    """Finish or drop what crashed saves left in `target`, under the folder's lock (a folder
+    without staging folders is not touched: no lock is taken)."""
     target = os.path.abspath(os.fspath(target))
-    if not os.path.isdir(target):
+    if not os.path.isdir(target) or not any(n.startswith(STAGING_PREFIX) for n in os.listdir(target)):
         return
     with _folder_lock(target) as lock:
         if lock.held:

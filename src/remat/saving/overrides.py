@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from ..patches import InstancePatches
-from .folder import CONFIG_NAME, is_staging
+from .folder import CONFIG_NAME, is_staging, recover
 from .pair_format import expected_for, read_model_pair, save_model_pair
 from .peft_names import is_peft_model, original_method
 from .rollback import ModelChanges
@@ -57,6 +57,7 @@ class _LoadAdapterWithConfig:
         model = self.owner.model
         load = original_method(model, "load_adapter")
         self.loaded_from = None
+        recover(folder)  # a first save that crashed mid-commit may not have its config in place yet
         if not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
             return _undone_if_it_fails(model, lambda: load(model_id, *args, **kwargs))  # not a remat save
         with read_model_pair(folder, expected_for(self.owner)) as loaded:
