@@ -12,7 +12,7 @@ OLDER_TRANSFORMERS ?= 4.57.6 5.17.0
 PINS = peft==0.21.2 accelerate==1.15.0 trl==1.16.0 safetensors==0.8.0 pytest==9.2.0 bitsandbytes==0.50.2 matplotlib==3.11.2 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0
 VENV = .venv
 
-.PHONY: demo test compat lint clean
+.PHONY: demo demo-notice test compat lint clean
 
 $(VENV)/.installed-$(NEWEST_TRANSFORMERS): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -22,8 +22,13 @@ $(VENV)/.installed-$(NEWEST_TRANSFORMERS): pyproject.toml Makefile
 	$(VENV)/bin/pip install --quiet --no-deps -e .
 	rm -f $(VENV)/.installed-* && touch $@
 
-demo: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
+# The notice comes first (prerequisites run in order), before the environment is set up.
+demo: demo-notice $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
 	$(VENV)/bin/python -m remat.demo
+
+demo-notice:
+	@echo "make demo: about 1-2 minutes of CPU training on an idle machine (longer on a busy one);"
+	@echo "the first run also sets up $(VENV) (torch, transformers, peft: several minutes, once)."
 
 test: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
 	$(VENV)/bin/python -m pytest

@@ -28,10 +28,69 @@ def _disable_routes(model):
     return [r for r in routes_defined_on(model) if r in DISABLE_ROUTES]
 
 
-def test_routes_match_this_transformers_version():
+def _routes_transformers_defines():
+    """The enable/disable methods of transformers' own PreTrainedModel, read from transformers."""
+    import transformers
+
+    names = [
+        n for n in dir(transformers.PreTrainedModel) if n.endswith(("checkpointing_enable", "checkpointing_disable"))
+    ]
+    return sorted(n for n in names if not n.startswith("_") and callable(getattr(transformers.PreTrainedModel, n)))
+
+
+def test_remat_takes_over_exactly_the_routes_transformers_defines():
     model = tiny_model()
-    expected = 2 if has_activation_checkpointing_names() else 1
-    assert len(_enable_routes(model)) == len(_disable_routes(model)) == expected
+    CheckpointedModel(model)
+    taken = sorted(n for n, v in vars(model).items() if n.endswith(("_enable", "_disable")) and callable(v))
+    assert taken == _routes_transformers_defines()
+    assert len(taken) in (2, 4)
+
+
+# The same call on an unwrapped model and on a wrapped one (every layer by default). Where
+# transformers honours the call, remat checkpoints the same layers; where this transformers
+# ignores an option (every_n_layers before 5.16) or refuses it, remat gives what the option says.
+_CALLS = {
+    "no arguments": ((), {}),
+    "non-reentrant kwargs": ((), {"gradient_checkpointing_kwargs": {"use_reentrant": False}}),
+    "every_n_layers=2 in the kwargs": (
+        (),
+        {"gradient_checkpointing_kwargs": {"use_reentrant": False, "every_n_layers": 2}},
+    ),
+    "every_n_layers=2 as a keyword": (
+        (),
+        {"every_n_layers": 2, "gradient_checkpointing_kwargs": {"use_reentrant": False}},
+    ),
+}
+
+
+def _transformers_recomputes(args, kwargs, then_disable):
+    model = tiny_model()
+    try:
+        model.gradient_checkpointing_enable(*args, **kwargs)
+        if then_disable:
+            model.gradient_checkpointing_disable()
+        return _recomputed(model, model)
+    except (TypeError, ValueError) as refused:  # this version does not take the option
+        return refused
+
+
+@pytest.mark.parametrize("then_disable", [False, True], ids=["enable", "enable then disable"])
+@pytest.mark.parametrize("call", list(_CALLS))
+def test_a_route_call_checkpoints_what_transformers_checkpoints_for_the_same_call(call, then_disable):
+    args, kwargs = _CALLS[call]
+    native = _transformers_recomputes(args, kwargs, then_disable)
+    model = tiny_model()
+    cm = CheckpointedModel(model)
+    model.gradient_checkpointing_enable(*args, **kwargs)
+    if then_disable:
+        model.gradient_checkpointing_disable()
+    got = _recomputed(cm, model)
+    asked = [] if then_disable else ([0, 2] if "every_n_layers" in call else [0, 1, 2, 3])
+    if isinstance(native, list) and (native == asked or "every_n_layers" not in call):
+        assert got == native, f"transformers recomputes {native}, remat {got}"
+    else:  # transformers ignores or refuses every_n_layers here; remat honours it on every version
+        assert got == asked, f"transformers: {native!r}"
+    assert got == asked
 
 
 @pytest.mark.parametrize("where", ["kwargs_dict", "keyword"])

@@ -12,6 +12,7 @@ import argparse
 import json
 import logging
 import statistics
+import time
 import warnings
 from importlib import resources
 
@@ -131,18 +132,26 @@ def main(argv: list[str] | None = None) -> None:
     model = add_lora(build_model(config, args.seed))
     model.train()
     cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
-    print("remat demo: LoRA fine-tune of a tiny Llama (from remat/assets) on CPU\n")
+    print("remat demo: LoRA fine-tune of a tiny Llama (from remat/assets) on CPU")
+    print(
+        f"{args.steps} training steps, then {3 * (args.repeats + 1)} measured ones: with the defaults about 1-2 "
+        "minutes on an idle CPU (the second step's time gives the estimate for this machine)\n"
+    )
     print(cm.checkpoint_map, "\n")
 
     optimizer = torch.optim.AdamW([p for p in cm.parameters() if p.requires_grad], lr=args.lr)
     data = batches(text, args.seq, args.batch_size, args.seed)
     for step in range(1, args.steps + 1):
+        started = time.perf_counter()
         loss = cm(**next(data)).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step == 1 or step % 10 == 0:
             print(f"step {step:3d}  loss {loss.item():.3f}")
+        if step == 2:  # the first step pays for one-time set-up
+            left = (time.perf_counter() - started) * (args.steps - 2 + 3 * (args.repeats + 1))
+            print(f"          (a step takes {time.perf_counter() - started:.2f} s here: about {left:.0f} s to go)")
 
     with cm.for_inference():
         prompt = torch.tensor([list(b"The map is ")])

@@ -12,6 +12,13 @@ model points at this wrapper's own state, so `copy.deepcopy(cm)` is independent,
 and `nn.DataParallel` replicas each run their own replica (block swap refuses the three: its
 parameters hold placeholders). Offload and swap state live in one `Offloader` and one
 `WeightSwapper` per wrapper, so several wrapped models never share anything.
+
+One model, one wrapper: a wrapper whose model another wrapper took (after this one was disabled)
+stays replaced (`remat.controller`). Leaving remat is `disable()`, or `merge_and_unload()` /
+`unload()`, which disable first so the model PEFT returns carries nothing of remat.
+transformers' Trainer given the wrapper itself would save it as an unknown module (every weight,
+no config): the wrapper answers the first question Trainer asks of its model with an error that
+names `RematTrainer` (see `transformers_compat.TRAINER_PROBE`).
 """
 
 from __future__ import annotations
