@@ -1,4 +1,4 @@
-"""The state behind a `CheckpointedModel`: config, map, mode, and everything installed.
+"""The controller behind a `CheckpointedModel`: config, map, mode, and everything installed.
 
 `CheckpointedModel` is the `nn.Module` a person holds; this controller is what it, the routes,
 the save/load overrides and the hooks on the model all talk to. It holds the model weakly and
@@ -64,6 +64,14 @@ def swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tu
 
 
 class Controller:
+    """Everything behind one wrapper: the config and its map, the mode (training / inference),
+    what is installed on the model, and whether this wrapper still owns the model.
+
+    Ownership: the model's `_remat_owner` names the enabled controller (a second wrapper is
+    refused while it is there); a registry outside the model remembers which controller
+    installed last, so a wrapper that was disabled and then replaced by another refuses
+    `enable()` and the mode switches, and `disable()` leaves nothing on the model."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -96,7 +104,7 @@ class Controller:
 
     @property
     def orphaned(self) -> bool:
-        """No CheckpointedModel holds this state any more (it was dropped, or the model was copied
+        """No CheckpointedModel holds this controller any more (it was dropped, or the model was copied
         without it): a new wrapper may take the model over."""
         return self.wrapper is None or self.wrapper() is None
 
@@ -152,8 +160,8 @@ class Controller:
         self.swapper.restore()
         self._model_patches.undo()
         self.offloader.release_host_memory()
-        for state in reversed(self._installs):
-            state.restore()
+        for install in reversed(self._installs):
+            install.restore()
         self._installs.clear()
         self._routes.uninstall()
         self._save_load.uninstall()
@@ -177,7 +185,7 @@ class Controller:
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward),
         ]
-        object.__setattr__(model, "_remat_owner", self)  # the model keeps its state alive
+        object.__setattr__(model, "_remat_owner", self)  # the model keeps its controller alive
         self._exclude_swapped_from_ddp_sync()
         self.apply_map()
         _LAST_CLAIM[model], self._has_installed = self._claim, True
@@ -261,7 +269,7 @@ class Controller:
         active = not self.inference
         layer_installs = self._installs[: len(self.discovery.layers)]
         holder_installs = self._installs[len(self.discovery.layers) :]
-        for plan, state in zip(self.checkpoint_map, layer_installs, strict=True):
+        for plan, install in zip(self.checkpoint_map, layer_installs, strict=True):
             if plan.checkpointed and active:
                 shim = LayerCheckpoint(
                     plan.index,
@@ -271,14 +279,14 @@ class Controller:
                     offloader=self.offloader,
                     offload=plan.offloaded,
                     swapper=self.swapper,
-                    module=state.module,
+                    module=install.module,
                 )
-                state.set(True, shim)
+                install.set(True, shim)
             else:
-                state.set(False, run_without_checkpoint)
+                install.set(False, run_without_checkpoint)
         any_checkpointed = active and bool(self.checkpoint_map.checkpointed)
-        for state in holder_installs:
-            state.set(any_checkpointed, None)
+        for install in holder_installs:
+            install.set(any_checkpointed, None)
         self._set_guards(self.inference)
 
     # -- modes ---------------------------------------------------------------------------------

@@ -4,11 +4,11 @@ The wrapper follows PEFT's `PeftModel`: an `nn.Module` that holds the model as `
 delegates unknown attributes to it (with a recursion guard) and forwards calls. What it adds is
 the map: discover the layers, plan them from the config, install exactly what the plan says,
 and route every other way of touching checkpointing (transformers' enable/disable methods,
-Trainer, PEFT) back into the plan. The state and the installing live in `remat.controller`;
+Trainer, PEFT) back into the plan. The controller and the installing live in `remat.controller`;
 this class is the public face: arguments checked, then delegated.
 
 A wrapper is a real object: `forward` is a method of the class, and everything installed on the
-model points at this wrapper's own state, so `copy.deepcopy(cm)` is independent, pickling works,
+model points at this wrapper's own controller, so `copy.deepcopy(cm)` is independent, pickling works,
 and `nn.DataParallel` replicas each run their own replica (block swap refuses the three: its
 parameters hold placeholders). Offload and swap state live in one `Offloader` and one
 `WeightSwapper` per wrapper, so several wrapped models never share anything.
@@ -77,7 +77,7 @@ def _check_model(model: Any) -> None:
 
 
 def controller_of(cm: CheckpointedModel) -> Controller:
-    """The state behind a wrapper (`remat.controller.Controller`): how remat's own modules
+    """The controller behind a wrapper (`remat.controller.Controller`): how remat's own modules
     (the memory report, Trainer support) and tests reach the map, the offloader and the swapper
     without reading the wrapper's private attributes."""
     return cm._controller
@@ -221,7 +221,7 @@ class CheckpointedModel(nn.Module):
         return discovery
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy or an unpickled wrapper owns the copy of the state it carries."""
+        """A copy or an unpickled wrapper owns the copy of the controller it carries."""
         super().__setstate__(state)
         self._controller.wrapper = LocalRef(self)
 

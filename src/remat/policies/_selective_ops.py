@@ -34,9 +34,9 @@ def fresh_contexts(index: int) -> Any:
 
 
 class _KeptOutputs:
-    """The policy for one checkpointed call: which ops to keep, and a guard torch lacks. A kept
-    output changed in place later in the forward is caught by torch only if the change goes
-    through a view of it; through a tensor that merely shares its storage (a linear on a 3-d
+    """The function torch asks, op by op, for one checkpointed call: which ops to keep, and a
+    guard torch lacks. A kept output changed in place later in the forward is caught by torch
+    only if the change goes through a view of it; through a tensor that merely shares its storage (a linear on a 3-d
     input returns one) torch hands backward the changed value and the gradients are silently
     wrong. So any in-place op on the storage of a kept output is refused here, in forward, with
     the layer named."""
