@@ -117,3 +117,5 @@ def test_the_transport_offload_and_swap_classes_have_names_no_other_room_uses():
     theirs = set().union(*(_classes(p) for p in others))
     shared = {name: path.name for path in mine for name in _classes(path) & theirs}
     assert shared == {}
+    names = [name for path in mine for name in _classes(path)]
+    assert len(names) == len(set(names)), "two of these rooms define a class of the same name"

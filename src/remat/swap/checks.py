@@ -86,13 +86,14 @@ def parameter_owners(model: nn.Module) -> dict[int, set[str]]:
 def _check_layer(index: int, name: str, layer: nn.Module, fsdp_units: list[tuple[str, str]]) -> None:
     """`fsdp_units`: (name, class name) of the FSDP-wrapped modules; one on the layer, inside it
     or around it shards the layer's weights."""
-    for unit, kind in fsdp_units:
-        if unit in ("", name) or name.startswith(unit + ".") or unit.startswith(name + "."):
-            where = f"module {unit!r}" if unit else "the whole model"
-            raise BlockSwapError(
-                f"layer {index} ({name}) is sharded by FSDP ({kind} on {where}); block swap cannot move sharded "
-                "weights. Under FSDP swap no layers (FSDP already keeps only a shard of each weight per rank)"
-            )
+    related = [(unit, kind) for unit, kind in fsdp_units if _contains(unit, name) or _contains(name, unit)]
+    if related:
+        unit, kind = max(related, key=lambda u: len(u[0]))  # the innermost unit names it best
+        where = f"module {unit!r}" if unit else "the whole model"
+        raise BlockSwapError(
+            f"layer {index} ({name}) is sharded by FSDP ({kind} on {where}); block swap cannot move sharded "
+            "weights. Under FSDP swap no layers (FSDP already keeps only a shard of each weight per rank)"
+        )
     adapters = adapter_param_ids(layer)
     for pname, param in layer.named_parameters():
         sharding = _sharding_of(param)
@@ -106,6 +107,11 @@ def _check_layer(index: int, name: str, layer: nn.Module, fsdp_units: list[tuple
                 "frozen weights in host memory; freeze the base weights (e.g. train LoRA adapters) or do not swap "
                 "this layer"
             )
+
+
+def _contains(outer: str, inner: str) -> bool:
+    """Whether the module named `inner` is `outer` or inside it (names as in `named_modules`)."""
+    return outer in ("", inner) or inner.startswith(outer + ".")
 
 
 def adapter_param_ids(module: nn.Module) -> set[int]:

@@ -18,20 +18,29 @@ instance (and on the model while anything is swapped), undone when the layer lea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from ..patches import InstancePatches
 from ..refs import Ref
-
-if TYPE_CHECKING:
-    from .slots import SwappedLayer
-    from .swapper import WeightSwapper
+from .schedule import Schedule
+from .slots import SlotPool, SwappedLayer
 
 
-def guard_layer(swapper: WeightSwapper, layer: SwappedLayer, module: nn.Module) -> None:
+class SwapperView(Protocol):
+    """What the guards use of the swapper (`swapper.WeightSwapper`), which installs them."""
+
+    layers: dict[int, SwappedLayer]
+    pool: SlotPool
+    schedule: Schedule
+    swapped_names: list[str]
+
+    def apply_to_layer(self, index: int, original_apply: Any, fn: Any, recurse: bool) -> Any: ...
+
+
+def guard_layer(swapper: SwapperView, layer: SwappedLayer, module: nn.Module) -> None:
     """Hooks and instance patches on one swapped layer (kept on `layer`, removed by `unguard_layer`)."""
     index = layer.index
     layer.handles += [
@@ -55,7 +64,7 @@ def unguard_layer(layer: SwappedLayer) -> None:
     layer.patches.undo()
 
 
-def _before_forward(swapper: WeightSwapper, index: int, name: str):
+def _before_forward(swapper: SwapperView, index: int, name: str):
     schedule = swapper.schedule
 
     def hook(module: nn.Module, args: Any) -> None:
@@ -86,7 +95,7 @@ def _refuse_compile(index: int, name: str) -> None:
     )
 
 
-def _after_forward(swapper: WeightSwapper, index: int):
+def _after_forward(swapper: SwapperView, index: int):
     schedule = swapper.schedule
 
     def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -96,7 +105,7 @@ def _after_forward(swapper: WeightSwapper, index: int):
     return hook
 
 
-def _state_dict_reads_host_copies(swapper: WeightSwapper, index: int):
+def _state_dict_reads_host_copies(swapper: SwapperView, index: int):
     def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         # state_dict() must read the true values, not the placeholder at rest.
         layer = swapper.layers[index]
@@ -109,7 +118,7 @@ def _state_dict_reads_host_copies(swapper: WeightSwapper, index: int):
     return hook
 
 
-def _load_writes_host_copies(swapper: WeightSwapper, index: int):
+def _load_writes_host_copies(swapper: SwapperView, index: int):
     def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
         layer = swapper.layers[index]
         mine = {id(p) for p in layer.params}
@@ -125,7 +134,7 @@ def _load_writes_host_copies(swapper: WeightSwapper, index: int):
     return hook
 
 
-def _load_done(swapper: WeightSwapper, index: int):
+def _load_done(swapper: SwapperView, index: int):
     def hook(module: nn.Module, incompatible_keys: Any) -> None:
         layer = swapper.layers.get(index)
         if layer is not None:
@@ -137,7 +146,7 @@ def _load_done(swapper: WeightSwapper, index: int):
 class _ConvertingApply:
     """`module._apply` of a swapped layer (what `.to()`, `.half()`, `.cuda()` call)."""
 
-    def __init__(self, swapper: WeightSwapper, index: int, module: nn.Module):
+    def __init__(self, swapper: SwapperView, index: int, module: nn.Module):
         self.swapper, self.index, self.module = swapper, index, Ref(module)
 
     def __call__(self, fn: Any, recurse: bool = True) -> Any:
@@ -189,7 +198,7 @@ class ModelGuards:
     refused before any module loads (the layers' own hooks would refuse halfway through), and
     PEFT's merge is refused before any layer merges."""
 
-    def __init__(self, swapper: WeightSwapper):
+    def __init__(self, swapper: SwapperView):
         self.swapper = swapper
         self._handles: list[Any] = []
         self._patches = InstancePatches()
