@@ -268,6 +268,40 @@ def test_a_load_hands_peft_the_bytes_it_verified(tmp_path, monkeypatch):
     assert _whole(resumed) == (3, 8) and raced
 
 
+def test_a_load_that_cannot_lock_the_folder_reads_again_when_a_commit_came_in_between(tmp_path, monkeypatch):
+    """A folder this process cannot write (another account's) is read without its lock: a save
+    committing between the config and the adapters makes the copy fail its check, and the load
+    reads again, getting the newer save whole instead of an error or a mix."""
+    folder = tmp_path / "out"
+    a, b = _lora_cm(alpha=8), _lora_cm(alpha=32, seed=1)
+    _mark(a, 1)
+    a.save_pretrained(folder)
+    real_take, real_copy = transaction._take_lock, transaction._copy_in
+    state = {"reading": False, "raced": 0, "unlocked": 0}
+
+    def take_lock(path, *, wait, remove):
+        if state["reading"] and os.path.basename(path) == transaction.FOLDER_LOCK:
+            state["unlocked"] += 1
+            return transaction.Lock(None, path, remove)  # what a read-only folder gives
+        return real_take(path, wait=wait, remove=remove)
+
+    def copy_in(source, copy, relative):
+        done = real_copy(source, copy, relative)
+        if relative == "checkpoint_config.json" and not state["raced"]:
+            state["raced"], state["reading"] = 1, False
+            _mark(b, 2)
+            b.save_pretrained(folder)  # another process's save, between the config and the adapters
+            state["reading"] = True
+        return done
+
+    monkeypatch.setattr(transaction, "_take_lock", take_lock)
+    monkeypatch.setattr(transaction, "_copy_in", copy_in)
+    state["reading"] = True
+    loaded = CheckpointedModel.from_pretrained(tiny_model(), folder)
+    state["reading"] = False
+    assert _whole(loaded) == (2, 32) and state["raced"] == 1 and state["unlocked"] == 2
+
+
 # -- crashes of a Trainer checkpoint -------------------------------------------------------------------
 
 
