@@ -17,8 +17,9 @@ anything else there (a training log, `checkpoint-500/`, the user's README):
    they replace is written, and each file is renamed into place; the staging folder goes.
 
 A load takes the same lock, recovers, and copies the files it needs (the config first, then
-the files it names) into a private folder, then lets go; it checks the copy (fingerprints) and
-hands PEFT the copy. So every load returns one whole save, the save that commits last wins
+the files it names) into a private folder (in the system's temporary folder, which needs room
+for one copy of the adapters), then lets go; it checks the copy (fingerprints) and hands PEFT
+the copy. So every load returns one whole save, the save that commits last wins
 whole, and a load never waits for a save longer than one commit.
 
 A crash before the manifest leaves the folder untouched (the staging folder is dropped by the
@@ -344,7 +345,7 @@ def read_pair(
     `FolderChanged` reads again."""
     folder = os.path.abspath(os.fspath(folder))
     for attempt in range(1, _READ_ATTEMPTS + 1):
-        with tempfile.TemporaryDirectory(prefix="remat-load-") as copy:
+        with tempfile.TemporaryDirectory(prefix="remat-load-", ignore_cleanup_errors=True) as copy:
             with _folder_lock(folder) as lock:
                 if lock.held:
                     _recover(folder)
