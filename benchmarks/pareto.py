@@ -1,37 +1,45 @@
-"""The planner against transformers' native choices: step time against held bytes.
+"""The planner against transformers' native choices: step time against memory, both scopes.
 
-    python benchmarks/pareto.py --preset small      # the CPU figure in RESULTS.md
+    python benchmarks/pareto.py --preset small      # the CPU tables in RESULTS.md
 
-One model, one batch. Native checkpointing offers every layer, every 2nd, 3rd, 4th, or none
-(`every_n_layers` through transformers' own enable, on a second copy of the model with the
-same weights). For budgets from "everything checkpointed" to "nothing checkpointed" (each
-native option's held bytes, and the points halfway between them), `cm.plan_for_budget` makes a
-map on the remat copy. Every setting is then measured the same way: activation bytes held for
-backward after forward (`remat.measure`) and step time, alternated over the repeats, medians.
+One model, one batch, an AdamW over the LoRA weights. Native checkpointing offers every layer,
+every 2nd, 3rd, 4th, or none (`every_n_layers` through transformers' own enable, on a second copy
+of the model with the same weights). remat profiles once (`cm.profile(batch, optimizer=...)`,
+timed: its cost in training steps), then plans, without running the model again:
 
-For each budget the table compares the planner's map with the fastest native option that fits
-it; the check is that the planner is never slower (ratio <= 1.02) and faster where native's
-coarse steps leave budget unused. Writes JSON and a PNG (time against held bytes: native's
-options and the planner's maps).
+- scope "activations": for budgets from "everything checkpointed" to "nothing checkpointed"
+  (each native option's held bytes, and the points halfway between);
+- scope "step": for budgets at each native option's step peak and halfway between.
+
+Every setting is then measured the same way: held activations after forward (a dispatch-mode
+count written here, device bytes only), the peak of a whole training step (forward, backward,
+optimizer step, after a first step made the optimizer's state: torch's `MemTracker` on a CPU,
+`torch.cuda.max_memory_allocated` on a GPU), and step time, alternated over the repeats, medians.
+Each planned map is compared with the fastest native option that fits its budget, and its
+predicted step time with the measured one. Writes JSON and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import itertools
 import json
 import statistics
 import sys
+import time
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from tqdm.auto import tqdm
 
 from remat import CheckpointedModel
-from remat.measure import held_bytes_after, weight_storages
 
 HERE = Path(__file__).resolve().parent
 
@@ -52,9 +60,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--repeats", type=int, default=9, help="alternated timed steps per setting")
-    parser.add_argument("--plan-repeats", type=int, default=3, help="timed steps per policy while planning")
+    parser.add_argument("--plan-repeats", type=int, default=3, help="timed steps per policy while profiling")
     parser.add_argument("--every-n", type=int, nargs="*", default=[1, 2, 3, 4])
     parser.add_argument("--out", type=Path, default=HERE / "out")
+    parser.add_argument(
+        "--scopes",
+        nargs="*",
+        default=["activations", "step"],
+        choices=["activations", "step"],
+        help="which budgets to plan (step peaks are measured with MemTracker: slow on a CPU at the small preset)",
+    )
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     transformers.logging.set_verbosity_error()
@@ -65,6 +80,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     native_model = run.build(preset, preset["layers"], dtype, args.device)
     cm = CheckpointedModel(run.build(preset, preset["layers"], dtype, args.device))
+    optimizers = {id(m): _optimizer(m) for m in (native_model, cm)}
 
     def native(every_n: int | None):
         if every_n is None:
@@ -76,16 +92,33 @@ def main(argv: list[str] | None = None) -> dict:
     settings = {f"native every_n_layers={n}": native(n) for n in every_n}
     settings["native none"] = native(None)
     held = {name: _held(apply(), batch) for name, apply in settings.items()}
+    stepping = "step" in args.scopes
+    peaks = {name: _peak(apply(), batch, optimizers[id(native_model)]) for name, apply in settings.items() if stepping}
 
-    levels = sorted(set(held.values()))
-    budgets = sorted({*levels, *((a + b) // 2 for a, b in itertools.pairwise(levels))})
+    # the cost of profiling, in steps of the wrapper as it is before planning (every layer recomputed)
+    before = [run.step(cm, batch) for _ in range(3)]
+    started = time.perf_counter()
+    profile = cm.profile(batch, optimizer=optimizers[id(cm)], repeats=args.plan_repeats, progress=not args.quiet)
+    profiling_s = time.perf_counter() - started
+    step_s = statistics.median([*before, *(run.step(cm, batch) for _ in range(2))])
+
     plans = {}
-    for budget in tqdm(budgets, desc="planning", disable=args.quiet):
-        config = cm.plan_for_budget(batch, budget, repeats=args.plan_repeats)
-        name = f"planned for {budget / 2**20:.2f} MiB"
-        plans[name] = (budget, config)
-        settings[name] = run.remat_setting(cm, config)
-        held[name] = _held(settings[name](), batch)
+    for scope, levels in (("activations", held), ("step", peaks)):
+        if scope not in args.scopes:
+            continue
+        marks = sorted(set(levels.values()))
+        for budget in sorted({*marks, *((a + b) // 2 for a, b in itertools.pairwise(marks))}):
+            try:
+                config = profile.plan(budget, scope=scope)
+            except ValueError as err:  # below every map: said in the table
+                plans[f"{scope} {budget}"] = (scope, budget, None, str(err).split(":")[0])
+                continue
+            name = f"planned ({scope}) for {budget / 2**20:.2f} MiB"
+            plans[name] = (scope, budget, config, None)
+            settings[name] = run.remat_setting(cm, config)
+            held[name] = _held(settings[name](), batch)
+            if stepping:
+                peaks[name] = _peak(settings[name](), batch, optimizers[id(cm)])
 
     times: dict[str, list[float]] = {name: [] for name in settings}
     for _ in tqdm(range(args.repeats), desc="alternating repeats", disable=args.quiet):
@@ -93,22 +126,31 @@ def main(argv: list[str] | None = None) -> dict:
             times[name].append(run.step(apply(), batch))
     medians = {name: statistics.median(values) for name, values in times.items()}
 
-    rows = []
-    for name, (budget, config) in plans.items():
-        fitting = [n for n in settings if n.startswith("native") and held[n] <= budget]
+    rows, refusals = [], []
+    for name, (scope, budget, config, refused) in plans.items():
+        if config is None:
+            refusals.append({"scope": scope, "budget_bytes": budget, "refused": refused})
+            continue
+        measure = held if scope == "activations" else peaks
+        fitting = [n for n in settings if n.startswith("native") and measure[n] <= budget]
         best = min(fitting, key=lambda n: medians[n]) if fitting else None
+        predicted = config.predicted_device_bytes if scope == "activations" else config.predicted_peak_bytes
         rows.append(
             {
+                "scope": scope,
                 "budget_bytes": budget,
                 "planned": {
                     p: sum(1 for c in config.choices if c.policy == p)
                     for p in ("none", "selective", "recompute", "offload")
                 },
+                "planned_bytes": measure[name],
                 "planned_held_bytes": held[name],
-                "planned_predicted_bytes": config.predicted_device_bytes,
+                "planned_peak_bytes": peaks.get(name),
+                "planned_predicted_bytes": predicted,
                 "planned_step_s": medians[name],
+                "planned_predicted_step_s": config.predicted_seconds,
                 "native_best": best,
-                "native_held_bytes": held[best] if best else None,
+                "native_bytes": measure[best] if best else None,
                 "native_step_s": medians[best] if best else None,
                 "ratio": medians[name] / medians[best] if best else None,
             }
@@ -118,84 +160,196 @@ def main(argv: list[str] | None = None) -> dict:
         "preset": args.preset,
         "device": args.device,
         "repeats": args.repeats,
+        "profiling": {
+            "seconds": profiling_s,
+            "step_s": step_s,
+            "steps_worth": profiling_s / step_s,
+            "plan_repeats": args.plan_repeats,
+        },
         "native": [
-            {"setting": n, "held_bytes": held[n], "step_s": medians[n]} for n in settings if n.startswith("native")
+            {"setting": n, "held_bytes": held[n], "peak_bytes": peaks.get(n), "step_s": medians[n]}
+            for n in settings
+            if n.startswith("native")
         ],
         "native_every_n": every_n,
         "budgets": rows,
+        "refused": refusals,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"pareto-{args.preset}-{args.device}"
     (args.out / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
     plot(results, args.out / f"{stem}.png")
+    profile.plot(scope="step" if stepping else "activations").savefig(
+        args.out / f"frontier-{args.preset}-{args.device}.png", dpi=110
+    )
     if not args.quiet:
         print(markdown(results))
     return results
 
 
+def _optimizer(model) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+
+class _Outputs(TorchDispatchMode):
+    """Weak references to every tensor an op returns (written here: no remat code measures remat)."""
+
+    def __init__(self):
+        super().__init__()
+        self.refs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.refs += [weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        return out
+
+
 def _held(model, batch) -> int:
-    device = next(model.parameters()).device  # device bytes: an offloaded input waits on the host
-    loss, held = held_bytes_after(lambda: model(**batch).loss, weight_storages(model), device)
+    """Activation bytes alive after forward, on the model's device (an offloaded input waits on the host)."""
+    device = next(model.parameters()).device
+    weights = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    mode = _Outputs()
+    with mode:
+        loss = model(**batch).loss
+    gc.collect()
+    seen = {}
+    for ref in mode.refs:
+        t = ref()
+        if t is None or t.device != device:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights and storage.data_ptr() != 0:
+            seen[storage.data_ptr()] = storage.nbytes()
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return held
+    return sum(seen.values())
+
+
+class _NoHook:
+    def remove(self):
+        pass
+
+
+def _peak(model, batch, optimizer) -> int:
+    """The peak of a whole training step after a first one made the optimizer's state (MemTracker
+    on a CPU, the allocator's peak on a GPU). Parameters and optimizer state are put back."""
+    saved = {p: p.detach().clone() for g in optimizer.param_groups for p in g["params"]}
+
+    def step():
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    if next(model.parameters()).is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        tracker.track_external(model, optimizer, *[v for v in batch.values() if isinstance(v, torch.Tensor)])
+        with tracker:
+            for p in model.parameters():  # torch 2.13's MemTracker hooks every parameter; frozen ones refuse
+                if not p.requires_grad:
+                    tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+            step()
+        peak = int(sum(counts["Total"] for counts in tracker.get_tracker_snapshot("peak").values()))
+    with torch.no_grad():
+        for p, value in saved.items():
+            p.copy_(value)
+    optimizer.state.clear()  # as it was: made fresh, never stepped
+    return peak
 
 
 def markdown(results: dict) -> str:
     mib = lambda b: f"{b / 2**20:.2f}"
+    ms = lambda s: f"{s * 1e3:.1f}"
+    cost = results["profiling"]
     lines = [
-        "| native option | held MiB | step ms |",
-        "| --- | --- | --- |",
-        *(f"| {r['setting']} | {mib(r['held_bytes'])} | {r['step_s'] * 1e3:.1f} |" for r in results["native"]),
+        f"profiling: {cost['seconds']:.1f} s = {cost['steps_worth']:.1f} steps of {ms(cost['step_s'])} ms "
+        f"(every layer recomputed; repeats={cost['plan_repeats']})",
         "",
-        "| budget MiB | planner's map (none / selective / recompute / offload) | held MiB (predicted) | step ms "
-        "| fastest native that fits | its held MiB | its step ms | planner / native |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| native option | held MiB | step peak MiB | step ms |",
+        "| --- | --- | --- | --- |",
+        *(
+            f"| {r['setting']} | {mib(r['held_bytes'])} | {mib(r['peak_bytes']) if r['peak_bytes'] else ''} "
+            f"| {ms(r['step_s'])} |"
+            for r in results["native"]
+        ),
     ]
-    for r in results["budgets"]:
-        counts = " / ".join(str(r["planned"][p]) for p in ("none", "selective", "recompute", "offload"))
-        native = r["native_best"] or "nothing fits"
-        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
-        native_held = mib(r["native_held_bytes"]) if r["native_held_bytes"] is not None else ""
-        native_ms = f"{r['native_step_s'] * 1e3:.1f}" if r["native_step_s"] is not None else ""
-        lines.append(
-            f"| {mib(r['budget_bytes'])} | {counts} | {mib(r['planned_held_bytes'])} "
-            f"({mib(r['planned_predicted_bytes'])}) | {r['planned_step_s'] * 1e3:.1f} | {native} | {native_held} "
-            f"| {native_ms} | {ratio} |"
-        )
+    for scope, what in (("activations", "held MiB"), ("step", "step peak MiB")):
+        if not any(r["scope"] == scope for r in results["budgets"]):
+            continue
+        lines += [
+            "",
+            f'scope="{scope}":',
+            "",
+            f"| budget MiB | planner's map (none / selective / recompute / offload) | {what} (predicted) "
+            "| step ms (predicted) | fastest native that fits | its MiB | its step ms | planner / native |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in results["refused"]:
+            if r["scope"] == scope:
+                lines.append(f"| {mib(r['budget_bytes'])} | refused: {r['refused']} | | | | | | |")
+        for r in results["budgets"]:
+            if r["scope"] != scope:
+                continue
+            counts = " / ".join(str(r["planned"][p]) for p in ("none", "selective", "recompute", "offload"))
+            native = r["native_best"] or "nothing fits"
+            ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
+            native_bytes = mib(r["native_bytes"]) if r["native_bytes"] is not None else ""
+            native_ms = ms(r["native_step_s"]) if r["native_step_s"] is not None else ""
+            lines.append(
+                f"| {mib(r['budget_bytes'])} | {counts} | {mib(r['planned_bytes'])} "
+                f"({mib(r['planned_predicted_bytes'])}) | {ms(r['planned_step_s'])} "
+                f"({ms(r['planned_predicted_step_s'])}) | {native} | {native_bytes} | {native_ms} | {ratio} |"
+            )
     return "\n".join(lines)
 
 
 def plot(results: dict, path: Path) -> None:
-    """Measured step time against measured held bytes, for native's options and the planner's
-    maps; each drawn with its frontier: the fastest step available at each budget (a staircase,
-    since a budget between two options gets the one below)."""
+    """Measured step time against measured bytes, per scope, for native's options and the
+    planner's maps; each drawn with its frontier: the fastest step available at each budget (a
+    staircase, since a budget between two options gets the one below)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
-    native = sorted((r["held_bytes"] / 2**20, r["step_s"] * 1e3, r["setting"]) for r in results["native"])
-    planned = sorted((r["planned_held_bytes"] / 2**20, r["planned_step_s"] * 1e3) for r in results["budgets"])
-    right = max(x for x, *_ in native + planned) * 1.03
-    for points, color, marker, label in (
-        (native, "#d08c40", "s", "native: every_n_layers 1..4, none"),
-        (planned, "#3a78b5", "o", "remat plan_for_budget"),
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, (scope, key, label) in zip(
+        axes,
+        (("activations", "held_bytes", "activation MiB held for backward"), ("step", "peak_bytes", "step peak MiB")),
+        strict=True,
     ):
-        xs, ys = [p[0] for p in points], [p[1] for p in points]
-        frontier = [min(ys[: i + 1]) for i in range(len(ys))]
-        ax.step([*xs, right], [*frontier, frontier[-1]], where="post", color=color, alpha=0.5, linewidth=1)
-        ax.scatter(xs, ys, color=color, marker=marker, label=label, zorder=3)
-    for x, y, name in native:
-        ax.annotate(name.replace("native ", ""), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-    ax.set(
-        xlabel="activation MiB held for backward (measured)",
-        ylabel="median step ms",
-        title=f"{results['preset']} on {results['device']}: the fastest step at each budget",
-    )
-    ax.legend(fontsize=8)
+        native = sorted((r[key] / 2**20, r["step_s"] * 1e3, r["setting"]) for r in results["native"] if r[key])
+        planned = sorted(
+            (r["planned_bytes"] / 2**20, r["planned_step_s"] * 1e3) for r in results["budgets"] if r["scope"] == scope
+        )
+        if not native:
+            ax.set_visible(False)
+            continue
+        right = max(x for x, *_ in native + planned) * 1.03
+        for points, color, marker, name in (
+            (native, "#d08c40", "s", "native: every_n_layers 1..4, none"),
+            (planned, "#3a78b5", "o", f'remat profile.plan(scope="{scope}")'),
+        ):
+            if not points:
+                continue
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            frontier = [min(ys[: i + 1]) for i in range(len(ys))]
+            ax.step([*xs, right], [*frontier, frontier[-1]], where="post", color=color, alpha=0.5, linewidth=1)
+            ax.scatter(xs, ys, color=color, marker=marker, label=name, zorder=3)
+        for x, y, name in native:
+            ax.annotate(name.replace("native ", ""), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set(xlabel=f"{label} (measured)", ylabel="median step ms", title=f'scope="{scope}"')
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{results['preset']} on {results['device']}: the fastest step at each budget")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -167,6 +167,20 @@ def test_tokens_scale_activations_and_time_not_the_weights():
             m.scaled(bad)
 
 
+def test_tokens_with_a_second_length_fit_what_grows_with_its_square():
+    """Bytes measured at 50 and 100 tokens: a figure that grows faster than the tokens is fitted
+    as a*t + b*t**2 (attention scores), one that grows slower as a line (a fixed part)."""
+    long = measurements([layer(0, none=300, recompute=100)], outside=(40, 40), tokens=100)
+    short = measurements([layer(0, none=100, recompute=50)], outside=(30, 30), tokens=50)
+    m = Measurements(**{**long.__dict__, "shorter": short})
+    double = m.scaled(200)
+    # none: 100 at 50, 300 at 100 -> a = 1, b = 0.02 -> 200 + 800 at 200
+    assert double.layers[0].held["none"] == (1000, 0)
+    assert double.layers[0].held["recompute"] == (200, 0)  # in proportion: a line through the origin
+    assert double.outside == Outside(60, 60)  # 30 at 50, 40 at 100: a line with a fixed part
+    assert double.shorter is None and double.layers[0].seconds["recompute"] == 2.0
+
+
 def test_a_profile_plans_without_a_model_and_names_the_smallest_budget():
     m = measurements([layer(0), layer(1), layer(2)])
     profile = Profile(m, CheckpointConfig(), ("a note",), 0.0)

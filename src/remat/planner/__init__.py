@@ -8,9 +8,10 @@
 
 Three rooms with one job each:
 
-- `measuring`: the training steps (bytes per layer and policy from `remat.report`, the step's
-  peak from torch's `MemTracker`, times against "recompute everywhere"), and putting the model
-  back as it was afterwards (`remat.snapshot`).
+- `measuring`: the training steps (bytes per layer and policy from `remat.report`, at two
+  lengths when the batch is plain text; the step's peak counted as torch's `MemTracker` counts it, in `peak`;
+  times against "recompute everywhere", in `timing`), and putting the model back as it was
+  afterwards (`remat.snapshot`).
 - `chooser`: a pure function of the measurements (no torch, no model): every undominated
   combination of per-layer policies, the fastest one that fits a budget, the frontier.
 - `profile`: `Profile` (measurements + `plan` / `frontier` / `plot`) and `PlannedConfig`, the
@@ -68,7 +69,21 @@ def profile_model(
     measurements, notes = measure(
         state, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats, progress=progress
     )
-    return Profile(measurements, config, tuple(notes), time.perf_counter() - started)
+    return Profile(measurements, config, tuple(notes), time.perf_counter() - started, native_every_n=_native_every_n())
+
+
+def _native_every_n() -> tuple[int, ...]:
+    """The `every_n_layers` transformers' own enable offers on this version (every layer only,
+    before 5.16): the native options `profile.plot()` marks."""
+    import inspect
+
+    import transformers
+
+    from ..integrations.transformers_compat import ENABLE_ROUTES
+
+    routes = [getattr(transformers.PreTrainedModel, name, None) for name in ENABLE_ROUTES]
+    takes = any(r is not None and "every_n_layers" in inspect.signature(r).parameters for r in routes)
+    return (1, 2, 3, 4) if takes else (1,)
 
 
 def plan_for_budget(

@@ -70,31 +70,80 @@ class Measurements:
     tokens: int
     step: StepMemory | None = None
 
+    shorter: Measurements | None = None  # the same bytes at a shorter length, when measured
+
     def scaled(self, tokens: int | None) -> Measurements:
-        """The same measurements for a batch of `tokens` tokens: activation bytes and seconds in
-        proportion to the tokens (what a layer holds and costs grows with batch x sequence length
-        under SDPA and flash attention; eager attention's scores grow with the square of the
-        sequence length, and are not modelled). Weights, gradients and optimizer state do not scale."""
+        """The same measurements for a batch of `tokens` tokens. Bytes: with measurements at a
+        second length (`shorter`), each figure is fitted through both, as `a*t + b*t**2` where it
+        grows faster than the tokens (attention scores and masks grow with the square of the
+        sequence length) and as a straight line otherwise; with one length, in proportion to the
+        tokens. Seconds: in proportion to the tokens. Weights and optimizer state (in the step's
+        extras) stay as they are. Read `tokens` as the profiled batch size with longer or shorter
+        sequences; a larger batch of the same sequences grows in proportion, which this
+        over-estimates when attention is quadratic (a safe side)."""
         if tokens is None or tokens == self.tokens:
             return self
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise ValueError(f"tokens must be an int >= 1 (batch x sequence length), got {tokens!r}")
         ratio = tokens / self.tokens
-        grow = lambda b: round(b * ratio)
-        layers = tuple(
-            dataclasses.replace(
-                p,
-                input_bytes=grow(p.input_bytes),
-                held={k: (grow(d), grow(h)) for k, (d, h) in p.held.items()},
-                seconds={k: s * ratio for k, s in p.seconds.items()},
+        short = self.shorter
+
+        def grow(value: int, before: int | None) -> int:
+            if short is None or before is None:
+                return round(value * ratio)
+            return _fit(short.tokens, before, self.tokens, value, tokens)
+
+        def pair(now: tuple[int, int], before: tuple[int, int] | None) -> tuple[int, int]:
+            return (grow(now[0], before and before[0]), grow(now[1], before and before[1]))
+
+        layers = []
+        for i, p in enumerate(self.layers):
+            old = short.layers[i] if short is not None else None
+            layers.append(
+                dataclasses.replace(
+                    p,
+                    input_bytes=grow(p.input_bytes, old and old.input_bytes),
+                    held={k: pair(v, old.held.get(k) if old else None) for k, v in p.held.items()},
+                    seconds={k: s * ratio for k, s in p.seconds.items()},
+                )
             )
-            for p in self.layers
+        alone = None
+        if self.alone is not None:
+            before = short.alone if short is not None and short.alone is not None else [None] * len(self.alone)
+            alone = tuple(pair(v, b) for v, b in zip(self.alone, before, strict=True))
+        outside = Outside(
+            grow(self.outside.checkpointing, short and short.outside.checkpointing),
+            grow(self.outside.not_checkpointing, short and short.outside.not_checkpointing),
         )
-        alone = None if self.alone is None else tuple((grow(d), grow(h)) for d, h in self.alone)
-        outside = Outside(grow(self.outside.checkpointing), grow(self.outside.not_checkpointing))
+        step = self.step
+        if step is not None and short is not None and short.step is not None:
+            extras = {
+                k: _fit(short.tokens, short.step.extras[k], self.tokens, v, tokens) if k in short.step.extras else v
+                for k, v in step.extras.items()
+            }
+            step = StepMemory(extras)
         return dataclasses.replace(
-            self, layers=layers, alone=alone, outside=outside, base_seconds=self.base_seconds * ratio, tokens=tokens
+            self,
+            layers=tuple(layers),
+            alone=alone,
+            outside=outside,
+            base_seconds=self.base_seconds * ratio,
+            tokens=tokens,
+            step=step,
+            shorter=None,
         )
+
+
+def _fit(x1: int, y1: int, x2: int, y2: int, x: int) -> int:
+    """A figure measured at two sizes (x1 < x2), at size x: `a*x + b*x**2` through both when it
+    grows faster than the size, else the straight line through both; never below zero."""
+    if x1 == x2:
+        return round(y2 * x / x2)
+    if y2 * x1 > y1 * x2:
+        b = (y2 * x1 - y1 * x2) / (x1 * x2 * (x2 - x1))
+        a = (y1 - b * x1 * x1) / x1
+        return max(0, round(a * x + b * x * x))
+    return max(0, round(y1 + (y2 - y1) * (x - x1) / (x2 - x1)))
 
 
 class Combination(NamedTuple):

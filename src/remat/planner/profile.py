@@ -69,11 +69,19 @@ class Profile:
         config: the config the profile was taken under (the base of every plan).
         notes: what the measuring could not do, or did differently (shown with each plan).
         profiling_seconds: how long the measuring took.
+        native_every_n: the `every_n_layers` transformers' own enable offers on this version
+            (marked by `plot`).
     """
 
     def __init__(
-        self, measurements: Measurements, config: CheckpointConfig, notes: tuple[str, ...], profiling_seconds: float
+        self,
+        measurements: Measurements,
+        config: CheckpointConfig,
+        notes: tuple[str, ...],
+        profiling_seconds: float,
+        native_every_n: tuple[int, ...] = (1, 2, 3, 4),
     ):
+        self.native_every_n = native_every_n
         self.measurements = measurements
         self.config = config
         self.notes = notes
@@ -118,12 +126,13 @@ class Profile:
     def plot(self, *, scope: str = "activations", tokens: int | None = None, native: bool = True) -> Any:
         """A matplotlib Figure of the frontier: predicted step time against predicted bytes, with
         transformers' native options (`every_n_layers` 1..4, and no checkpointing) marked where
-        this profile can price them (`native=False` leaves them out)."""
+        this profile can price them and this transformers offers them (`native=False` leaves
+        them out)."""
         from .plot import frontier_figure
 
         m = self.measurements.scaled(tokens)
         points = [(p.device_bytes, p.seconds) for p in frontier(m, scope)]
-        marks = _native_points(m, scope) if native else {}
+        marks = _native_points(m, scope, self.native_every_n) if native else {}
         return frontier_figure(points, marks, scope=scope, tokens=m.tokens)
 
     def _config(self, chosen: Plan, budget: int, tokens: int) -> PlannedConfig:
@@ -147,13 +156,13 @@ class Profile:
         )
 
 
-def _native_points(m: Measurements, scope: str) -> dict[str, tuple[float, float]]:
+def _native_points(m: Measurements, scope: str, every_n: tuple[int, ...]) -> dict[str, tuple[float, float]]:
     """transformers' own options, priced from the profile: every n-th layer recomputed, or none."""
     from .chooser import Combination, _layer_choices, checkpoints
 
     n = len(m.layers)
     out: dict[str, tuple[float, float]] = {}
-    maps = {f"every_n_layers={k}": ["recompute" if i % k == 0 else "none" for i in range(n)] for k in (1, 2, 3, 4)}
+    maps = {f"every_n_layers={k}": ["recompute" if i % k == 0 else "none" for i in range(n)] for k in every_n}
     maps["no checkpointing"] = ["none"] * n
     for label, policies in maps.items():
         if any(p not in opts for p, opts in zip(policies, m.options, strict=True)):
