@@ -2,11 +2,13 @@
 instance (and on the model while anything is swapped), undone when the layer leaves the set.
 
 - Forward: the layer's pre-hook fetches its weights (the schedule), its post-hook gives them
-  back. Two calls are refused before anything runs, because they would be silently wrong:
-  a layer running in eval mode with gradients enabled (not checkpointed, so autograd would
-  keep views of a slot the next fetch overwrites), and `torch.compile` (a compiled graph takes
-  the parameters as inputs and cannot follow `p.data` changing inside a hook; inductor would
-  fail deep inside with "set_ on a graph input").
+  back. A layer running in eval mode with gradients enabled is refused before anything runs
+  (not checkpointed, so autograd would keep views of a slot the next fetch overwrites).
+- `torch.compile` never traces these two hooks (`torch.compiler.disable`): traced, pointing
+  `p.data` at a slot is a `set_` on a graph input, which inductor cannot compile. Run eagerly,
+  they split the graph around them: the compiled code before the layer, the hook, then the
+  compiled layer reading its parameters as they now are. Before transformers 5.23 the hooks
+  run inside the checkpoint call, which dynamo runs eagerly anyway.
 - `state_dict()` reads the host copies (the true values); `load_state_dict()` writes into them
   (`assign=True` is refused: it would replace the parameters the swap keeps).
 - `.to()`, `.half()`, `.cuda()` and friends convert the host copies and placeholders too, so
@@ -44,8 +46,8 @@ def guard_layer(swapper: SwapperView, layer: SwappedLayer, module: nn.Module) ->
     """Hooks and instance patches on one swapped layer (kept on `layer`, removed by `unguard_layer`)."""
     index = layer.index
     layer.handles += [
-        module.register_forward_pre_hook(_before_forward(swapper, index, layer.name)),
-        module.register_forward_hook(_after_forward(swapper, index), always_call=True),
+        module.register_forward_pre_hook(torch.compiler.disable(_before_forward(swapper, index))),
+        module.register_forward_hook(torch.compiler.disable(_after_forward(swapper, index)), always_call=True),
         module.register_state_dict_post_hook(_state_dict_reads_host_copies(swapper, index)),
         module.register_load_state_dict_pre_hook(_load_writes_host_copies(swapper, index)),
         module.register_load_state_dict_post_hook(_load_done(swapper, index)),
@@ -64,14 +66,12 @@ def unguard_layer(layer: SwappedLayer) -> None:
     layer.patches.undo()
 
 
-def _before_forward(swapper: SwapperView, index: int, name: str):
+def _before_forward(swapper: SwapperView, index: int):
     schedule = swapper.schedule
 
     def hook(module: nn.Module, args: Any) -> None:
         if schedule.in_recompute:
             return
-        if torch.compiler.is_compiling():
-            _refuse_compile(index, name)
         if torch.is_grad_enabled() and not module.training:
             raise RuntimeError(
                 f"block swap: layer {index} ran in eval mode with gradients enabled. Its weights go back to "
@@ -81,18 +81,6 @@ def _before_forward(swapper: SwapperView, index: int, name: str):
         schedule.before_forward(index)
 
     return hook
-
-
-@torch.compiler.assume_constant_result
-def _refuse_compile(index: int, name: str) -> None:
-    """Raised while torch.compile traces the layer's hook. Dynamo runs a function marked
-    `assume_constant_result` for real while tracing, so this error reaches the caller; a plain
-    `raise` in traced code would be turned into a graph break and fail later, inside inductor."""
-    raise RuntimeError(
-        f"block swap cannot run under torch.compile: layer {index} ({name}) fetches its frozen weights from host "
-        "memory into its parameters before each call, which a compiled graph cannot follow. Compile without block "
-        "swap (cm.enable(cm.config.replace(swap_layers=0)), then compile), or train uncompiled. Nothing ran."
-    )
 
 
 def _after_forward(swapper: SwapperView, index: int):
