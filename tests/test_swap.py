@@ -278,6 +278,22 @@ def test_cuda_swap_is_exact_and_bounded():
     assert controller_of(cm).swapper.peak_resident_bytes <= controller_of(cm).swapper.pool_bytes
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_torch_compile_with_block_swap_trains_exactly():
+    model = add_lora(tiny_model(attention_dropout=0.0)).cuda()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    data = {k: v.cuda() for k, v in batch().items()}
+    _, expected = step_grads(model, named, data)
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[0, 2]))
+    compiled = torch.compile(cm.model)
+    try:
+        for _ in range(3):
+            assert_same_grads(expected, step_grads(compiled, named, data)[1])
+        assert controller_of(cm).swapper.resident_bytes == 0
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_swapped_layer_with_gradients_in_eval_mode_is_refused_not_silently_wrong():
     model, named = _lora_model()
     cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))
