@@ -228,7 +228,7 @@ def test_disable_leaves_in_place_the_wrapper_trl_put_around_a_route():
     assert model.is_gradient_checkpointing, "TRL's wrapper reached transformers' method"
 
 
-@pytest.mark.parametrize("trainer", ["GRPOTrainer", "SFTTrainer"])
+@pytest.mark.parametrize("trainer", ["GRPOTrainer", "SFTTrainer", "DPOTrainer"])
 def test_a_trl_trainer_given_the_wrapper_without_the_mixin_is_refused_before_any_generation(tmp_path, trainer):
     cm = CheckpointedModel(_model(), CheckpointConfig(every_n_layers=2))
     generated = []
@@ -243,6 +243,12 @@ def test_a_trl_trainer_given_the_wrapper_without_the_mixin_is_refused_before_any
             train_dataset=data,
             processing_class=byte_tokenizer(),
         )
+    elif trainer == "DPOTrainer":
+        pairs = datasets.Dataset.from_dict(
+            {"prompt": ["The cat", "A dog"], "chosen": [" sat", " ran"], "rejected": [" x", " y"]}
+        )
+        config = trl.DPOConfig(**_common(tmp_path))
+        build = lambda: trl.DPOTrainer(model=cm, args=config, train_dataset=pairs, processing_class=byte_tokenizer())
     else:
         config = trl.SFTConfig(**_common(tmp_path))
         build = lambda: trl.SFTTrainer(model=cm, args=config, train_dataset=data, processing_class=byte_tokenizer())
