@@ -138,16 +138,14 @@ def test_two_savers_and_a_loader_in_real_processes_see_only_whole_saves(tmp_path
 
 def _trainer_save(cm, folder, value):
     _mark(cm, value)
-    trainer = _trainer_save.trainers.get(id(cm))
-    if trainer is None:
+    trainer = getattr(_trainer_save, "trainer", None)
+    if trainer is None or trainer.checkpointed_model is not cm:  # one trainer per wrapper, built once
         from transformers import TrainingArguments
 
         args = TrainingArguments(output_dir=str(folder), report_to=[], use_cpu=True, max_steps=1)
-        trainer = _trainer_save.trainers[id(cm)] = RematTrainer(model=cm, args=args)
+        trainer = _trainer_save.trainer = RematTrainer(model=cm, args=args)
     trainer.save_model(str(folder))
 
-
-_trainer_save.trainers = {}
 
 SAVE_PATHS = {
     "cm.save_pretrained": lambda cm, folder, value: (_mark(cm, value), cm.save_pretrained(folder)),
