@@ -59,6 +59,14 @@ class ReplacedWrapperError(RuntimeError):
     """This wrapper's model was taken over by another CheckpointedModel."""
 
 
+def controller_of_wrapper(obj: Any) -> Controller | None:
+    """The controller of a `CheckpointedModel`, None for anything else. Rooms below the wrapper
+    (the Trainer mixin) recognise a wrapper by the controller it holds, without importing
+    `remat.model`: only a wrapper keeps a `Controller` as `_controller` in its own `__dict__`."""
+    controller = obj.__dict__.get("_controller") if isinstance(obj, nn.Module) else None
+    return controller if isinstance(controller, Controller) else None
+
+
 def swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tuple[int, str, nn.Module]]:
     return [(p.index, p.name, discovery.layers[p.index].module) for p in checkpoint_map if p.swapped]
 

@@ -35,7 +35,7 @@ import torch
 from transformers import Trainer
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
-from ..model import CheckpointedModel, controller_of
+from ..controller import controller_of_wrapper
 from ..persistence import apply_saved_config
 from ..saving.folder import CONFIG_NAME, recover
 from ..saving.pair_format import save_model_pair
@@ -59,7 +59,7 @@ class RematTrainerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         model = kwargs["model"] if "model" in kwargs else (args[0] if args else None)
-        self.checkpointed_model = model if isinstance(model, CheckpointedModel) else None
+        self.checkpointed_model = model if controller_of_wrapper(model) is not None else None
         if self.checkpointed_model is not None:
             if "model" in kwargs:
                 kwargs["model"] = model.model
@@ -77,7 +77,7 @@ class RematTrainerMixin:
     def call_model_init(self, trial: Any = None) -> Any:
         """`model_init` may return a wrapper too (also on every hyperparameter-search trial)."""
         model = super().call_model_init(trial)  # type: ignore[misc]
-        if isinstance(model, CheckpointedModel):
+        if controller_of_wrapper(model) is not None:
             self.checkpointed_model = model
             return model.model
         return model
@@ -94,7 +94,8 @@ class RematTrainerMixin:
             base_save(output_dir, state_dict=state_dict)
             return
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_model_pair(controller_of(cm), output_dir, lambda staging: base_save(staging, state_dict=state_dict))
+        controller = controller_of_wrapper(cm)
+        save_model_pair(controller, output_dir, lambda staging: base_save(staging, state_dict=state_dict))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         cm = self.checkpointed_model
@@ -123,7 +124,7 @@ class RematTrainerMixin:
             _apply_saved_config(cm, best, "loading the best model")
 
 
-def _saved_whole(cm: CheckpointedModel, folder: str) -> bool:
+def _saved_whole(cm: Any, folder: str) -> bool:
     """Whether the folder's weights are `cm.state_dict()` itself (names with the wrapper's
     prefix), as transformers' Trainer writes them for `Trainer(model=cm)`. Loading those into
     `cm.model` would match no name and silently keep untrained weights."""
@@ -145,7 +146,7 @@ def _saved_names(folder: str) -> set[str]:
     return set()
 
 
-def _apply_saved_config(cm: CheckpointedModel, folder: str | None, cause: str) -> None:
+def _apply_saved_config(cm: Any, folder: str | None, cause: str) -> None:
     """Apply the folder's checkpoint config, if it has one, after checking it (the one load:
     `remat.persistence.apply_saved_config`). A PeftModel's `load_adapter`, through remat's
     override, has already applied the config of the very save whose adapters it loaded: read
@@ -159,7 +160,7 @@ def _apply_saved_config(cm: CheckpointedModel, folder: str | None, cause: str) -
     if getattr(loader, "loaded_from", None) == os.path.abspath(folder):
         loader.loaded_from = None
         return
-    apply_saved_config(controller_of(cm), folder, cause)
+    apply_saved_config(controller_of_wrapper(cm), folder, cause)
 
 
 @functools.cache
