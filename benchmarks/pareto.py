@@ -70,6 +70,11 @@ def main(argv: list[str] | None = None) -> dict:
         choices=["activations", "step"],
         help="which budgets to plan (step peaks are measured with MemTracker: slow on a CPU at the small preset)",
     )
+    parser.add_argument(
+        "--cost-only",
+        action="store_true",
+        help="only the cost of profiling, in CPU seconds of this process (robust to other processes on the machine)",
+    )
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
     transformers.logging.set_verbosity_error()
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> dict:
     preset = run.PRESETS[args.preset]
     dtype = getattr(torch, args.dtype)
     batch = run.make_batch(preset, preset["seq"], args.device)
+    if args.cost_only:
+        return profiling_cost(run, preset, dtype, args, batch)
 
     native_model = run.build(preset, preset["layers"], dtype, args.device)
     cm = CheckpointedModel(run.build(preset, preset["layers"], dtype, args.device))
@@ -185,6 +192,44 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if not args.quiet:
         print(markdown(results))
+    return results
+
+
+def profiling_cost(run, preset, dtype, args, batch) -> dict:
+    """What `cm.profile` costs, in training steps (forward, backward, optimizer step) of the
+    wrapper as it is before planning (every layer recomputed): CPU seconds of this process, so
+    that other processes on a shared machine do not count; medians of 5 steps; without and with
+    an optimizer (the step's peak measured too)."""
+    cm = CheckpointedModel(run.build(preset, preset["layers"], dtype, args.device))
+    optimizer = _optimizer(cm)
+
+    def cpu(work) -> float:
+        start = time.process_time()
+        work()
+        return time.process_time() - start
+
+    def step() -> None:
+        cm(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    cpu(step)  # warm-up: the optimizer's state is made
+    steps = statistics.median(cpu(step) for _ in range(5))
+    without = cpu(lambda: cm.profile(batch, repeats=args.plan_repeats, progress=False))
+    with_optimizer = cpu(lambda: cm.profile(batch, optimizer=optimizer, repeats=args.plan_repeats, progress=False))
+    results = {
+        "command": "python benchmarks/pareto.py " + " ".join(sys.argv[1:]),
+        "preset": args.preset,
+        "threads": torch.get_num_threads(),
+        "step_cpu_s": steps,
+        "profile_cpu_s": without,
+        "profile_with_optimizer_cpu_s": with_optimizer,
+        "steps_worth": without / steps,
+        "steps_worth_with_optimizer": with_optimizer / steps,
+        "plan_repeats": args.plan_repeats,
+    }
+    if not args.quiet:
+        print(json.dumps(results, indent=2))
     return results
 
 

@@ -399,8 +399,8 @@ class CheckpointedModel(nn.Module):
     ) -> Profile:
         """Measure this model on `batch` once, for plans at any budget without running it again:
         `profile.plan(budget, scope="activations" | "step", tokens=None)`, `profile.frontier()`,
-        `profile.plot()`. A few training steps (about 13 steps' worth on the benchmark's small
-        preset with `repeats=3`; a progress bar unless `progress=False`). `loss_fn(outputs,
+        `profile.plot()`. A few training steps (13.6 steps' worth on the benchmark's small preset
+        with `repeats=3`, 14.5 with an optimizer; a progress bar unless `progress=False`). `loss_fn(outputs,
         batch)` gives the loss for a model whose output has none; `optimizer` adds the peak of a
         whole step (for `scope="step"`). Everything is left as it was: the model (config,
         gradients, buffers, counters, RNG), the optimizer, tensors outside the model. See

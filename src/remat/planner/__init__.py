@@ -27,9 +27,11 @@ Time (`predicted_seconds`) is a model of noisy measurements (medians over altern
 floors from physics), never negative. For `tokens` other than the profiled batch's, bytes and
 seconds are scaled in proportion to the tokens (see `Measurements.scaled`).
 
-Cost: measuring is 4 memory steps (3 with a "selective"-less candidate set, one more for offload
-on an accelerator) and `repeats` x 3 timed steps on a CPU: about 13 training steps' worth with
-the default `repeats=3` on the benchmark's small preset (see benchmarks/RESULTS.md).
+Cost: 4 memory steps (one more for offload on an accelerator), the same 4 again at half the
+sequence length when the batch is plain text, and `repeats` x 3 timed steps: 17 forwards with
+the default `repeats=3`. On the benchmark's small preset that is 13.6 training steps' worth
+(14.5 with an optimizer, whose peak is measured too), in CPU seconds against a step with every
+layer recomputed (`python benchmarks/pareto.py --preset small --cost-only`, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
