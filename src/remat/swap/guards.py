@@ -187,7 +187,9 @@ class ModelGuards:
     PEFT's merge is refused before any layer merges."""
 
     def __init__(self, swapper: SwapperView):
-        self.swapper = swapper
+        # Weakly: the swapper owns these guards, and a cycle between the two would keep a dropped
+        # wrapper's swapped weights in host memory until a GC pass.
+        self._swapper = Ref(swapper)
         self._handles: list[Any] = []
         self._patches = InstancePatches()
 
@@ -208,13 +210,18 @@ class ModelGuards:
         self._patches.undo()
 
     def _refuse_assign(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any):
-        swapped_loaded = any(prefix + n in state_dict for n in self.swapper.swapped_names)
+        swapper = self._swapper()
+        if swapper is None:
+            return
+        swapped_loaded = any(prefix + n in state_dict for n in swapper.swapped_names)
         if local_metadata.get("assign_to_params_buffers") and swapped_loaded:
-            raise RuntimeError(assign_refusal(list(self.swapper.layers)))
+            raise RuntimeError(assign_refusal(list(swapper.layers)))
 
     def _refuse_merge(self, *args: Any, **kwargs: Any) -> None:
+        swapper = self._swapper()
+        layers = list(swapper.layers) if swapper is not None else []
         raise RuntimeError(
-            f"block swap keeps the frozen weights of layers {list(self.swapper.layers)} in host memory, and merging "
+            f"block swap keeps the frozen weights of layers {layers} in host memory, and merging "
             "adapters into them is not supported. Bring them home first: cm.enable(cm.config.replace(swap_layers=0)) "
             "(or cm.disable()), then merge. Nothing was merged."
         )
