@@ -14,7 +14,7 @@ from test_trainer import _dataset
 from transformers import TrainerCallback, TrainingArguments
 
 from remat import CheckpointConfig, CheckpointedModel, RematTrainer
-from remat.integrations.transformers_compat import trainer_checkpointing_args
+from remat.testing import trainer_checkpointing_args
 
 
 def _trainable(model):

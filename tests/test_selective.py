@@ -11,8 +11,7 @@ from test_discovery import tiny_llava
 from test_remote_code import _llava_batch, blocks, load_remote
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.integrations.transformers_compat import trainer_checkpointing_args
-from remat.testing import SimulatedTransport
+from remat.testing import SimulatedTransport, trainer_checkpointing_args
 
 SELECTIVE = CheckpointConfig(checkpoint_policy="selective")
 

@@ -10,7 +10,7 @@ from conftest import RecomputeCounter, add_lora, batch, decoder_layers, tiny_mod
 from transformers import Trainer, TrainingArguments
 
 from remat import CheckpointConfig, CheckpointedModel, RematTrainer, remat_trainer_class
-from remat.integrations.transformers_compat import trainer_checkpointing_args
+from remat.testing import trainer_checkpointing_args
 
 STEPS = 3
 

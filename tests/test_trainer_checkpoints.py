@@ -12,7 +12,7 @@ from test_trainer import _dataset
 from transformers import Trainer, TrainingArguments
 
 from remat import CheckpointConfig, CheckpointedModel, RematTrainer, remat_trainer_class
-from remat.integrations.transformers_compat import trainer_checkpointing_args
+from remat.testing import trainer_checkpointing_args
 
 SAVED = CheckpointConfig(every_n_layers=2, layer_policies={3: "recompute"})
 

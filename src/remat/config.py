@@ -227,11 +227,7 @@ class CheckpointConfig:
         fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(CheckpointConfig))
         return f"CheckpointConfig({fields})"
 
-    # -- derived facts -------------------------------------------------------------------------
-
-    @property
-    def swaps_any(self) -> bool:
-        return bool(self.swap_layers)
+    # -- new configs from this one -------------------------------------------------------------
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A new config with `changes` applied, validated like any other."""

@@ -11,10 +11,21 @@ so a test can check that host memory really is given back.
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
+from .integrations.transformers_compat import has_activation_checkpointing_names
 from .transport import DoneEvent, Event, TensorMeta, as_bytes, from_bytes
+
+
+def trainer_checkpointing_args(enabled: bool = True, kwargs: dict | None = None) -> dict[str, Any]:
+    """The `TrainingArguments` keywords that ask Trainer for checkpointing on this transformers
+    version (`activation_checkpointing*` from 5.23, `gradient_checkpointing*` before), for tests
+    that run on every supported release."""
+    if has_activation_checkpointing_names():
+        return {"activation_checkpointing": enabled, "activation_checkpointing_kwargs": kwargs}
+    return {"gradient_checkpointing": enabled, "gradient_checkpointing_kwargs": kwargs}
 
 
 class SimulatedTransport:

@@ -18,7 +18,7 @@ from conftest import add_lora, batch, tiny_model
 from transformers import TrainingArguments
 
 from remat import CheckpointConfig, CheckpointedModel, RematTrainer
-from remat.integrations.transformers_compat import trainer_checkpointing_args
+from remat.testing import trainer_checkpointing_args
 
 
 def main() -> None:

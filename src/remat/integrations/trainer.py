@@ -67,7 +67,12 @@ class RematTrainerMixin:
                 args = (model.model, *args[1:])
         super().__init__(*args, **kwargs)
         cm = self.checkpointed_model
-        if cm is not None and not trainer_asks_for_checkpointing(self.args) and cm.checkpoint_map.checkpointed:
+        if (
+            cm is not None
+            and cm.is_enabled
+            and not trainer_asks_for_checkpointing(self.args)
+            and cm.checkpoint_map.checkpointed
+        ):
             logger.info(
                 "the training arguments do not ask for checkpointing, so Trainer leaves it alone: the wrapper's map "
                 "applies (layers %s checkpointed); cm.disable() trains without checkpointing",

@@ -62,13 +62,6 @@ def routes_defined_on(model: Any) -> tuple[str, ...]:
     return tuple(name for name in (*ENABLE_ROUTES, *DISABLE_ROUTES) if hasattr(type(model), name))
 
 
-def trainer_checkpointing_args(enabled: bool = True, kwargs: dict | None = None) -> dict[str, Any]:
-    """The `TrainingArguments` keywords that ask Trainer for checkpointing on this version."""
-    if has_activation_checkpointing_names():
-        return {"activation_checkpointing": enabled, "activation_checkpointing_kwargs": kwargs}
-    return {"gradient_checkpointing": enabled, "gradient_checkpointing_kwargs": kwargs}
-
-
 def trainer_asks_for_checkpointing(args: Any) -> bool:
     """Whether these `TrainingArguments` ask Trainer to turn checkpointing on."""
     name = "activation_checkpointing" if has_activation_checkpointing_names() else "gradient_checkpointing"
