@@ -53,10 +53,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("remat")
 
 _PLAIN_TRAINER_REFUSED = (
-    "a transformers Trainer (or a subclass, TRL's included) was given the CheckpointedModel itself: it would write "
-    "every weight of the wrapper into each checkpoint, with no checkpoint_config.json, and resume without the map. "
-    "Use remat.RematTrainer(model=cm, ...) in place of transformers.Trainer, or "
-    "remat.remat_trainer_class(YourTrainer)(model=cm, ...) for a subclass (SFTTrainer, GRPOTrainer, DPOTrainer, ...)"
+    "a transformers Trainer (or a subclass, TRL's included) was given the CheckpointedModel itself: it would save "
+    "every weight of the wrapper, no checkpoint_config.json, and resume without the map. Use "
+    "remat.RematTrainer(model=cm, ...) for Trainer, or remat.remat_trainer_class(YourTrainer)(model=cm, ...) for a "
+    "subclass (SFTTrainer, GRPOTrainer, ...). A TRL trainer given peft_config has already added adapters to cm's "
+    "model: build it again, apply get_peft_model before wrapping, and pass no peft_config"
 )
 
 

@@ -27,6 +27,23 @@ class NotOurs(OSError):
 
 _warned_no_locks = False
 
+# What flock answers where the file system has no locks of its own: no locking at all (ENOSYS),
+# NFSv3 without lockd (ENOLCK), and file systems that refuse the operation (EOPNOTSUPP / ENOTSUP,
+# EINVAL on some FUSE mounts). All mean the same here: go ahead unlocked, with one warning.
+_NO_NATIVE_LOCKS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+
+
+def _open_lock_file(path: str) -> int:
+    """A descriptor on the lock file, made if missing. A lock file another account made (0644
+    under umask 022) cannot be opened for writing: it is opened read-only instead, which flock
+    locks all the same, so two accounts sharing a group-writable folder still take turns."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | NOFOLLOW | CLOEXEC, 0o666)
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM):
+            raise
+    return os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC)
+
 
 class Lock:
     """A held lock on a file (or, `fd` None, the absence of one where none can be taken).
@@ -63,10 +80,12 @@ def take_lock(path: str, *, wait: bool, remove: bool) -> Lock | None:
         if os.path.islink(path):
             raise NotOurs(errno.ELOOP, "a symlink where remat's lock file goes", path)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | NOFOLLOW | CLOEXEC, 0o666)
+            fd = _open_lock_file(path)
         except OSError as err:
             if err.errno == errno.ELOOP:
                 raise NotOurs(errno.ELOOP, "a symlink where remat's lock file goes", path) from None
+            if err.errno == errno.ENOENT and os.path.isdir(os.path.dirname(path) or "."):
+                continue  # another account's lock file, removed by its holder as we reopened it
             if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                 return Lock(None, path, remove)
             raise
@@ -74,7 +93,7 @@ def take_lock(path: str, *, wait: bool, remove: bool) -> Lock | None:
             got = filelock.lock_descriptor(fd, blocking=wait, poll_interval=0.005)
         except OSError as err:
             os.close(fd)
-            if err.errno != errno.ENOSYS:
+            if err.errno not in _NO_NATIVE_LOCKS:
                 raise
             if not _warned_no_locks:
                 _warned_no_locks = True
