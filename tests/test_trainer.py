@@ -124,3 +124,18 @@ def test_a_plain_trainer_given_a_model_init_that_returns_the_wrapper_is_refused(
 
     with pytest.raises(TypeError, match=r"RematTrainer\(model=cm"):
         Trainer(model_init=model_init, args=_plain_args(tmp_path), train_dataset=_dataset())
+
+
+def test_the_trainer_says_the_wrappers_map_applies_only_while_the_wrapper_is_enabled(tmp_path, caplog):
+    """With checkpointing not asked of Trainer, RematTrainer says once that the wrapper's map
+    applies; a disabled wrapper has no map running, so nothing is said."""
+    said = "the wrapper's map applies"
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    with caplog.at_level("INFO", logger="remat"):
+        RematTrainer(model=cm, args=_plain_args(tmp_path / "on"), train_dataset=_dataset())
+    assert sum(said in r.getMessage() for r in caplog.records) == 1
+    caplog.clear()
+    cm.disable()
+    with caplog.at_level("INFO", logger="remat"):
+        RematTrainer(model=cm, args=_plain_args(tmp_path / "off"), train_dataset=_dataset())
+    assert not any(said in r.getMessage() for r in caplog.records)
