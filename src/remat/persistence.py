@@ -25,8 +25,8 @@ from torch import nn
 
 from .config import CheckpointConfig
 from .saving.overrides import SaveLoadOverrides
-from .saving.pair_format import Expected, PairOwner, architecture_of, expected_for, read_model_pair, save_model_pair
-from .saving.peft_loading import check_loadable_into, load_adapters
+from .saving.pair_format import Expected, PairOwner, expected_for, read_model_pair, save_model_pair
+from .saving.peft_loading import check_loadable_into, check_trainable_load, load_adapters
 from .saving.peft_names import is_peft_model, original_method
 from .saving.rollback import ModelChanges
 
@@ -82,15 +82,20 @@ def load_checkpointed_model(
     # Every check that needs no change comes first: PEFT's loading changes the model. (Swapping
     # is checked after it: PEFT freezes the base weights that block swap needs frozen.)
     names = cls.check_wrappable(model, CheckpointConfig(), check_swap=False, **wrapper_kwargs).names
-    with read_model_pair(folder, Expected(names, architecture_of(model, len(names)))) as loaded:
+    with read_model_pair(folder, Expected.of(model, names)) as loaded:
         fresh = bool(loaded.adapters) and not is_peft_model(model)
-        cls.check_wrappable(model, loaded.saved.config, check_swap=not fresh, **wrapper_kwargs)
+        if not (fresh and loaded.saved.adapter_layers):  # else the map needs the layers the adapter adds
+            cls.check_wrappable(model, loaded.saved.config, check_swap=not fresh, **wrapper_kwargs)
         if is_peft_model(model):
             check_loadable_into(model, loaded)
+        check_trainable_load(model, loaded, is_trainable)
         undo = ModelChanges(model)
         try:
             if loaded.adapters:
                 model = load_adapters(model, loaded, is_trainable, kwargs)
+            if fresh:  # the layers of the PeftModel PEFT built, with any a tuner added
+                discovery = cls.check_wrappable(model, loaded.saved.config, check_swap=False, **wrapper_kwargs)
+                Expected.of(model, discovery.names).check(loaded.saved)
             cm = cls(model, loaded.saved.config, **wrapper_kwargs)
         except BaseException:
             undo.revert()

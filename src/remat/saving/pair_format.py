@@ -2,7 +2,9 @@
 writes it, and every check a load makes before anything changes.
 
 `checkpoint_config.json` holds the config (`CheckpointConfig.to_json_string`), and about the
-save: `layers` (the names of the layers the map was planned for), `architecture` (the model's
+save: `layers` (the names of the layers the map was planned for, relative to the transformers
+model whatever PEFT wrapper holds it: `model.layers.0` from a LoRA PeftModel, a prompt-tuning
+one and the bare model alike), `architecture` (the model's
 `model_type`, layer count and hidden size) and `adapters`: for each adapter, the folder PEFT
 wrote it into, its weights file, and the sha256 of that file and of its `adapter_config.json`
 (together, everything PEFT reads to rebuild the adapter). Loading checks all of it on the
@@ -10,7 +12,8 @@ bytes it then hands to PEFT (see `remat.saving.folder.read_pair`): a folder whos
 from two saves is a clear error, never a silent mix.
 
 Older saves still load: format 2 has no `architecture` and no `config_sha256` (those checks
-are skipped), format 1 no `adapters` (PEFT's default adapter is loaded, unchecked).
+are skipped), format 1 no `adapters` (PEFT's default adapter is loaded, unchecked); saves
+from before relative layer names carry a PeftModel's full names, read without its prefix.
 """
 
 from __future__ import annotations
@@ -30,7 +33,10 @@ from .peft_names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_folder, is_peft
 
 logger = logging.getLogger("remat")
 
-_PEFT_PREFIX = "base_model.model."
+_LEGACY_PEFT_PREFIXES = ("base_model.model.", "base_model.")
+"""What a PeftModel puts before the names of its base model's modules: `base_model.model.` for
+tuners that inject layers (LoRA and the like), `base_model.` for prompt learning. Older saves
+wrote them into `layers`; a load reads those names without them (`_saved_readings`)."""
 
 
 class PairOwner(Protocol):
@@ -67,6 +73,11 @@ class Saved:
     layers: list[str] | None
     adapters: tuple[SavedAdapter, ...] | None  # None: the config does not say (an older save)
     architecture: dict[str, Any] | None  # None: an older save
+
+    @property
+    def adapter_layers(self) -> bool:
+        """Whether the map was planned with layers a PEFT tuner adds (see `ADAPTER_LAYER`)."""
+        return any(n.startswith(ADAPTER_LAYER) for n in self.layers or ())
 
 
 def parse_saved(snapshot: Snapshot) -> Saved:
@@ -123,13 +134,50 @@ def pair_files(config: dict[str, Any] | None) -> list[str]:
 # -- checks ----------------------------------------------------------------------------------------
 
 
-def _plain_name(name: str) -> str:
-    """A layer name without PEFT's wrapper prefix, so a save from a PeftModel matches its base."""
-    return name[len(_PEFT_PREFIX) :] if name.startswith(_PEFT_PREFIX) else name
+def base_model_prefix(model: Any) -> str:
+    """The name (with its trailing dot) under which the transformers model sits inside `model`:
+    "" for a model that is no PeftModel, "base_model.model." for a PeftModel of a tuner that
+    injects layers, "base_model." for prompt learning. Found by identity, so it holds for any
+    tuner PEFT has or adds."""
+    if not is_peft_model(model):
+        return ""
+    base = model.get_base_model()
+    for name, module in model.named_modules():
+        if module is base:
+            return f"{name}." if name else ""
+    return ""
+
+
+ADAPTER_LAYER = "peft:"
+"""Marks a saved layer that lies outside the transformers model, one a PEFT tuner adds beside it
+(ShadowPEFT's shadow backbone): its name in the PeftModel follows. No module name starts so."""
+
+
+def relative_names(model: Any, names: Iterable[str]) -> list[str]:
+    """Layer names of `model` relative to its transformers model, whatever PEFT wrapper (if any)
+    holds it: what a save writes and what a load compares, so that a save from a PeftModel
+    (a LoRA one, `base_model.model.model.layers.0`, or a prompt-learning one,
+    `base_model.model.layers.0`) matches its base model (`model.layers.0`). A layer a tuner adds
+    outside the transformers model keeps its name in the PeftModel, marked `ADAPTER_LAYER`."""
+    prefix = base_model_prefix(model)
+    if not prefix:
+        return list(names)
+    return [n[len(prefix) :] if n.startswith(prefix) else ADAPTER_LAYER + n for n in names]
+
+
+def _saved_readings(names: list[str]) -> list[list[str]]:
+    """The ways to read saved layer names: as written (relative, since this remat), and, for a
+    save from an older remat that wrote a PeftModel's full names, without each PEFT prefix
+    that all of them carry."""
+    readings = [names]
+    for prefix in _LEGACY_PEFT_PREFIXES:
+        if names and all(n.startswith(prefix) for n in names):
+            readings.append([n[len(prefix) :] for n in names])
+    return readings
 
 
 def _summary(names: list[str]) -> str:
-    shown = [_plain_name(n) for n in names[:2]]
+    shown = _saved_readings(names)[-1][:2]
     return ", ".join(shown) + (", ..." if len(names) > 2 else "")
 
 
@@ -155,10 +203,18 @@ def _describe(architecture: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Expected:
-    """The model a load goes into: its layer names and architecture."""
+    """The model a load goes into: its layer names (relative to its transformers model, see
+    `relative_names`), its architecture, and whether PEFT is still to load adapters into it
+    (a base model): then layers an adapter adds come with the adapter."""
 
     layers: list[str]
     architecture: dict[str, Any] | None = None
+    adapters_to_come: bool = False
+
+    @classmethod
+    def of(cls, model: Any, names: list[str]) -> Expected:
+        """What a save loaded into `model`, whose layers are `names`, must fit."""
+        return cls(relative_names(model, names), architecture_of(model, len(names)), not is_peft_model(model))
 
     def check(self, saved: Saved) -> None:
         """Refuse a save made for another model, naming both."""
@@ -176,12 +232,17 @@ class Expected:
                     f"{_describe(self.architecture)} ({', '.join(differs)} differ); load it into the architecture it "
                     "was saved from. Nothing was loaded"
                 )
-        if saved.layers is not None and [_plain_name(n) for n in saved.layers] != [_plain_name(n) for n in self.layers]:
-            raise ValueError(
-                f"{saved.file} was planned for {len(saved.layers)} layers ({_summary(saved.layers)}), but this model "
-                f"has {len(self.layers)} ({_summary(self.layers)}); load it into the model it was saved from"
-            )
-        check_saved_indices(saved.config, len(self.layers), saved.file)
+        num_layers = len(self.layers)
+        if saved.layers is not None:
+            base_layers = [n for n in saved.layers if not n.startswith(ADAPTER_LAYER)]
+            if self.adapters_to_come and self.layers == base_layers:
+                num_layers = len(saved.layers)  # the adapter's own layers come with PEFT's load
+            elif self.layers not in _saved_readings(saved.layers):
+                raise ValueError(
+                    f"{saved.file} was planned for {len(saved.layers)} layers ({_summary(saved.layers)}), but this "
+                    f"model has {len(self.layers)} ({_summary(self.layers)}); load it into the model it was saved from"
+                )
+        check_saved_indices(saved.config, num_layers, saved.file)
 
 
 def check_saved_indices(config: CheckpointConfig, num_layers: int, file: str) -> None:
@@ -280,8 +341,9 @@ def config_payload(owner: PairOwner, adapters: dict[str, Any] | None) -> str:
     """The JSON of `owner.config` with the layer names of its map, the model's architecture and
     the adapter fingerprints."""
     payload = json.loads(owner.config.to_json_string())
-    payload["layers"] = [plan.name for plan in owner.checkpoint_map]
-    payload["architecture"] = architecture_of(owner.model, len(payload["layers"]))
+    names = [plan.name for plan in owner.checkpoint_map]
+    payload["layers"] = relative_names(owner.model, names)
+    payload["architecture"] = architecture_of(owner.model, len(names))
     if adapters is not None:
         payload["adapters"] = adapters
     return json.dumps(payload, indent=2, sort_keys=True) + "\n"
@@ -315,8 +377,7 @@ class Loaded:
 
 def expected_for(owner: PairOwner) -> Expected:
     """What a save loaded into `owner`'s model must fit."""
-    names = [plan.name for plan in owner.checkpoint_map]
-    return Expected(names, architecture_of(owner.model, len(names)))
+    return Expected.of(owner.model, [plan.name for plan in owner.checkpoint_map])
 
 
 @contextlib.contextmanager

@@ -8,12 +8,14 @@ folder itself; messages name the folder.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from torch import nn
 
+from .files import read_json_object
 from .pair_format import Loaded
-from .peft_names import is_peft_model, original_method
+from .peft_names import ADAPTER_CONFIG, is_peft_model, original_method
 
 # Fields of a PEFT config that say nothing about the adapter's structure.
 _PEFT_BOOKKEEPING = {"base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version"}
@@ -35,6 +37,30 @@ def load_adapters(model: nn.Module, loaded: Loaded, is_trainable: bool, kwargs: 
             loaded.adapter_path(adapter), adapter_name=adapter.name, is_trainable=is_trainable, **kwargs
         )
     return model
+
+
+def check_trainable_load(model: Any, loaded: Loaded, is_trainable: bool) -> None:
+    """PEFT refuses to add a prompt-learning adapter (prompt tuning, p-tuning, prefix tuning and
+    the like) as trainable: it saved the prompts, not the encoder that made them. Refused here,
+    before anything changes, naming the way that loads it. (Weights loaded into a PeftModel's
+    own adapter of that name are not refused: PEFT loads those.)"""
+    if not is_trainable:
+        return
+    from peft.config import PromptLearningConfig
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    existing = model.peft_config if is_peft_model(model) else {}
+    for adapter in loaded.adapters:
+        if adapter.name in existing:
+            continue
+        peft_type = read_json_object(os.path.join(loaded.adapter_path(adapter), ADAPTER_CONFIG)).get("peft_type")
+        config_class = PEFT_TYPE_TO_CONFIG_MAPPING.get(peft_type) if isinstance(peft_type, str) else None
+        if config_class is not None and issubclass(config_class, PromptLearningConfig):
+            raise ValueError(
+                f"adapter {adapter.name!r} in {loaded.snapshot.name(adapter.folder)} is a prompt-learning adapter "
+                f"({peft_type}), which PEFT loads for inference only (it saved the prompts, not the encoder that "
+                "made them); load it with is_trainable=False. Nothing was loaded"
+            )
 
 
 def check_loadable_into(model: Any, loaded: Loaded) -> None:
