@@ -5,6 +5,7 @@ lives in. One job per file, data flowing down:
 - `locks`: file locks from `filelock` on descriptors remat opens itself (no symlink followed).
 - `folder`: the folder transaction (staging, lock, commit, recovery) with the one save
   (`save_pair`) and the one load (`read_pair`); it knows files, not models.
+- `stale_shards`: transformers' clean-up of an earlier save's weight shards, for a staged save.
 - `peft_names`: PEFT's file names and folder layout, taken from PEFT.
 - `pair_format`: what `checkpoint_config.json` holds (config, layers, architecture, the
   fingerprints of every file PEFT reads) and the checks a load makes before anything changes.

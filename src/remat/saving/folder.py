@@ -7,7 +7,9 @@ every load path (`CheckpointedModel.from_pretrained`, `load_adapter` on Trainer 
 `read_pair`.
 
 A save writes only its own files into the folder it is given, and never deletes or moves
-anything else there (a training log, `checkpoint-500/`, the user's README):
+anything else there (a training log, `checkpoint-500/`, the user's README), except the stale
+weight shards that transformers' own `save_pretrained` would have removed there (see
+`save_pair`'s `remove`):
 
 1. every file of the save is written into a staging folder inside the target folder
    (`.remat-staging-<random>/`, whose `LOCK` its writer holds), so the renames stay on one
@@ -122,13 +124,17 @@ def save_pair(
     write: Callable[[str], Iterable[str] | None] | None = None,
     *,
     keep: Iterable[str] = (),
+    remove: Callable[[], Iterable[str]] | None = None,
 ) -> list[str]:
     """The one save: `write(staging)` writes the save's other files (PEFT's adapters, a
     Trainer's files), `config_text(staging)` returns `checkpoint_config.json` (it may
     fingerprint what `write` wrote); then all of it is committed into `target` as the module
     docstring says. `write` returns the files (relative paths) to commit in order, or None for
     everything it wrote. Files named in `keep` are not committed if `target` already has them
-    (the user's own README.md). Returns the relative paths committed."""
+    (the user's own README.md). `remove()` names files of earlier saves in `target` that go
+    once this save is committed, under the same lock (the stale shards transformers' own save
+    removes: `remat.saving.stale_shards`); a crash before they go leaves them beside the whole
+    new save. Returns the relative paths committed."""
     target = os.path.abspath(os.fspath(target))
     os.makedirs(target, exist_ok=True)
     staging, staging_lock = _new_staging(target)
@@ -157,6 +163,8 @@ def save_pair(
                 write_file_atomically(os.path.join(staging, _MANIFEST), json.dumps({"files": manifest}))
                 committing = True  # from here on an interruption is finished by recovery
                 _commit(staging, target, files)
+                if remove is not None:
+                    _remove_replaced(target, remove(), set(files))
         except BaseException:
             if not committing:
                 shutil.rmtree(staging, ignore_errors=True)
@@ -177,6 +185,24 @@ def _commit(staging: str, target: str, files: list[str]) -> None:
     for folder in folders:
         fsync_folder(folder)
     shutil.rmtree(staging, ignore_errors=True)  # the manifest, the lock and what was not committed
+
+
+def _remove_replaced(target: str, names: Iterable[str], committed: set[str]) -> None:
+    """Remove files of earlier saves from the top of `target` (never one this save committed,
+    a folder, or remat's own); one that cannot be removed is left with a warning (the save is
+    committed)."""
+    for name in names:
+        path = os.path.join(target, name)
+        if name in committed or os.sep in name or name.startswith(STAGING_PREFIX) or name in _OURS:
+            continue
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as err:
+            logger.warning("%s: could not remove %s, a file of an earlier save (%s)", target, name, err)
+    fsync_folder(target)
 
 
 def _rename(source: str, destination: str) -> None:

@@ -30,6 +30,7 @@ from ..config import CheckpointConfig
 from .files import sha256_file
 from .folder import CONFIG_NAME, FolderChanged, Snapshot, read_pair, save_pair
 from .peft_names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_folder, is_peft_model
+from .stale_shards import StaleShards
 
 logger = logging.getLogger("remat")
 
@@ -358,10 +359,28 @@ def save_model_pair(
     keep: Iterable[str] = ("README.md",),
 ) -> list[str]:
     """Save `owner`'s pair into `target`: `write(staging)` writes PEFT's (or a Trainer's) files,
-    then the config naming their fingerprints; committed as one (`folder.save_pair`)."""
+    then the config naming their fingerprints; committed as one (`folder.save_pair`). A model
+    that is no PeftModel saves through transformers, whose clean-up of stale shards then
+    applies to `target` as it would unstaged (`stale_shards`)."""
     model = owner.model
+    if write is None or is_peft_model(model):
+        shards, staged_write = None, write
+    else:
+        shards = StaleShards(os.path.abspath(os.fspath(target)))
+
+        def staged_write(staging: str) -> Any:
+            shards.place(staging)
+            try:
+                return write(staging)
+            finally:
+                shards.collect(staging)
+
     return save_pair(
-        target, lambda staging: config_payload(owner, fingerprints(model, staging, selected)), write, keep=keep
+        target,
+        lambda staging: config_payload(owner, fingerprints(model, staging, selected)),
+        staged_write,
+        keep=keep,
+        remove=None if shards is None else lambda: shards.removed,
     )
 
 
