@@ -191,6 +191,7 @@ def _remove_replaced(target: str, names: Iterable[str], committed: set[str]) -> 
     """Remove files of earlier saves from the top of `target` (never one this save committed,
     a folder, or remat's own); one that cannot be removed is left with a warning (the save is
     committed)."""
+    removed = False
     for name in names:
         path = os.path.join(target, name)
         if name in committed or os.sep in name or name.startswith(STAGING_PREFIX) or name in _OURS:
@@ -198,11 +199,13 @@ def _remove_replaced(target: str, names: Iterable[str], committed: set[str]) -> 
         try:
             if not stat.S_ISDIR(os.lstat(path).st_mode):
                 os.unlink(path)
+                removed = True
         except FileNotFoundError:
             continue
         except OSError as err:
             logger.warning("%s: could not remove %s, a file of an earlier save (%s)", target, name, err)
-    fsync_folder(target)
+    if removed:
+        fsync_folder(target)
 
 
 def _rename(source: str, destination: str) -> None:
