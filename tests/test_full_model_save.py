@@ -137,3 +137,28 @@ def test_an_adapter_save_leaves_shard_files_alone(tmp_path):
     assert files["model-00001-of-00002.safetensors"] == b"the user's"
     assert all(files[name] == content for name, content in USER_FILES.items())
     assert "adapter_model.safetensors" in files
+
+
+def test_a_trainer_save_of_a_full_model_removes_the_shards_trainers_own_save_removes(tmp_path):
+    """RematTrainer's save goes through the same staged save: an earlier sharded save in the
+    output folder ends as a plain Trainer's save leaves it."""
+    from transformers import Trainer, TrainingArguments
+
+    from remat import RematTrainer
+
+    model = tiny_model()
+    model.save_pretrained(tmp_path / "own", max_shard_size="50KB")
+    _with_user_files(tmp_path / "own")
+    shutil.copytree(tmp_path / "own", tmp_path / "wrapped")
+    _trained(model)
+
+    def args(folder):
+        return TrainingArguments(output_dir=str(folder), report_to=[], use_cpu=True)
+
+    Trainer(model=model, args=args(tmp_path / "own")).save_model()
+    RematTrainer(model=CheckpointedModel(model), args=args(tmp_path / "wrapped")).save_model()
+    own, wrapped = _files(tmp_path / "own"), _files(tmp_path / "wrapped")
+    assert wrapped.pop("checkpoint_config.json")
+    assert sorted(wrapped) == sorted(own) and "model-00001-of-00003.safetensors" not in own
+    assert all(wrapped[name] == content for name, content in USER_FILES.items())
+    _assert_loads(tmp_path / "wrapped", model)
