@@ -37,6 +37,7 @@ from .arguments import MOVER_METHODS, TRANSPORT_METHODS, check_implements, parse
 from .config import CheckpointConfig
 from .controller import Controller, swap_targets
 from .display import describe_map
+from .integrations.tested_versions import warn_if_untested
 from .integrations.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
@@ -224,6 +225,7 @@ class CheckpointedModel(nn.Module):
         offload_host_budget: int | str | None = None,
         **fields: Any,
     ):
+        warn_if_untested()  # once per process: torch or transformers outside the tested range
         config = CheckpointConfig() if config is None else config
         if isinstance(config, CheckpointConfig):  # anything else is refused below, naming the type
             config = _with_fields(config, fields, "CheckpointedModel")
