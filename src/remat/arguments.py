@@ -10,8 +10,9 @@ import re
 from typing import Any
 
 # Decimal units with a B are powers of 1000 (the SI, as disk makers and `du --si` write them);
-# binary units are powers of 1024: with an "i" (KiB, MiB, GiB, TiB), or a bare letter (K, M, G, T),
-# as docker's `--memory` and Java's `-Xmx` read "6g". Case does not matter.
+# binary units are powers of 1024: with an "i" (KiB, MiB, GiB, TiB; Ki, Mi, Gi, Ti as Kubernetes
+# writes them), or a bare letter (K, M, G, T), as docker's `--memory` and Java's `-Xmx` read "6g".
+# Case does not matter.
 _UNITS = {
     "": 1,
     "b": 1,
@@ -23,6 +24,10 @@ _UNITS = {
     "m": 2**20,
     "g": 2**30,
     "t": 2**40,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
     "kib": 2**10,
     "mib": 2**20,
     "gib": 2**30,
