@@ -133,3 +133,8 @@ def test_the_refusal_speaks_of_peft_config_only_when_one_was_passed(tmp_path):
         assert message.startswith("SFTTrainer(model=cm)") and "remat_trainer_class(SFTTrainer)" in message
         assert ("peft_config" in message) == (lora is not None), message
         assert len(message) < 320, message
+
+
+def test_a_misspelt_field_in_replace_names_the_field_meant():
+    with pytest.raises(TypeError, match=r"\['every_n_layer'\] \(did you mean every_n_layers\?\); its fields are"):
+        CheckpointConfig().replace(every_n_layer=3)
