@@ -105,8 +105,9 @@ def test_a_plain_trainer_given_the_wrapper_is_refused_before_anything_runs_namin
     with pytest.raises(TypeError) as refused:
         cls(model=cm, args=_plain_args(tmp_path), train_dataset=_dataset())
     message = str(refused.value)
-    assert "RematTrainer(model=cm" in message and "remat_trainer_class(" in message
-    assert "\n" not in message and len(message) < 600
+    works = "RematTrainer(model=cm" if cls is Trainer else "remat_trainer_class(MyTrainer)(model=cm"
+    assert works in message and "peft_config" not in message
+    assert "\n" not in message and len(message) < 200
     assert not os.path.exists(tmp_path / "checkpoint-1")
     assert all(torch.equal(p, before[n]) for n, p in cm.model.named_parameters())
     assert cm.is_enabled and cm.checkpoint_map.checkpointed == [0, 2]

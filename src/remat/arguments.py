@@ -9,42 +9,59 @@ from __future__ import annotations
 import re
 from typing import Any
 
+# Decimal units with a B are powers of 1000 (the SI, as disk makers and `du --si` write them);
+# binary units are powers of 1024: with an "i" (KiB, MiB, GiB, TiB; Ki, Mi, Gi, Ti as Kubernetes
+# writes them), or a bare letter (K, M, G, T), as docker's `--memory` and Java's `-Xmx` read "6g".
+# Case does not matter.
 _UNITS = {
+    "": 1,
     "b": 1,
     "kb": 10**3,
     "mb": 10**6,
     "gb": 10**9,
     "tb": 10**12,
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
     "kib": 2**10,
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE_HELP = (
+    "a size like '6GiB', '6G', '6144M', '6 GB' or an int of bytes: G, M, K, T alone and GiB, MiB, KiB, TiB are "
+    "powers of 1024 ('6G' == '6GiB'); GB, MB, KB, TB are powers of 1000 ('6GB' == 6*10**9 bytes)"
+)
 
 TRANSPORT_METHODS = ("handles", "allocate_host", "return_freed_host_memory", "to_host", "to_device")
 MOVER_METHODS = ("host_copy", "fetch")
 
 
 def parse_bytes(value: Any, name: str) -> int:
-    """A byte count from an int (bytes) or a string with a unit: "1.5GiB", "512 MiB", "2GB".
+    """A byte count from an int (bytes) or a string with a unit: "6G", "6GiB", "6144M", "1.5 GiB", "2GB".
 
-    Decimal units (KB, MB, GB, TB) are powers of 1000, binary ones (KiB, MiB, GiB, TiB) powers
-    of 1024, as the standards say; a bare number is bytes.
+    G means GiB: a bare letter (K, M, G, T) and the binary units (KiB, MiB, GiB, TiB) are powers
+    of 1024, so "6G" == "6GiB" == "6144M" == 6 * 2**30 bytes. The decimal units with a B (KB, MB,
+    GB, TB) are powers of 1000, as the standards say: "6GB" == 6 * 10**9 bytes. Case and spaces do
+    not matter; a bare number is bytes.
     """
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{name} must be a number of bytes (int) or a size like '8GiB', got {value!r}")
+        raise TypeError(f"{name} must be a number of bytes (int) or {_SIZE_HELP}; got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes, got {value}")
         return value
     match = _SIZE.match(value)
     unit = match.group(2).lower() if match else None
-    if match is None or (unit or "b") not in _UNITS:
-        raise ValueError(
-            f"{name} must be a size like '8GiB', '512MiB' or '2GB' (units: {', '.join(sorted(_UNITS))}), got {value!r}"
-        )
-    return int(float(match.group(1)) * _UNITS[unit or "b"])
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{name} must be {_SIZE_HELP}; got {value!r}")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def check_implements(value: Any, methods: tuple[str, ...], name: str) -> None:

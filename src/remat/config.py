@@ -9,6 +9,7 @@ It round-trips through JSON with a format version, the way PEFT's adapter config
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -234,7 +235,12 @@ class CheckpointConfig:
         names = [f.name for f in dataclasses.fields(CheckpointConfig)]
         unknown = set(changes) - set(names)
         if unknown:
-            raise TypeError(f"CheckpointConfig has no field(s) {sorted(unknown)}")
+            first = sorted(unknown)[0]
+            close = difflib.get_close_matches(first, names, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise TypeError(
+                f"CheckpointConfig has no field(s) {sorted(unknown)}{hint}; its fields are {', '.join(names)}"
+            )
         return CheckpointConfig(**{**{name: getattr(self, name) for name in names}, **changes})
 
     def changed_fields(self, other: CheckpointConfig) -> dict[str, tuple[Any, Any]]:

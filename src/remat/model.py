@@ -24,6 +24,8 @@ names `RematTrainer` (see `transformers_compat.TRAINER_PROBE`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -35,6 +37,7 @@ from .arguments import MOVER_METHODS, TRANSPORT_METHODS, check_implements, parse
 from .config import CheckpointConfig
 from .controller import Controller, swap_targets
 from .display import describe_map
+from .integrations.tested_versions import warn_if_untested
 from .integrations.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
@@ -52,13 +55,54 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("remat")
 
-_PLAIN_TRAINER_REFUSED = (
-    "a transformers Trainer (or a subclass, TRL's included) was given the CheckpointedModel itself: it would save "
-    "every weight of the wrapper, no checkpoint_config.json, and resume without the map. Use "
-    "remat.RematTrainer(model=cm, ...) for Trainer, or remat.remat_trainer_class(YourTrainer)(model=cm, ...) for a "
-    "subclass (SFTTrainer, GRPOTrainer, ...). A TRL trainer given peft_config has already added adapters to cm's "
-    "model: build it again, apply get_peft_model before wrapping, and pass no peft_config"
-)
+
+def _plain_trainer_refusal(model: nn.Module) -> str:
+    """The error a plain Trainer given the wrapper gets: the line that works, and a word about
+    `peft_config` only when one was passed (TRL then put adapter layers into the model already)."""
+    trainer = _trainer_being_built()
+    if trainer in (None, "Trainer"):
+        works = "remat.RematTrainer(model=cm, ...)"
+    else:
+        works = f"remat.remat_trainer_class({trainer})(model=cm, ...)"
+    message = (
+        f"{trainer or 'Trainer'}(model=cm) would save every weight of the wrapper and no checkpoint_config.json; "
+        f"use {works}"
+    )
+    if not _is_peft_model(model) and _has_adapter_layers(model):
+        message += (
+            ". The peft_config you passed has already added adapters to cm's model: build cm again from a fresh "
+            "model before retrying"
+        )
+    return message
+
+
+def _trainer_being_built() -> str | None:
+    """The class name of the Trainer whose `__init__` is asking (for the error to name it)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(30):
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+            mro = type(owner).__mro__ if owner is not None else ()
+            if any(c.__name__ == "Trainer" and c.__module__ == "transformers.trainer" for c in mro):
+                return type(owner).__name__
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _is_peft_model(model: nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def _has_adapter_layers(model: nn.Module) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(module, BaseTunerLayer) for module in model.modules())
 
 
 def _check_model(model: Any) -> None:
@@ -75,6 +119,26 @@ def _check_model(model: Any) -> None:
     owner = model.__dict__.get("_remat_owner")
     if owner is not None and not owner.orphaned:
         raise ValueError("this model is already wrapped by another CheckpointedModel; call its disable() first")
+
+
+def _with_fields(config: CheckpointConfig, fields: dict[str, Any], call: str) -> CheckpointConfig:
+    """`config` with the CheckpointConfig fields given as keywords to `call` changed (the
+    constructor's and `enable`'s first guess, `CheckpointedModel(model, every_n_layers=2)`)."""
+    if not fields:
+        return config
+    names = [f.name for f in dataclasses.fields(CheckpointConfig)]
+    unknown = [name for name in fields if name not in names]
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=1)
+        hint = f" (did you mean {close[0]}=?)" if close else ""
+        extra = (
+            ", offload_transport, swap_mover, layer_class, offload_host_budget" if call == "CheckpointedModel" else ""
+        )
+        raise TypeError(
+            f"{call}() got an unexpected keyword argument {unknown[0]!r}{hint}; it takes the fields of "
+            f"CheckpointConfig ({', '.join(names)}){extra}"
+        )
+    return config.replace(**fields)
 
 
 def controller_of(cm: CheckpointedModel) -> Controller:
@@ -135,12 +199,15 @@ class CheckpointedModel(nn.Module):
         offload_host_budget: pinned host memory the offload pool may take in this process, in
             bytes or as a size like "8GiB"; default: half the host's memory divided among the
             processes on the host (`LOCAL_WORLD_SIZE`). Past it, buffers are pageable (one warning).
+        **fields: fields of `CheckpointConfig`, as a shorthand: `CheckpointedModel(model,
+            every_n_layers=2)` is `CheckpointedModel(model, CheckpointConfig(every_n_layers=2))`;
+            given with `config`, they change those fields of it (`config.replace(...)`).
 
     Every argument is checked here, before anything changes.
 
     Example::
 
-        cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+        cm = CheckpointedModel(model, every_n_layers=2)  # or CheckpointConfig(every_n_layers=2) as config
         print(cm.checkpoint_map)
         loss = cm(**batch).loss
         with cm.for_inference():
@@ -156,8 +223,12 @@ class CheckpointedModel(nn.Module):
         swap_mover: WeightMover | None = None,
         layer_class: str | type | Sequence[str | type] | None = None,
         offload_host_budget: int | str | None = None,
+        **fields: Any,
     ):
+        warn_if_untested()  # once per process: torch or transformers outside the tested range
         config = CheckpointConfig() if config is None else config
+        if isinstance(config, CheckpointConfig):  # anything else is refused below, naming the type
+            config = _with_fields(config, fields, "CheckpointedModel")
         discovery = self.check_wrappable(
             model,
             config,
@@ -235,7 +306,7 @@ class CheckpointedModel(nn.Module):
             if name in ("model", "_controller"):  # not set yet: no recursion through self.model
                 raise
             if name == TRAINER_PROBE:
-                raise TypeError(_PLAIN_TRAINER_REFUSED) from None
+                raise TypeError(_plain_trainer_refusal(self.model)) from None
             return getattr(self.model, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -279,13 +350,20 @@ class CheckpointedModel(nn.Module):
 
     # -- enable / disable ----------------------------------------------------------------------
 
-    def enable(self, config: CheckpointConfig | None = None) -> CheckpointedModel:
+    def enable(self, config: CheckpointConfig | None = None, **fields: Any) -> CheckpointedModel:
         """Turn checkpointing on, with `config` if given (else the current one). Returns self.
-        A refused config (bad layer indices, a swap that cannot be made) changes nothing."""
+        A refused config (bad layer indices, a swap that cannot be made) changes nothing.
+
+        Keywords are `CheckpointConfig` fields changed on that config: `cm.enable(every_n_layers=3)`
+        is `cm.enable(cm.config.replace(every_n_layers=3))` (the other fields, `layer_policies`
+        included, stay as they are)."""
         config = self._controller.config if config is None else config
         if not isinstance(config, CheckpointConfig):
-            raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
-        self._controller.enable(config)
+            raise TypeError(
+                f"config must be a CheckpointConfig, got {type(config).__name__}: "
+                "cm.enable(CheckpointConfig(...)), or fields as keywords, cm.enable(every_n_layers=3)"
+            )
+        self._controller.enable(_with_fields(config, fields, "enable"))
         return self
 
     def disable(self) -> CheckpointedModel:

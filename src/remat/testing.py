@@ -6,14 +6,27 @@ imports this module.
 (`remat.transport.Transport`): copies are real, so results are exact; every copy is logged in
 order; pinning can be made to fail; and the buffers it allocated can be counted while alive,
 so a test can check that host memory really is given back.
+
+`measure_held_activations` and `measure_step_peak` check a plan's bytes with counts that share
+no code with remat's own (`remat.report`, `remat.planner.peak`): the activations a forward
+leaves for backward, counted by a dispatch mode written here; the peak of a whole training step
+as torch's own `MemTracker` counts it. `MemTracker` alone fails on any model with frozen
+parameters (a LoRA model: it hooks every parameter's gradient, and torch refuses a hook on a
+tensor that does not require grad); `measure_step_peak` gives it no-op handles for those,
+which changes nothing it counts (a frozen parameter never gets a gradient). Checked against
+torch 2.13.
 """
 
 from __future__ import annotations
 
+import gc
 import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from .integrations.transformers_compat import has_activation_checkpointing_names
 from .transport import DoneEvent, Event, TensorMeta, as_bytes, from_bytes
@@ -26,6 +39,124 @@ def trainer_checkpointing_args(enabled: bool = True, kwargs: dict | None = None)
     if has_activation_checkpointing_names():
         return {"activation_checkpointing": enabled, "activation_checkpointing_kwargs": kwargs}
     return {"gradient_checkpointing": enabled, "gradient_checkpointing_kwargs": kwargs}
+
+
+def _default_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+    return outputs.loss
+
+
+def _batch_device(batch: Mapping[str, Any]) -> torch.device:
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    if not tensors:
+        raise ValueError("the batch holds no tensor: pass the dict of tensors the model is called with")
+    return tensors[0].device
+
+
+class _Outputs(TorchDispatchMode):
+    """Keeps a weak reference to every tensor an op returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refs: list[weakref.ref[torch.Tensor]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.refs += [weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        return out
+
+
+def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
+    try:
+        storage = tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+    return storage.data_ptr(), storage.nbytes()
+
+
+def measure_held_activations(
+    model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    *,
+    loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor] = _default_loss,
+) -> int:
+    """The bytes a forward leaves alive for backward on the batch's device: every storage an op
+    made during forward that is still alive once forward returns (each counted once; weights,
+    buffers and host copies not counted). Compare it with a plan's `predicted_device_bytes`
+    (`scope="activations"`). Runs one forward and backward; gradients are cleared after.
+
+    Example::
+
+        cm.enable(planned)
+        assert measure_held_activations(cm, batch) <= planned.budget
+    """
+    device = _batch_device(batch)
+    weights = {_storage(t) for t in (*model.parameters(), *model.buffers())}
+    weights = {key[0] for key in weights if key is not None}
+    mode = _Outputs()
+    with mode:
+        loss = loss_fn(model(**batch), batch)
+    gc.collect()
+    held: dict[int, int] = {}
+    for ref in mode.refs:
+        tensor = ref()
+        key = None if tensor is None or tensor.device != device else _storage(tensor)
+        if key is not None and key[0] not in weights and key[0] != 0:
+            held[key[0]] = max(held.get(key[0], 0), key[1])
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(held.values())
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def measure_step_peak(
+    model: torch.nn.Module,
+    batch: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    loss_fn: Callable[[Any, Mapping[str, Any]], torch.Tensor] = _default_loss,
+) -> int:
+    """The peak bytes on the batch's device of one whole training step (forward, backward and,
+    given an `optimizer`, its step) as torch's `MemTracker` counts them: weights, gradients,
+    optimizer state, the batch and every op's output while alive. Works on LoRA and other models
+    with frozen parameters, where `MemTracker` alone fails. Compare it with a plan's
+    `predicted_peak_bytes` (`scope="step"`, profiled with the same optimizer).
+
+    This is a real step: the optimizer updates the trainable weights. The count is of a step like
+    every one after the first, as remat predicts it: an optimizer with no state yet takes one
+    step first, not counted, to make it. Gradients are cleared after.
+
+    Example::
+
+        cm.enable(planned)  # planned = profile.plan("20GiB", scope="step"), profiled with optimizer
+        print(measure_step_peak(cm, batch, optimizer), planned.predicted_peak_bytes)
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    device = _batch_device(batch)
+    if optimizer is not None and not optimizer.state:
+        loss_fn(model(**batch), batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    tracker = MemTracker()
+    tracked = [v for v in batch.values() if isinstance(v, torch.Tensor)]
+    tracker.track_external(model, *([optimizer] if optimizer is not None else []), *tracked)
+    with tracker:
+        for parameter in model.parameters():
+            if not parameter.requires_grad:  # MemTracker would hook its gradient; torch refuses
+                tracker._param_to_grad_hook_handles[parameter] = (_NoHook(), _NoHook())
+        loss = loss_fn(model(**batch), batch)
+        loss.backward()
+        if optimizer is not None:
+            optimizer.step()
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    snapshot = tracker.get_tracker_snapshot("peak")
+    return int(snapshot.get(device, {}).get("Total", 0))
 
 
 class SimulatedTransport:

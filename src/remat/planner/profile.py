@@ -123,17 +123,30 @@ class Profile:
         m = self.measurements.scaled(tokens)
         return [self._config(p, p.device_bytes, m.tokens) for p in frontier(m, scope)]
 
-    def plot(self, *, scope: str = "activations", tokens: int | None = None, native: bool = True) -> Any:
-        """A matplotlib Figure of the frontier: predicted step time against predicted bytes, with
-        transformers' native options (`every_n_layers` 1..4, and no checkpointing) marked where
-        this profile can price them and this transformers offers them (`native=False` leaves
-        them out)."""
+    def plot(
+        self,
+        *,
+        scope: str = "activations",
+        tokens: int | None = None,
+        native: bool = True,
+        budget: int | str | None = None,
+    ) -> Any:
+        """A matplotlib Figure of the frontier: predicted step time against predicted bytes (of
+        `scope`, said in the title), with transformers' native options (`every_n_layers` 1..4, and
+        no checkpointing) marked where this profile can price them and this transformers offers
+        them (`native=False` leaves them out). Given a `budget` (bytes or a size like "6GiB"), the
+        budget is a vertical line and the map `plan(budget)` chooses a star. Needs matplotlib
+        (the `plot` extra); without it, an ImportError says how to install it."""
         from .plot import frontier_figure
 
         m = self.measurements.scaled(tokens)
+        check_scope(m, scope)
         points = [(p.device_bytes, p.seconds) for p in frontier(m, scope)]
         marks = _native_points(m, scope, self.native_every_n) if native else {}
-        return frontier_figure(points, marks, scope=scope, tokens=m.tokens)
+        limit = None if budget is None else parse_bytes(budget, "budget")
+        best = None if limit is None else choose(m, limit, scope)
+        chosen = None if best is None else (best.device_bytes, best.seconds)
+        return frontier_figure(points, marks, scope=scope, tokens=m.tokens, budget=limit, chosen=chosen)
 
     def _config(self, chosen: Plan, budget: int, tokens: int) -> PlannedConfig:
         planned = self.config.replace(layer_policies={c.index: c.policy for c in chosen.choices}, offload=False)
