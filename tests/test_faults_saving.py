@@ -215,26 +215,36 @@ def test_a_staging_folder_whose_writer_is_alive_is_left_alone(tmp_path):
     assert _check_consistent(out) == 0 and _no_staging_left(out), "once its writer is gone, it is removed"
 
 
-def test_a_staging_folder_removed_by_another_recovery_before_its_lock_is_made_again(tmp_path, monkeypatch):
-    """Another process's recovery can see a new staging folder before its writer locks it (no
-    manifest yet: it looks crashed) and remove it; the save makes a new one and completes."""
+def test_a_new_staging_folder_seen_by_a_recovery_before_its_lock_is_left_alone_and_not_reported(
+    tmp_path, monkeypatch, caplog
+):
+    """A recovery (this process's, or another's) that sees a new staging folder before its
+    writer locks it sees an empty, young folder: a save being born, not a crashed one. It is
+    left alone and nothing is logged (issue 25: it used to be dropped with a warning)."""
+    import logging
+
     from remat.saving import folder as transaction
 
     out = tmp_path / "out"
     cm = _first_save(out)
-    original, removed = transaction._take_lock, []
+    original, seen = transaction._take_lock, []
 
-    def recovery_first(path, *, wait, remove):
+    def recovery_first(path, *, wait, remove, shared=False):
         staging = os.path.dirname(path)
-        if wait and os.path.basename(staging).startswith(STAGING_PREFIX) and not removed:
-            removed.append(staging)
-            transaction.recover(os.path.dirname(staging))  # as another process would
-        return original(path, wait=wait, remove=remove)
+        if wait and os.path.basename(staging).startswith(STAGING_PREFIX) and not seen:
+            seen.append(staging)
+            transaction._live.discard(staging)  # as another process sees it
+            transaction.recover(os.path.dirname(staging))
+            transaction._live.add(staging)
+            seen.append(os.path.isdir(staging))
+        return original(path, wait=wait, remove=remove, shared=shared)
 
     monkeypatch.setattr(transaction, "_take_lock", recovery_first)
     _set_lora(cm.model, 4.0)
-    cm.save_pretrained(out)
-    assert removed and not os.path.exists(removed[0])
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        cm.save_pretrained(out)
+    assert seen == [seen[0], True], "the new staging folder was removed"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert _check_consistent(out) == 4 and _no_staging_left(out)
 
 
@@ -252,7 +262,7 @@ def test_a_staging_folder_removed_while_its_writer_waits_for_the_lock_is_made_ag
     cm = _first_save(out)
     original, removed = transaction._take_lock, []
 
-    def recovery_holds_the_lock(path, *, wait, remove):
+    def recovery_holds_the_lock(path, *, wait, remove, shared=False):
         staging = os.path.dirname(path)
         if wait and os.path.basename(staging).startswith(STAGING_PREFIX) and not removed:
             removed.append(staging)
@@ -266,7 +276,7 @@ def test_a_staging_folder_removed_while_its_writer_waits_for_the_lock_is_made_ag
                 os.close(held)
 
             threading.Thread(target=remove_then_release).start()
-        return original(path, wait=wait, remove=remove)
+        return original(path, wait=wait, remove=remove, shared=shared)
 
     commit = transaction._commit
 
