@@ -35,8 +35,9 @@ remat did not write: it is dropped), never opens anything but a regular file (a 
 device or folder where remat's `LOCK`, manifest or a file it names goes drops the staging
 folder: nothing in a folder can make a save or load wait), and a manifest that is missing,
 unreadable, nested too deep or has missing or mistyped fields is an unfinished save: dropped
-with one warning. A staging folder a live writer is still filling is never reported: it is
-locked, or (for the moment between its making and its locking) empty and young.
+with one warning. A staging folder a live writer is still filling is never reported: it is made
+and locked under the folder's lock, so recovery (which holds that lock) finds it locked; one
+with nothing written in it (its writer died at once) is removed without a word.
 
 Files get the permissions any file the process creates gets (the umask), like PEFT's own.
 
@@ -82,9 +83,6 @@ _MANIFEST = "COMMIT"
 _STAGING_LOCK = "LOCK"
 _OURS = (_MANIFEST, _STAGING_LOCK, FOLDER_LOCK)
 _READ_ATTEMPTS = 50  # unlocked loads only: how often a load reads again after a commit came in between
-_NEWBORN_SECONDS = 60.0
-"""A staging folder with nothing in it, not even its LOCK, is left alone this long: its writer may
-be between making it and locking it (reporting it as a crashed save would be noise)."""
 _UNLOCKED_STALE_SECONDS = 600.0
 """Without native locks a live writer cannot be told from a crashed one: recovery then drops
 only staging folders of other processes that nothing has touched for this long."""
@@ -225,17 +223,19 @@ def _rename(source: str, destination: str) -> None:
 
 
 def _new_staging(target: str, attempts: int = 10) -> tuple[str, Lock]:
-    """A new staging folder in `target` and its lock, in `_live` from the moment it exists (this
-    process's recovery leaves it alone). Until it is locked, another process's recovery sees an
-    empty folder: it leaves a young one alone, but may remove it; then another is made."""
+    """A new staging folder in `target` and its lock, made and locked under the folder's lock, so
+    that no recovery (which holds the folder's lock too) ever sees it unlocked: an unlocked
+    staging folder is one whose writer died. (Where the folder cannot be locked, a recovery may
+    remove it before it is locked; then another is made.)"""
     for _ in range(attempts):
-        staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target)
-        _live.add(staging)
-        try:
-            lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=True, remove=False)
-        except FileNotFoundError:
-            _live.discard(staging)
-            continue  # removed before its lock file was made
+        with _folder_lock(target):
+            staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target)
+            _live.add(staging)
+            try:
+                lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=True, remove=False)
+            except FileNotFoundError:
+                _live.discard(staging)
+                continue  # removed before its lock file was made
         if lock is not None and (lock.held or os.path.isdir(staging)):
             return staging, lock
         _live.discard(staging)
@@ -289,11 +289,9 @@ def _recover(target: str, *, exclusive: bool = True) -> bool:
             age = time.time() - os.lstat(staging).st_mtime
         except OSError:
             continue  # removed meanwhile (another load's recovery), or not ours to read
-        # Nothing of a save in it: a writer that has not locked it yet, or one that crashed
-        # before writing anything. Young and unlocked, it is left alone; otherwise it goes quietly.
+        # Nothing of a save in it: a writer that died before writing anything (staging folders
+        # are made and locked under the folder's lock, which this recovery holds).
         empty = not [n for n in inside if n != _STAGING_LOCK]
-        if empty and _STAGING_LOCK not in inside and age < _NEWBORN_SECONDS:
-            continue
         try:
             lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=False, remove=False)
         except NotOurs:
