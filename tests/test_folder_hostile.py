@@ -252,7 +252,20 @@ def test_a_malformed_checkpoint_config_is_a_value_error_naming_the_file_and_a_sa
 # -- 9. a save and a load side by side are not a crashed save -----------------------------------------
 
 
-def test_a_save_and_a_load_side_by_side_log_no_warning(tmp_path, caplog):
+def test_a_save_and_a_load_side_by_side_log_no_warning(tmp_path, caplog, monkeypatch):
+    """One thread saves, another loads, for a few seconds: every save and load is right, and
+    nothing is reported. (A slow file system is played by a pause after each staging folder is
+    made: a load's recovery arriving before its writer locks it must not take it for a crash.)"""
+    from remat.saving import folder as transaction
+
+    real_mkdtemp = transaction.tempfile.mkdtemp
+
+    def slow_mkdtemp(*args, **kwargs):
+        made = real_mkdtemp(*args, **kwargs)
+        time.sleep(0.02)
+        return made
+
+    monkeypatch.setattr(transaction.tempfile, "mkdtemp", slow_mkdtemp)
     folder = tmp_path / "out"
     saver_cm = _lora_cm(1.0)
     saver_cm.save_pretrained(folder)
@@ -270,6 +283,7 @@ def test_a_save_and_a_load_side_by_side_log_no_warning(tmp_path, caplog):
         try:
             while not stop.is_set():
                 assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 1.0
+                assert CheckpointConfig.from_pretrained(folder).every_n_layers == 2
                 counts["loads"] += 1
         except Exception as err:
             errors.append(err)
