@@ -153,6 +153,32 @@ def test_a_fifo_as_a_staging_manifest_blocks_neither_a_load_nor_a_save_in_other_
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are a POSIX thing")
+@pytest.mark.parametrize("blocker", ["a FIFO where a folder goes", "a folder where a file goes"])
+def test_a_manifest_whose_files_cannot_land_is_dropped_not_retried_forever(tmp_path, caplog, blocker):
+    """A crafted staging folder whose complete manifest names `sub/extra.txt` where the folder has
+    a FIFO `sub` (or `extra.txt` where it has a folder): finishing it would fail at every save and
+    load; it is dropped with one warning, and the folder keeps working."""
+    folder = tmp_path / "out"
+    _lora_cm(1.0).save_pretrained(folder)
+    name = "sub/extra.txt" if blocker.startswith("a FIFO") else "extra.txt"
+    if blocker.startswith("a FIFO"):
+        os.mkfifo(folder / "sub")
+    else:
+        (folder / "extra.txt").mkdir()
+    staging = folder / f"{STAGING_PREFIX}crafted"
+    (staging / os.path.dirname(name)).mkdir(parents=True, exist_ok=True)
+    (staging / name).write_text("x")
+    (staging / "COMMIT").write_text(json.dumps({"files": [{"path": name, "replaces": None}]}))
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 1.0
+        _lora_cm(2.0).save_pretrained(folder)
+    said = [r.getMessage() for r in caplog.records if "crafted" in r.getMessage()]
+    assert len(said) == 1, said
+    assert not staging.exists()
+    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are a POSIX thing")
 @pytest.mark.parametrize("name", ["checkpoint_config.json", "adapter_model.safetensors", "adapter_config.json"])
 def test_a_fifo_where_a_saved_file_goes_is_an_error_naming_it_not_a_hang(tmp_path, name):
     folder = tmp_path / "out"

@@ -363,7 +363,24 @@ def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
         with contextlib.suppress(FileNotFoundError):  # a file already moved is fine
             if not stat.S_ISREG(os.lstat(os.path.join(staging, path)).st_mode):
                 return None
+        if not _can_land(target, path):
+            return None
     return entries
+
+
+def _can_land(target: str, path: str) -> bool:
+    """Whether a file can be renamed to `path` in `target`: every folder on the way is a folder
+    or absent, and the path itself is not a folder (else the commit would fail at every
+    recovery, and the folder could never be loaded or saved again)."""
+    parts = path.split(os.sep)
+    for depth in range(1, len(parts) + 1):
+        try:
+            mode = os.lstat(os.path.join(target, *parts[:depth])).st_mode
+        except FileNotFoundError:
+            return True
+        if (depth < len(parts) and not stat.S_ISDIR(mode)) or (depth == len(parts) and stat.S_ISDIR(mode)):
+            return False
+    return True
 
 
 # -- loading -------------------------------------------------------------------------------------
