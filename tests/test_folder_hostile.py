@@ -201,6 +201,30 @@ def test_a_fifo_where_a_saved_file_goes_is_an_error_naming_it_not_a_hang(tmp_pat
     assert isinstance(error, ValueError) and str(folder / name) in str(error) and "FIFO" in str(error), error
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are a POSIX thing")
+@pytest.mark.parametrize("kind", ["FIFO", "empty folder"])
+def test_a_folder_lock_that_is_not_a_file_is_removed_with_one_warning(tmp_path, caplog, kind):
+    folder = tmp_path / "out"
+    _lora_cm(1.0).save_pretrained(folder)
+    if kind == "FIFO":
+        os.mkfifo(folder / ".remat-lock")
+    else:
+        (folder / ".remat-lock").mkdir()
+    loaded = []
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        errors = _in_threads(
+            lambda: (
+                loaded.append(_lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))),
+                _lora_cm(2.0).save_pretrained(folder),
+            )
+        )
+    assert not errors and loaded == [1.0], errors
+    said = [r.getMessage() for r in caplog.records if ".remat-lock" in r.getMessage()]
+    assert len(said) == 1 and "not a regular file" in said[0], said
+    assert not os.path.lexists(folder / ".remat-lock")
+    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
+
+
 def test_a_folder_this_process_cannot_create_the_lock_file_in_is_read_unlocked_not_forever(tmp_path, monkeypatch):
     """Another account's folder with no lock file in it: the lock file cannot be made, nor
     opened read-only (there is none), so the load reads without it; it used to try forever."""

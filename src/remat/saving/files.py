@@ -128,8 +128,8 @@ def write_file_atomically(path: str, text: str) -> None:
 
 
 def read_json_object(path: str, name: str | None = None) -> dict[str, Any]:
-    """The JSON object in `path`, or a ValueError that names the file (`name`, if the file read
-    is a copy) and what is wrong."""
+    """The JSON object in `path`, or a ValueError that names the file (as `name`, if given) and
+    what is wrong."""
     name = name or path
     try:
         data = read_regular(path)

@@ -103,14 +103,11 @@ def _take_folder_lock(folder: str, *, shared: bool = False) -> Lock:
         lock = _take_lock(path, wait=True, remove=True, shared=shared)
     except NotOurs:
         logger.warning("%s: %s is not a regular file, not remat's lock file; removing it", folder, FOLDER_LOCK)
-        try:
-            os.unlink(path)
-        except IsADirectoryError:
-            os.rmdir(path)  # an empty folder; one with files in it is an error naming it
-        except PermissionError:
-            if not os.path.isdir(path):
-                raise
-            os.rmdir(path)
+        with contextlib.suppress(FileNotFoundError):  # another process removed it first
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)  # an empty folder; one with files in it is an error naming it
+            else:
+                os.unlink(path)
         lock = _take_lock(path, wait=True, remove=True, shared=shared)
     assert lock is not None  # waited for it
     return lock
