@@ -215,26 +215,44 @@ def test_a_staging_folder_whose_writer_is_alive_is_left_alone(tmp_path):
     assert _check_consistent(out) == 0 and _no_staging_left(out), "once its writer is gone, it is removed"
 
 
-def test_a_staging_folder_removed_by_another_recovery_before_its_lock_is_made_again(tmp_path, monkeypatch):
-    """Another process's recovery can see a new staging folder before its writer locks it (no
-    manifest yet: it looks crashed) and remove it; the save makes a new one and completes."""
+def test_a_recovery_arriving_as_a_staging_folder_is_made_finds_it_locked_and_says_nothing(
+    tmp_path, monkeypatch, caplog
+):
+    """Another process's recovery (a load, a save) that arrives just as a save makes its staging
+    folder, before the folder's LOCK exists, waits: staging folders are made and locked under the
+    folder's lock. So it finds a locked staging folder, a live save, and leaves it alone without
+    a word (issue 25: it used to remove it, warning of a save that did not finish)."""
+    import logging
+    import threading
+
     from remat.saving import folder as transaction
 
     out = tmp_path / "out"
     cm = _first_save(out)
-    original, removed = transaction._take_lock, []
+    original, recoveries = transaction._take_lock, []
 
-    def recovery_first(path, *, wait, remove):
+    class SeenFromAnotherProcess(set):
+        def __contains__(self, item):  # the recovery's thread plays another process: not its saves
+            return threading.current_thread() not in recoveries and super().__contains__(item)
+
+    def recovery_arrives(path, *, wait, remove, shared=False):
         staging = os.path.dirname(path)
-        if wait and os.path.basename(staging).startswith(STAGING_PREFIX) and not removed:
-            removed.append(staging)
-            transaction.recover(os.path.dirname(staging))  # as another process would
-        return original(path, wait=wait, remove=remove)
+        if wait and os.path.basename(staging).startswith(STAGING_PREFIX) and not recoveries:
+            recovery = threading.Thread(target=transaction.recover, args=(os.path.dirname(staging),))
+            recoveries.append(recovery)
+            recovery.start()
+            time.sleep(0.3)  # the staging folder exists, its LOCK not yet: the recovery waits
+            recoveries.append(os.path.isdir(staging))
+        return original(path, wait=wait, remove=remove, shared=shared)
 
-    monkeypatch.setattr(transaction, "_take_lock", recovery_first)
+    monkeypatch.setattr(transaction, "_live", SeenFromAnotherProcess())
+    monkeypatch.setattr(transaction, "_take_lock", recovery_arrives)
     _set_lora(cm.model, 4.0)
-    cm.save_pretrained(out)
-    assert removed and not os.path.exists(removed[0])
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        cm.save_pretrained(out)
+        recoveries[0].join(timeout=30)
+    assert recoveries[1:] == [True], "the new staging folder was removed"
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert _check_consistent(out) == 4 and _no_staging_left(out)
 
 
@@ -252,7 +270,7 @@ def test_a_staging_folder_removed_while_its_writer_waits_for_the_lock_is_made_ag
     cm = _first_save(out)
     original, removed = transaction._take_lock, []
 
-    def recovery_holds_the_lock(path, *, wait, remove):
+    def recovery_holds_the_lock(path, *, wait, remove, shared=False):
         staging = os.path.dirname(path)
         if wait and os.path.basename(staging).startswith(STAGING_PREFIX) and not removed:
             removed.append(staging)
@@ -266,7 +284,7 @@ def test_a_staging_folder_removed_while_its_writer_waits_for_the_lock_is_made_ag
                 os.close(held)
 
             threading.Thread(target=remove_then_release).start()
-        return original(path, wait=wait, remove=remove)
+        return original(path, wait=wait, remove=remove, shared=shared)
 
     commit = transaction._commit
 

@@ -236,8 +236,9 @@ def test_config_save_pretrained_commits_under_the_same_lock(tmp_path, monkeypatc
 
 
 def test_a_load_hands_peft_the_bytes_it_verified(tmp_path, monkeypatch):
-    """A save that commits after the check and before PEFT reads (the check-then-read race) does
-    not reach PEFT: it reads the verified copy. Both load paths: from_pretrained and Trainer
+    """A save that arrives after the check and before PEFT reads (the check-then-read race)
+    waits until the load is done (the load holds the folder's lock, shared, while PEFT reads the
+    checked files in place), then commits whole. Both load paths: from_pretrained and Trainer
     resume's load_adapter."""
     from peft import PeftModel
 
@@ -245,17 +246,22 @@ def test_a_load_hands_peft_the_bytes_it_verified(tmp_path, monkeypatch):
     a, b = _lora_cm(alpha=8), _lora_cm(alpha=32, seed=1)
     _mark(a, 1)
     a.save_pretrained(folder)
-    real_load, raced = PeftModel.load_adapter, []
+    real_load, raced, numbers = PeftModel.load_adapter, [], iter([2, 4])
 
     def load_adapter(self, model_id, *args, **kwargs):
         if not raced:
-            raced.append(model_id)
-            _mark(b, 2)
-            b.save_pretrained(folder)  # commits between remat's check and PEFT's read
+            number = next(numbers)
+            saver = threading.Thread(target=lambda: (_mark(b, number), b.save_pretrained(folder)))
+            raced.append(saver)
+            saver.start()  # arrives between remat's check and PEFT's read
+            time.sleep(0.5)  # a save is far faster than this: without the lock it would have committed
+            assert saver.is_alive(), "a save committed while PEFT was reading the checked files"
         return real_load(self, model_id, *args, **kwargs)
 
     monkeypatch.setattr(PeftModel, "load_adapter", load_adapter)
     assert _load(folder) == (1, 8) and raced
+    raced[0].join(timeout=60)
+    assert not raced[0].is_alive()
     assert _load(folder) == (2, 32)
 
     del raced[:]
@@ -264,27 +270,37 @@ def test_a_load_hands_peft_the_bytes_it_verified(tmp_path, monkeypatch):
     resumed = _lora_cm(alpha=8)
     resumed.model.load_adapter(str(folder), "default", is_trainable=True)  # what Trainer's resume calls
     assert _whole(resumed) == (3, 8) and raced
+    raced[0].join(timeout=60)
+    assert _load(folder) == (4, 32)  # the save that waited, committed once the load was done
+
+
+def _unlocked_reads(monkeypatch, state):
+    """Loads (while `state["reading"]`) get no folder lock, as in a folder this process cannot write."""
+    real_take = transaction._take_lock
+
+    def take_lock(path, *, wait, remove, shared=False):
+        if state["reading"] and os.path.basename(path) == transaction.FOLDER_LOCK:
+            state["unlocked"] += 1
+            return transaction.Lock(None, path, remove)  # what a read-only folder gives
+        return real_take(path, wait=wait, remove=remove, shared=shared)
+
+    monkeypatch.setattr(transaction, "_take_lock", take_lock)
 
 
 def test_a_load_that_cannot_lock_the_folder_reads_again_when_a_commit_came_in_between(tmp_path, monkeypatch):
     """A folder this process cannot write (another account's) is read without its lock: a save
-    committing between the config and the adapters makes the copy fail its check, and the load
-    reads again, getting the newer save whole instead of an error or a mix."""
+    committing between the config and the adapters makes the files fail their check, and the
+    load reads again, getting the newer save whole instead of an error or a mix."""
     folder = tmp_path / "out"
     a, b = _lora_cm(alpha=8), _lora_cm(alpha=32, seed=1)
     _mark(a, 1)
     a.save_pretrained(folder)
-    real_take, real_copy = transaction._take_lock, transaction._copy_in
     state = {"reading": False, "raced": 0, "unlocked": 0}
+    _unlocked_reads(monkeypatch, state)
+    real_open = transaction.Snapshot.open
 
-    def take_lock(path, *, wait, remove):
-        if state["reading"] and os.path.basename(path) == transaction.FOLDER_LOCK:
-            state["unlocked"] += 1
-            return transaction.Lock(None, path, remove)  # what a read-only folder gives
-        return real_take(path, wait=wait, remove=remove)
-
-    def copy_in(source, copy, relative):
-        done = real_copy(source, copy, relative)
+    def open_(snapshot, relative):
+        done = real_open(snapshot, relative)
         if relative == "checkpoint_config.json" and not state["raced"]:
             state["raced"], state["reading"] = 1, False
             _mark(b, 2)
@@ -292,10 +308,38 @@ def test_a_load_that_cannot_lock_the_folder_reads_again_when_a_commit_came_in_be
             state["reading"] = True
         return done
 
-    monkeypatch.setattr(transaction, "_take_lock", take_lock)
-    monkeypatch.setattr(transaction, "_copy_in", copy_in)
+    monkeypatch.setattr(transaction.Snapshot, "open", open_)
     state["reading"] = True
     loaded = CheckpointedModel.from_pretrained(tiny_model(), folder)
+    state["reading"] = False
+    assert _whole(loaded) == (2, 32) and state["raced"] == 1 and state["unlocked"] == 2
+
+
+def test_a_load_that_cannot_lock_the_folder_reads_again_when_a_commit_came_in_while_peft_read(tmp_path, monkeypatch):
+    """Without the lock nothing stops a commit while PEFT reads: the files PEFT read are then not
+    the ones checked, so what PEFT did is undone and the load reads again (the newer save, whole)."""
+    from peft import PeftModel
+
+    folder = tmp_path / "out"
+    a, b = _lora_cm(alpha=8), _lora_cm(alpha=32, seed=1)
+    _mark(a, 1)
+    a.save_pretrained(folder)
+    state = {"reading": False, "raced": 0, "unlocked": 0}
+    _unlocked_reads(monkeypatch, state)
+    real_load = PeftModel.load_adapter
+
+    def load_adapter(self, model_id, *args, **kwargs):
+        if not state["raced"]:
+            state["raced"], state["reading"] = 1, False
+            _mark(b, 2)
+            b.save_pretrained(folder)  # another process's save, after the check, before PEFT reads
+            state["reading"] = True
+        return real_load(self, model_id, *args, **kwargs)
+
+    monkeypatch.setattr(PeftModel, "load_adapter", load_adapter)
+    model = tiny_model()
+    state["reading"] = True
+    loaded = CheckpointedModel.from_pretrained(model, folder)
     state["reading"] = False
     assert _whole(loaded) == (2, 32) and state["raced"] == 1 and state["unlocked"] == 2
 

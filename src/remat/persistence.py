@@ -7,7 +7,8 @@ rooms this joins: the folder transaction, the format, PEFT loading and its rollb
 else there; a crash at any moment leaves the previous save or the new one; saves from several
 processes commit one after another, the last one whole. `load_checkpointed_model` reads one
 whole save and checks it (architecture, layers, layer indices, fingerprints, the wrapper's
-arguments, the structure of adapters the model already has) before anything changes; what PEFT
+arguments, the structure of adapters the model already has) before anything changes, then
+PEFT reads those same files in place while the folder's shared lock keeps commits out; what PEFT
 itself does while loading is undone if it fails halfway, or if wrapping fails after it.
 
 `owner` is what the wrapper hands down (its controller: `.model`, `.config`,
@@ -24,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from .config import CheckpointConfig
+from .saving.folder import FolderChanged
 from .saving.overrides import SaveLoadOverrides
 from .saving.pair_format import Expected, PairOwner, expected_for, read_model_pair, save_model_pair
 from .saving.peft_loading import check_loadable_into, check_trainable_load, load_adapters
@@ -32,6 +34,7 @@ from .saving.rollback import ModelChanges
 
 logger = logging.getLogger("remat")
 
+_READ_AGAIN = 10  # loads of a folder this process cannot lock: how often a commit during PEFT's read is retried
 WRAPPER_ARGUMENTS = ("offload_transport", "swap_mover", "layer_class", "offload_host_budget")
 
 __all__ = ["SaveLoadOverrides", "apply_saved_config", "load_checkpointed_model", "save_checkpointed_model"]
@@ -82,24 +85,35 @@ def load_checkpointed_model(
     # Every check that needs no change comes first: PEFT's loading changes the model. (Swapping
     # is checked after it: PEFT freezes the base weights that block swap needs frozen.)
     names = cls.check_wrappable(model, CheckpointConfig(), check_swap=False, **wrapper_kwargs).names
-    with read_model_pair(folder, Expected.of(model, names)) as loaded:
-        fresh = bool(loaded.adapters) and not is_peft_model(model)
-        if not (fresh and loaded.saved.adapter_layers):  # else the map needs the layers the adapter adds
-            cls.check_wrappable(model, loaded.saved.config, check_swap=not fresh, **wrapper_kwargs)
-        if is_peft_model(model):
-            check_loadable_into(model, loaded)
-        check_trainable_load(model, loaded, is_trainable)
-        undo = ModelChanges(model)
-        try:
-            if loaded.adapters:
-                model = load_adapters(model, loaded, is_trainable, kwargs)
-            if fresh:  # the layers of the PeftModel PEFT built, with any a tuner added
-                discovery = cls.check_wrappable(model, loaded.saved.config, check_swap=False, **wrapper_kwargs)
-                Expected.of(model, discovery.names).check(loaded.saved)
-            cm = cls(model, loaded.saved.config, **wrapper_kwargs)
-        except BaseException:
-            undo.revert()
-            raise
+    base = model
+    for attempt in range(1, _READ_AGAIN + 1):
+        with read_model_pair(folder, Expected.of(base, names)) as loaded:
+            fresh = bool(loaded.adapters) and not is_peft_model(base)
+            if not (fresh and loaded.saved.adapter_layers):  # else the map needs the layers the adapter adds
+                cls.check_wrappable(base, loaded.saved.config, check_swap=not fresh, **wrapper_kwargs)
+            if is_peft_model(base):
+                check_loadable_into(base, loaded)
+            check_trainable_load(base, loaded, is_trainable)
+            undo = ModelChanges(base)
+            try:
+                model = base
+                if loaded.adapters:
+                    model = load_adapters(base, loaded, is_trainable, kwargs)
+                    loaded.snapshot.unchanged()  # PEFT read the files checked (FolderChanged: undone)
+                if fresh:  # the layers of the PeftModel PEFT built, with any a tuner added
+                    discovery = cls.check_wrappable(model, loaded.saved.config, check_swap=False, **wrapper_kwargs)
+                    Expected.of(model, discovery.names).check(loaded.saved)
+                cm = cls(model, loaded.saved.config, **wrapper_kwargs)
+            except FolderChanged:
+                undo.revert()
+                if loaded.snapshot.locked or attempt == _READ_AGAIN:
+                    raise
+                loaded.snapshot.close()  # a folder read without its lock: a commit came in; read again
+                continue
+            except BaseException:
+                undo.revert()
+                raise
+        break
     return cm.for_training() if is_trainable else cm.for_inference()
 
 

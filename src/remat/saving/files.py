@@ -1,17 +1,111 @@
 """Files that are whole or absent: atomic writes with the umask's permissions, strict JSON reads
-that name the file, fingerprints, fsync."""
+that name the file, fingerprints, fsync.
+
+Only regular files are ever opened for reading: a FIFO, a socket or a device in a folder (a shared
+or downloaded one) would make `open()` wait for a writer that never comes, or talk to hardware.
+`open_regular` checks the kind without blocking (stat, then an O_NONBLOCK open and fstat of what
+was opened) and raises `NotRegularFile` naming the file and what it is instead.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import secrets
+import stat
 from typing import Any
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+MAX_JSON_DEPTH = 64
+"""remat's own JSON files nest 4 levels at most; deeper is not a file remat wrote (and the json
+module raises RecursionError, not a ValueError, somewhere near 1000 levels)."""
+
+
+class NotRegularFile(ValueError):
+    """A path that is a FIFO, a socket, a device, a folder or (not followed) a symlink where a
+    file is expected: remat does not open it."""
+
+    def __init__(self, path: str, mode: int | None):
+        self.path = path
+        super().__init__(f"{path} is {_kind(mode)}, not a regular file; remat reads only regular files (remove it)")
+
+
+def _kind(mode: int | None) -> str:
+    if mode is None:
+        return "a symlink"
+    for test, name in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISLNK, "a symlink"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def open_regular(path: str, *, follow_links: bool = True) -> int:
+    """A read-only descriptor on the regular file at `path`, opened without ever blocking.
+    Raises FileNotFoundError if there is nothing there, `NotRegularFile` for anything else
+    (a symlink too, unless `follow_links`)."""
+    info = os.stat(path) if follow_links else os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise NotRegularFile(path, info.st_mode)
+    try:
+        fd = os.open(path, os.O_RDONLY | NONBLOCK | CLOEXEC | (0 if follow_links else NOFOLLOW))
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # replaced since the stat
+            raise NotRegularFile(path, None if err.errno == errno.ELOOP else 0) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):  # replaced between the stat and the open
+        os.close(fd)
+        raise NotRegularFile(path, mode)
+    return fd
+
+
+def read_regular(path: str, *, follow_links: bool = True) -> bytes:
+    """The bytes of the regular file at `path` (see `open_regular`)."""
+    with os.fdopen(open_regular(path, follow_links=follow_links), "rb") as handle:
+        return handle.read()
+
+
+def parse_json(data: bytes | str, name: str) -> Any:
+    """The JSON value in `data`, or a ValueError naming `name` for text that is not UTF-8, not
+    JSON, or nested deeper than `MAX_JSON_DEPTH` (never a RecursionError)."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        value = json.loads(text)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{name}: not UTF-8 text ({err})") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{name}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise ValueError(f"{name}: nested too deeply to be a file remat wrote") from None
+    if _depth_beyond(value, MAX_JSON_DEPTH):
+        raise ValueError(f"{name}: nested more than {MAX_JSON_DEPTH} levels deep, which no file remat writes is")
+    return value
+
+
+def _depth_beyond(value: Any, limit: int) -> bool:
+    """Whether `value` nests lists or objects more than `limit` deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def write_file_atomically(path: str, text: str) -> None:
@@ -34,20 +128,21 @@ def write_file_atomically(path: str, text: str) -> None:
 
 
 def read_json_object(path: str, name: str | None = None) -> dict[str, Any]:
-    """The JSON object in `path`, or a ValueError that names the file (`name`, if the file read
-    is a copy) and what is wrong."""
+    """The JSON object in `path`, or a ValueError that names the file (as `name`, if given) and
+    what is wrong."""
     name = name or path
     try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
+        data = read_regular(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"no checkpoint config at {name}") from None
-    if not text.strip():
+    return json_object(data, name)
+
+
+def json_object(data: bytes, name: str) -> dict[str, Any]:
+    """The JSON object in `data` (a file's bytes), or a ValueError naming the file `name`."""
+    if not data.strip():
         raise ValueError(f"{name}: the file is empty")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{name}: not valid JSON ({err})") from None
+    data = parse_json(data, name)
     if not isinstance(data, dict):
         raise ValueError(f"{name}: expected a JSON object, got {type(data).__name__}")
     return data
@@ -55,14 +150,14 @@ def read_json_object(path: str, name: str | None = None) -> dict[str, Any]:
 
 def sha256_file(path: str) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with os.fdopen(open_regular(path), "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
 
 
 def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         os.fsync(fd)
     finally:
@@ -71,7 +166,7 @@ def fsync_file(path: str) -> None:
 
 def fsync_folder(path: str) -> None:
     with contextlib.suppress(OSError):  # some file systems cannot fsync a folder
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | NONBLOCK | CLOEXEC | getattr(os, "O_DIRECTORY", 0))
         try:
             os.fsync(fd)
         finally:

@@ -18,19 +18,28 @@ weight shards that transformers' own `save_pretrained` would have removed there 
    or dropped (recovery), a manifest (`COMMIT`) naming the files and the state of the files
    they replace is written, and each file is renamed into place; the staging folder goes.
 
-A load takes the same lock, recovers, and copies the files it needs (the config first, then
-the files it names) into a private folder (in the system's temporary folder, which needs room
-for one copy of the adapters), then lets go; it checks the copy (fingerprints) and hands PEFT
-the copy. So every load returns one whole save, the save that commits last wins
-whole, and a load never waits for a save longer than one commit.
+A load takes the same lock, shared (loads read side by side; a commit waits until they are
+done, and they wait for a commit), recovers, opens the files it needs in place (the config
+first, then the files it names; regular files only, checked without blocking), checks them
+(fingerprints) and, still holding the lock, lets PEFT read them from the folder; then it lets
+go. Nothing is copied: a load writes nothing anywhere (the system's temporary folder may be
+full, read-only or missing), and a load killed at any moment leaves nothing behind but, until
+the next save or load, the folder's lock file. So every load returns one whole save, the save
+that commits last wins whole, and a load waits for one commit at most (a commit waits for the
+loads already reading).
 
 A crash before the manifest leaves the folder untouched (the staging folder is dropped by the
 next save or load); a crash after it is finished by the next save or load ("rolled forward")
 unless a newer save has written those files since. A staging folder whose writer still holds
 its `LOCK` is left alone. Recovery never leaves the folder: it follows no symlink (a staging
 folder, a `LOCK`, a manifest or a manifest entry that is a link makes the staging folder one
-remat did not write: it is dropped), and a manifest that is missing, unreadable or has
-missing or mistyped fields is an unfinished save: dropped with one warning.
+remat did not write: it is dropped), never opens anything but a regular file (a FIFO, socket,
+device or folder where remat's `LOCK`, manifest or a file it names goes drops the staging
+folder: nothing in a folder can make a save or load wait), and a manifest that is missing,
+unreadable, nested too deep or has missing or mistyped fields is an unfinished save: dropped
+with one warning. A staging folder a live writer is still filling is never reported: it is made
+and locked under the folder's lock, so recovery (which holds that lock) finds it locked; one
+with nothing written in it (its writer died at once) is removed without a word.
 
 Files get the permissions any file the process creates gets (the umask), like PEFT's own.
 
@@ -44,7 +53,8 @@ folder at the same moment. A load still never returns a mix: it hands PEFT only 
 fingerprints it checked, and a folder that two machines' commits mixed is refused on load
 ("the folder mixes two saves") until one of them saves again. Where the folder cannot be
 written (another account's folder, a read-only mount) a load takes no lock: it reads, checks,
-and reads again if a commit came in between. Where the system has no native locks at all,
+and reads again if a commit came in between; a file replaced while PEFT read it is a
+`FolderChanged` error, never a silent mix. Where the system has no native locks at all,
 saves and loads go on unlocked (one warning says so).
 """
 
@@ -60,10 +70,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
-from .files import CLOEXEC, NOFOLLOW, fsync_file, fsync_folder, read_json_object, write_file_atomically
+from .files import fsync_file, fsync_folder, json_object, open_regular, parse_json, read_regular, write_file_atomically
 from .locks import Lock, NotOurs
 from .locks import take_lock as _take_lock
 
@@ -89,18 +98,45 @@ class FolderChanged(ValueError):
 # -- the folder's lock ------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _folder_lock(folder: str) -> Iterator[Lock]:
-    """The folder's lock, held for one commit or one load's reading."""
+def _take_folder_lock(folder: str, *, shared: bool = False) -> Lock:
+    """The folder's lock: exclusive for a commit or recovery, shared for a load's reading."""
     path = os.path.join(folder, FOLDER_LOCK)
     try:
-        lock = _take_lock(path, wait=True, remove=True)
+        lock = _take_lock(path, wait=True, remove=True, shared=shared)
     except NotOurs:
-        logger.warning("%s: %s is a symlink, not remat's lock file; removing the link", folder, FOLDER_LOCK)
-        os.unlink(path)
-        lock = _take_lock(path, wait=True, remove=True)
+        logger.warning("%s: %s is not a regular file, not remat's lock file; removing it", folder, FOLDER_LOCK)
+        with contextlib.suppress(FileNotFoundError):  # another process removed it first
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)  # an empty folder; one with files in it is an error naming it
+            else:
+                os.unlink(path)
+        lock = _take_lock(path, wait=True, remove=True, shared=shared)
     assert lock is not None  # waited for it
+    return lock
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: str) -> Iterator[Lock]:
+    """The folder's exclusive lock, held for one commit (or one recovery)."""
+    lock = _take_folder_lock(folder)
     try:
+        yield lock
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def _reading_lock(folder: str) -> Iterator[Lock]:
+    """The folder's lock for one load: shared (loads read side by side; a commit waits for them,
+    and they for it), after finishing a crashed commit, which needs it exclusive (then the load
+    reads under that)."""
+    lock = _take_folder_lock(folder, shared=True)
+    try:
+        if lock.held and _recover(folder, exclusive=False):
+            lock.release()
+            lock = _take_folder_lock(folder)
+            if lock.held:
+                _recover(folder)
         yield lock
     finally:
         lock.release()
@@ -138,7 +174,6 @@ def save_pair(
     target = os.path.abspath(os.fspath(target))
     os.makedirs(target, exist_ok=True)
     staging, staging_lock = _new_staging(target)
-    _live.add(staging)
     try:
         committing = False
         try:
@@ -214,16 +249,22 @@ def _rename(source: str, destination: str) -> None:
 
 
 def _new_staging(target: str, attempts: int = 10) -> tuple[str, Lock]:
-    """A new staging folder in `target` and its lock. Until it is locked the folder looks like a
-    crashed save to another process's recovery, which may remove it; then another is made."""
+    """A new staging folder in `target` and its lock, made and locked under the folder's lock, so
+    that no recovery (which holds the folder's lock too) ever sees it unlocked: an unlocked
+    staging folder is one whose writer died. (Where the folder cannot be locked, a recovery may
+    remove it before it is locked; then another is made.)"""
     for _ in range(attempts):
-        staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target)
-        try:
-            lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=True, remove=False)
-        except FileNotFoundError:
-            continue  # removed before its lock file was made
+        with _folder_lock(target):
+            staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target)
+            _live.add(staging)
+            try:
+                lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=True, remove=False)
+            except FileNotFoundError:
+                _live.discard(staging)
+                continue  # removed before its lock file was made
         if lock is not None and (lock.held or os.path.isdir(staging)):
             return staging, lock
+        _live.discard(staging)
     raise OSError(f"{target}: could not make a staging folder for the save (other processes removed {attempts})")
 
 
@@ -258,9 +299,11 @@ def recover(target: str | os.PathLike) -> None:
             _recover(target)
 
 
-def _recover(target: str) -> None:
+def _recover(target: str, *, exclusive: bool = True) -> bool:
     """Called with the folder's lock held: no commit runs meanwhile, and no staging folder of a
-    live writer has a manifest (manifests are written under the lock)."""
+    live writer has a manifest (manifests are written under the exclusive lock). Under a shared
+    lock (`exclusive` False: loads recover side by side) only staging folders are dropped; a
+    crashed commit to finish returns True at once, and the caller recovers again exclusive."""
     for name in sorted(os.listdir(target)):
         staging = os.path.join(target, name)
         if not name.startswith(STAGING_PREFIX) or os.path.islink(staging) or not os.path.isdir(staging):
@@ -268,18 +311,30 @@ def _recover(target: str) -> None:
         if staging in _live:
             continue  # this process is writing it
         try:
+            inside = os.listdir(staging)
+            age = time.time() - os.lstat(staging).st_mtime
+        except OSError:
+            continue  # removed meanwhile (another load's recovery), or not ours to read
+        # Nothing of a save in it: a writer that died before writing anything (staging folders
+        # are made and locked under the folder's lock, which this recovery holds).
+        empty = not [n for n in inside if n != _STAGING_LOCK]
+        try:
             lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=False, remove=False)
         except NotOurs:
-            logger.warning("%s: dropping %s, which remat did not write (its LOCK is a symlink)", target, name)
+            logger.warning("%s: dropping %s, which remat did not write (its LOCK is not a regular file)", target, name)
             shutil.rmtree(staging, ignore_errors=True)
             continue
         except OSError:
-            continue  # it cannot be locked from here (another account's): leave it
+            continue  # it cannot be locked from here (another account's), or is being removed: leave it
         if lock is None:
             continue  # its writer is alive
-        if not lock.held and time.time() - os.lstat(staging).st_mtime < _UNLOCKED_STALE_SECONDS:
+        if not lock.held and age < _UNLOCKED_STALE_SECONDS:
             continue  # no native locks: it may be a live writer's
         try:
+            if empty:
+                logger.debug("%s: removing %s, a save that crashed before writing anything", target, name)
+                shutil.rmtree(staging, ignore_errors=True)
+                continue
             entries = _read_manifest(staging, target)
             remaining = [e for e in entries or () if os.path.lexists(os.path.join(staging, e["path"]))]
             if entries is None:
@@ -288,6 +343,8 @@ def _recover(target: str) -> None:
                 )
             elif any(_state(os.path.join(target, e["path"])) != e["replaces"] for e in remaining):
                 logger.warning("%s: a newer save overtook an interrupted one (%s); dropping the older", target, name)
+            elif not exclusive:
+                return True
             else:
                 logger.warning("%s: finishing a save that was interrupted after it was complete on disk", target)
                 _commit(staging, target, [e["path"] for e in remaining])
@@ -295,16 +352,15 @@ def _recover(target: str) -> None:
             shutil.rmtree(staging, ignore_errors=True)
         finally:
             lock.release()
+    return False
 
 
 def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
     """The manifest's entries, or None if there is none (the save never completed) or it is not
     one remat wrote: a link, not JSON, a field missing or of another type, a path that leaves
     the staging or the target folder or goes through a link."""
-    try:
-        fd = os.open(os.path.join(staging, _MANIFEST), os.O_RDONLY | NOFOLLOW | CLOEXEC)
-        with os.fdopen(fd, encoding="utf-8") as handle:
-            data = json.load(handle)
+    try:  # a FIFO, a device, a link or a file nested 200,000 deep: not one remat wrote
+        data = parse_json(read_regular(os.path.join(staging, _MANIFEST), follow_links=False), _MANIFEST)
     except (OSError, ValueError):
         return None
     entries = data.get("files") if isinstance(data, dict) else None
@@ -333,32 +389,105 @@ def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
         with contextlib.suppress(FileNotFoundError):  # a file already moved is fine
             if not stat.S_ISREG(os.lstat(os.path.join(staging, path)).st_mode):
                 return None
+        if not _can_land(target, path):
+            return None
     return entries
+
+
+def _can_land(target: str, path: str) -> bool:
+    """Whether a file can be renamed to `path` in `target`: every folder on the way is a folder
+    or absent, and the path itself is not a folder (else the commit would fail at every
+    recovery, and the folder could never be loaded or saved again)."""
+    parts = path.split(os.sep)
+    for depth in range(1, len(parts) + 1):
+        try:
+            mode = os.lstat(os.path.join(target, *parts[:depth])).st_mode
+        except FileNotFoundError:
+            return True
+        if (depth < len(parts) and not stat.S_ISDIR(mode)) or (depth == len(parts) and stat.S_ISDIR(mode)):
+            return False
+    return True
 
 
 # -- loading -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
 class Snapshot:
-    """What one load read: `folder` (the folder, for messages), `copy` (a private folder holding
-    the files read, same layout), `config` (the parsed `checkpoint_config.json`, None if
-    absent), `locked` (read under the folder's lock)."""
+    """What one load read, in place: `folder`, `config` (the parsed `checkpoint_config.json`, None
+    if absent), `locked` (read under the folder's lock), and the files it opened (each checked to
+    be a regular file, held open until the load ends). PEFT reads the same files, by path, while
+    the lock is held: no commit can replace them meanwhile. `unchanged()` checks that they were
+    not replaced or rewritten all the same (a commit without the lock, another program)."""
 
-    folder: str
-    copy: str
-    config: dict[str, Any] | None
-    locked: bool
+    def __init__(self, folder: str, locked: bool):
+        self.folder, self.locked = folder, locked
+        self.config: dict[str, Any] | None = None
+        self._opened: dict[str, tuple[int, os.stat_result]] = {}
+        self._absent: set[str] = set()
+        self._closed = False
+
+    @property
+    def copy(self) -> str:
+        """Where PEFT reads the files: the folder itself (the name is kept from when loads
+        read a copy)."""
+        return self.folder
 
     def path(self, relative: str) -> str:
-        return os.path.join(self.copy, relative)
+        return os.path.join(self.folder, relative)
 
     def has(self, relative: str) -> bool:
-        return os.path.isfile(self.path(relative))
+        return relative in self._opened
 
     def name(self, relative: str) -> str:
         """The file's path in the folder, for messages."""
         return os.path.join(self.folder, relative)
+
+    def open(self, relative: str) -> int | None:
+        """Open `relative` if it is a regular file in the folder (following links, as PEFT
+        does): its descriptor, or None if there is none. Anything else there (a FIFO, a folder,
+        a device) is a ValueError naming it: PEFT's `open()` would wait on it forever."""
+        if relative in self._opened:
+            return self._opened[relative][0]
+        if os.path.isabs(relative) or ".." in relative.split(os.sep) or relative in self._absent:
+            return None
+        try:
+            fd = open_regular(self.path(relative))
+        except FileNotFoundError:
+            self._absent.add(relative)
+            return None
+        self._opened[relative] = (fd, os.fstat(fd))
+        return fd
+
+    def unchanged(self) -> None:
+        """Raise `FolderChanged` if a file read was replaced or rewritten since it was opened, or
+        one that was absent appeared (so what PEFT read may not be what was checked). Nothing to
+        check once closed."""
+        if self._closed:
+            return
+        for relative, (fd, before) in self._opened.items():
+            try:
+                now = os.stat(self.path(relative))
+            except FileNotFoundError:
+                now = None
+            after = os.fstat(fd)
+            if now is None or not os.path.samestat(now, before) or _version(after) != _version(before):
+                raise FolderChanged(
+                    f"{self.name(relative)} was replaced or rewritten while it was being loaded (a save without "
+                    "the folder's lock, or another program); load again"
+                )
+        for relative in self._absent:
+            if os.path.lexists(self.path(relative)):
+                raise FolderChanged(f"{self.name(relative)} appeared while the folder was being loaded; load again")
+
+    def close(self) -> None:
+        self._closed = True
+        opened, self._opened = self._opened, {}
+        for fd, _ in opened.values():
+            os.close(fd)
+
+
+def _version(info: os.stat_result) -> tuple[int, int]:
+    return info.st_size, info.st_mtime_ns
 
 
 @contextlib.contextmanager
@@ -367,42 +496,44 @@ def read_pair(
     files: Callable[[dict[str, Any] | None], Iterable[str]] = lambda config: (),
     verify: Callable[[Snapshot], Any] = lambda snapshot: None,
 ) -> Iterator[Snapshot]:
-    """The one load: under the folder's lock, recover, then copy `checkpoint_config.json` and the
-    files `files(config)` names into a private folder; let go; `verify(snapshot)` (which raises
-    `FolderChanged` for bytes that do not belong together). Yields the snapshot, whose files
-    are what was verified. Without the lock (a folder this process cannot write), a
-    `FolderChanged` reads again."""
+    """The one load, in place: under the folder's shared lock (recovering first), open
+    `checkpoint_config.json` and the files `files(config)` names, `verify(snapshot)` (which
+    raises `FolderChanged` for bytes that do not belong together), and yield the snapshot with
+    the lock still held, so what PEFT reads inside the `with` is what was verified; on leaving,
+    the files are checked to be unchanged (`Snapshot.unchanged`). Without the lock (a folder
+    this process cannot write), a `FolderChanged` before the yield reads again. Nothing is
+    copied, and nothing is written anywhere but the folder's lock file."""
     folder = os.path.abspath(os.fspath(folder))
     for attempt in range(1, _READ_ATTEMPTS + 1):
-        with tempfile.TemporaryDirectory(prefix="remat-load-", ignore_cleanup_errors=True) as copy:
-            with _folder_lock(folder) as lock:
-                if lock.held:
-                    _recover(folder)
-                config = None
-                if _copy_in(folder, copy, CONFIG_NAME):
-                    config = read_json_object(os.path.join(copy, CONFIG_NAME), os.path.join(folder, CONFIG_NAME))
-                for relative in files(config):
-                    _copy_in(folder, copy, relative)
-            snapshot = Snapshot(folder, copy, config, lock.held)
+        with _reading_lock(folder) as lock:
+            snapshot = Snapshot(folder, lock.held)
             try:
+                fd = snapshot.open(CONFIG_NAME)
+                if fd is not None:
+                    snapshot.config = json_object(_read_all(fd), snapshot.name(CONFIG_NAME))
+                for relative in files(snapshot.config):
+                    snapshot.open(relative)
                 verify(snapshot)
             except FolderChanged:
+                snapshot.close()
                 if lock.held or attempt == _READ_ATTEMPTS:
                     raise
                 time.sleep(0.01 * attempt)
                 continue
-            yield snapshot
+            except BaseException:
+                snapshot.close()
+                raise
+            try:
+                yield snapshot
+                snapshot.unchanged()
+            finally:
+                snapshot.close()
             return
 
 
-def _copy_in(folder: str, copy: str, relative: str) -> bool:
-    source = os.path.join(folder, relative)
-    if os.path.isabs(relative) or ".." in relative.split(os.sep) or not os.path.isfile(source):
-        return False
-    destination = os.path.join(copy, relative)
-    os.makedirs(os.path.dirname(destination), exist_ok=True)
-    try:
-        shutil.copyfile(source, destination)
-    except FileNotFoundError:
-        return False
-    return True
+def _read_all(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    chunks = []
+    while chunk := os.read(fd, 1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -1,7 +1,13 @@
 """Locks on files, from `filelock` (flock on Unix, LockFileEx on Windows), on a descriptor remat
-opens itself: a lock file that is a symlink is never opened (`NotOurs`), and a lock file can be
+opens itself: a lock file that is not a regular file (a symlink, a FIFO, a folder, ...) is never
+opened (`NotOurs`), nor is anything opened in a way that could block, and a lock file can be
 removed by its holder on release without two processes ever holding "the" lock at once (a
 waiter that gets the lock on a removed file notices it and takes the one at the path).
+
+A lock is exclusive, or shared (loads: any number read at once while no commit runs). Shared
+locks are `flock(LOCK_SH)` on Unix; where there is no `fcntl` (Windows) a shared lock is taken
+exclusive, which orders loads among themselves too. A shared holder removes the lock file on
+release only when it is the last holder (it can turn its lock exclusive without waiting).
 
 Where no lock can be taken (no write access to the folder, a system without native locks), the
 lock comes back not held and the caller decides what that means (see `remat.saving.folder`).
@@ -13,16 +19,27 @@ import contextlib
 import errno
 import logging
 import os
+import stat
+import time
 
 import filelock
 
-from .files import CLOEXEC, NOFOLLOW
+from .files import CLOEXEC, NOFOLLOW, NONBLOCK
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger("remat")
 
 
 class NotOurs(OSError):
-    """A lock file that is a symlink: remat did not make it and will not open it."""
+    """A lock file that is not a regular file (a symlink, a FIFO, a socket, a device, a folder):
+    remat did not make it and will not open it."""
+
+
+_POLL_SECONDS = 0.005
 
 
 _warned_no_locks = False
@@ -37,12 +54,44 @@ def _open_lock_file(path: str) -> int:
     """A descriptor on the lock file, made if missing. A lock file another account made (0644
     under umask 022) cannot be opened for writing: it is opened read-only instead, which flock
     locks all the same, so two accounts sharing a group-writable folder still take turns."""
+    flags = NOFOLLOW | CLOEXEC | NONBLOCK
     try:
-        return os.open(path, os.O_RDWR | os.O_CREAT | NOFOLLOW | CLOEXEC, 0o666)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o666)
     except OSError as err:
         if err.errno not in (errno.EACCES, errno.EPERM):
             raise
-    return os.open(path, os.O_RDONLY | NOFOLLOW | CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | flags)
+        except FileNotFoundError:  # none there, and none can be made here: no lock to take
+            raise err from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced by something else since the lstat
+        os.close(fd)
+        raise NotOurs(errno.EINVAL, "not a regular file where remat's lock file goes", path)
+    return fd
+
+
+def _lock_descriptor(fd: int, *, shared: bool, wait: bool) -> bool:
+    if not shared or fcntl is None:
+        return filelock.lock_descriptor(fd, blocking=wait, poll_interval=_POLL_SECONDS)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                raise
+        if not wait:
+            return False
+        time.sleep(_POLL_SECONDS)
+
+
+def _last_holder(fd: int) -> bool:
+    """Turn a shared lock exclusive without waiting: whether no one else holds the file (if
+    someone does, the lock is given up, which is what releasing it does anyway)."""
+    try:
+        return filelock.lock_descriptor(fd, blocking=False)
+    except OSError:
+        return False
 
 
 class Lock:
@@ -50,8 +99,8 @@ class Lock:
     `remove`: the holder deletes the file before letting go, so no lock file stays behind
     (a waiter that then gets the lock on the deleted file notices and takes the new one)."""
 
-    def __init__(self, fd: int | None, path: str, remove: bool):
-        self.fd, self.path, self.remove = fd, path, remove
+    def __init__(self, fd: int | None, path: str, remove: bool, shared: bool = False):
+        self.fd, self.path, self.remove, self.shared = fd, path, remove, shared
 
     @property
     def held(self) -> bool:
@@ -62,7 +111,7 @@ class Lock:
             return
         fd, self.fd = self.fd, None
         try:
-            if self.remove:
+            if self.remove and (not self.shared or _last_holder(fd)):
                 with contextlib.suppress(OSError):  # gone already; or Windows, which keeps an open file
                     os.unlink(self.path)
         finally:
@@ -71,26 +120,27 @@ class Lock:
             os.close(fd)
 
 
-def take_lock(path: str, *, wait: bool, remove: bool) -> Lock | None:
-    """The exclusive lock on `path` (made if missing), or None if `wait` is False and another
-    holds it. A lock that cannot be taken here (no write access, no native locks) comes back
-    not held. Raises `NotOurs` for a symlink."""
+def take_lock(path: str, *, wait: bool, remove: bool, shared: bool = False) -> Lock | None:
+    """The lock on `path` (made if missing), exclusive or `shared`, or None if `wait` is False
+    and another holds it. A lock that cannot be taken here (no write access, no native locks)
+    comes back not held. Raises `NotOurs` for anything there that is not a regular file."""
     global _warned_no_locks
     while True:
-        if os.path.islink(path):
-            raise NotOurs(errno.ELOOP, "a symlink where remat's lock file goes", path)
+        with contextlib.suppress(FileNotFoundError):
+            mode = os.lstat(path).st_mode
+            if not stat.S_ISREG(mode):
+                kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+                raise NotOurs(errno.ELOOP, f"{kind} where remat's lock file goes", path)
         try:
             fd = _open_lock_file(path)
         except OSError as err:
-            if err.errno == errno.ELOOP:
-                raise NotOurs(errno.ELOOP, "a symlink where remat's lock file goes", path) from None
-            if err.errno == errno.ENOENT and os.path.isdir(os.path.dirname(path) or "."):
-                continue  # another account's lock file, removed by its holder as we reopened it
+            if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # replaced since the lstat
+                raise NotOurs(err.errno, "not a regular file where remat's lock file goes", path) from None
             if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                return Lock(None, path, remove)
+                return Lock(None, path, remove, shared)
             raise
         try:
-            got = filelock.lock_descriptor(fd, blocking=wait, poll_interval=0.005)
+            got = _lock_descriptor(fd, shared=shared, wait=wait)
         except OSError as err:
             os.close(fd)
             if err.errno not in _NO_NATIVE_LOCKS:
@@ -100,7 +150,7 @@ def take_lock(path: str, *, wait: bool, remove: bool) -> Lock | None:
                 logger.warning(
                     "this system has no file locks: saves into one folder from several processes are not ordered"
                 )
-            return Lock(None, path, remove)
+            return Lock(None, path, remove, shared)
         if not got:
             os.close(fd)
             return None
@@ -109,7 +159,7 @@ def take_lock(path: str, *, wait: bool, remove: bool) -> Lock | None:
         except FileNotFoundError:
             current = None
         if current is not None and os.path.samestat(os.fstat(fd), current):
-            return Lock(fd, path, remove)
+            return Lock(fd, path, remove, shared)
         # The holder before us deleted the file we locked: take the one at the path now.
         with contextlib.suppress(OSError):
             filelock.unlock_descriptor(fd)
