@@ -344,6 +344,42 @@ def test_a_load_that_cannot_lock_the_folder_reads_again_when_a_commit_came_in_wh
     assert _whole(loaded) == (2, 32) and state["raced"] == 1 and state["unlocked"] == 2
 
 
+def test_load_adapter_without_the_folder_lock_undoes_peft_when_a_commit_came_in_while_peft_read(tmp_path, monkeypatch):
+    """Trainer's resume calls the wrapped PeftModel's `load_adapter`. In a folder this process
+    cannot lock, a commit landing while PEFT reads is found after PEFT's read: the load is
+    refused with FolderChanged and what PEFT did to the model is undone, not left half new."""
+    from peft import PeftModel
+
+    from remat.saving.folder import FolderChanged
+
+    folder = tmp_path / "out"
+    a, b = _lora_cm(alpha=8), _lora_cm(alpha=8, seed=1)
+    _mark(a, 1)
+    a.save_pretrained(folder)
+    state = {"reading": False, "raced": 0, "unlocked": 0}
+    _unlocked_reads(monkeypatch, state)
+    real_load = PeftModel.load_adapter
+
+    def load_adapter(self, model_id, *args, **kwargs):
+        result = real_load(self, model_id, *args, **kwargs)
+        if not state["raced"]:
+            state["raced"], state["reading"] = 1, False
+            _mark(b, 2)
+            b.save_pretrained(folder)  # another process's save, while PEFT was reading
+            state["reading"] = True
+        return result
+
+    monkeypatch.setattr(PeftModel, "load_adapter", load_adapter)
+    resumed = _lora_cm(alpha=8)
+    _mark(resumed, 5)
+    state["reading"] = True
+    with pytest.raises(FolderChanged, match="load again"):
+        resumed.model.load_adapter(str(folder), "default", is_trainable=True)
+    state["reading"] = False
+    assert state["raced"] == 1
+    assert _whole(resumed) == (5, 8)  # the adapters PEFT had loaded from save 1 are undone
+
+
 # -- crashes of a Trainer checkpoint -------------------------------------------------------------------
 
 

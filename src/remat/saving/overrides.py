@@ -5,7 +5,7 @@ Trainer saves a checkpoint with `model.save_pretrained(folder)` and resumes a Pe
 overrides (removed by `disable()`) that go through the same save and load as
 `cm.save_pretrained` / `CheckpointedModel.from_pretrained`: the save is staged and committed
 with `checkpoint_config.json` (`pair_format.save_model_pair`); the load reads and checks the
-pair under the folder's lock, hands PEFT the verified copy, and applies the saved config.
+pair under the folder's shared lock, hands PEFT the files it verified (read in place), and applies the saved config.
 `owner` is the controller behind the wrapper (it reaches the model weakly: no reference cycle).
 """
 
@@ -68,10 +68,19 @@ class _LoadAdapterWithConfig:
                     f"{loaded.saved.file} names no adapter in {os.path.join(folder, wanted)}; load one of "
                     f"{sorted(a.name for a in loaded.adapters)} from the folder they were saved in. Nothing was loaded"
                 )
-            result = _undone_if_it_fails(model, lambda: load(loaded.snapshot.copy, *args, **kwargs))
+            result = _undone_if_it_fails(model, lambda: _load_checked(loaded, load, args, kwargs))
         self.loaded_from = os.path.abspath(folder)
         self.owner.adopt_saved_config(loaded.saved.config, f"load_adapter({folder})")
         return result
+
+
+def _load_checked(loaded: Any, load: Any, args: tuple, kwargs: dict) -> Any:
+    """PEFT's load of the verified files, then a check that none was replaced while PEFT read
+    them (possible only in a folder this process cannot lock): a `FolderChanged` raised here is
+    inside `_undone_if_it_fails`, so what PEFT did is undone."""
+    result = load(loaded.snapshot.copy, *args, **kwargs)
+    loaded.snapshot.unchanged()
+    return result
 
 
 def _undone_if_it_fails(model: Any, load: Any) -> Any:

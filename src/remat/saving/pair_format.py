@@ -387,7 +387,7 @@ def save_model_pair(
 @dataclass(frozen=True)
 class Loaded:
     saved: Saved
-    snapshot: Snapshot  # the verified copy: PEFT reads from here
+    snapshot: Snapshot  # the verified files, read in place: PEFT reads from here
     adapters: list[SavedAdapter]
 
     def adapter_path(self, adapter: SavedAdapter) -> str:
@@ -402,7 +402,7 @@ def expected_for(owner: PairOwner) -> Expected:
 @contextlib.contextmanager
 def read_model_pair(folder: str | os.PathLike, expected: Expected | None = None) -> Iterator[Loaded]:
     """Read and check a save for `expected` (architecture, layers, indices, fingerprints); yields
-    it with the verified copy of its files, valid inside the `with`."""
+    it with the verified files (read in place under the folder's lock), valid inside the `with`."""
     found: dict[str, Any] = {}
 
     def verify(snapshot: Snapshot) -> None:

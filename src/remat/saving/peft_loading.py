@@ -2,8 +2,8 @@
 a PeftModel that already has one of the same name must have the same structure (config and
 tensor shapes), or it is refused before anything changes.
 
-PEFT reads from the verified copy a load made (`remat.saving.folder.read_pair`), never from the
-folder itself; messages name the folder.
+PEFT reads the files a load verified, in place, while the load holds the folder's shared lock
+(`remat.saving.folder.read_pair`); messages name the folder.
 """
 
 from __future__ import annotations
