@@ -222,9 +222,17 @@ class CheckpointedModel(nn.Module):
         return discovery
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy or an unpickled wrapper owns the copy of the controller it carries."""
+        """A deep copy or an unpickled wrapper owns the copy of the controller it carries."""
         super().__setstate__(state)
         self._controller.wrapper = LocalRef(self)
+
+    def __copy__(self) -> CheckpointedModel:
+        """Refused: a shallow copy would share this wrapper's model and controller, so two
+        wrappers would claim one map (and ownership would follow whichever was made last)."""
+        raise TypeError(
+            "copy.copy(cm) would make a second wrapper sharing cm's model and map; a model has one wrapper. Use cm "
+            "itself, or copy.deepcopy(cm) for an independent wrapper over a copy of the model"
+        )
 
     # -- delegation (PEFT's pattern) -----------------------------------------------------------
 
@@ -241,6 +249,12 @@ class CheckpointedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the wrapped model. A plain method, so `torch.compile(cm)` traces it like any module."""
         return self.model(*args, **kwargs)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch's `nn.Module.compile(...)` (same arguments), applied to the wrapped model:
+        `cm.model.compile(...)`. cm's forward calls cm.model, and a trainer given cm trains
+        cm.model, so both run compiled. `disable()` leaves the compile in place (it is the model's)."""
+        self.model.compile(*args, **kwargs)
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
