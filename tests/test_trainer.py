@@ -272,3 +272,23 @@ def test_remat_trainer_given_torch_compile_of_the_wrapper_refuses_naming_what_to
     assert "torch.compile(cm)" in message and "torch_compile=True" in message and "cm.compile(" in message
     assert "RematTrainer(model=cm, args=TrainingArguments(" in message
     assert cm.is_enabled and cm.checkpoint_map.checkpointed == [0, 2]
+
+    # The line it names trains compiled, with the map (a one-step run; the eager backend keeps it short).
+    from torch._dynamo.utils import counters
+
+    cm = CheckpointedModel(add_lora(tiny_model(num_hidden_layers=2), dropout=0.0), CheckpointConfig(every_n_layers=2))
+    counter, frames = RecomputeCounter(decoder_layers(cm.model)), counters["frames"]["ok"]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        torch_compile=True,
+        torch_compile_backend="eager",
+    )
+    trainer = RematTrainer(model=cm, args=args, train_dataset=_dataset())
+    trainer.train()
+    assert counters["frames"]["ok"] > frames, "dynamo compiled the model the trainer trained"
+    assert trainer.model is cm.model and counter.counts == [2, 1]

@@ -335,3 +335,27 @@ def test_a_base_model_adopted_into_trls_peft_model_is_still_owned(tmp_path):
             CheckpointedModel(model)
     cm.disable()
     assert "_remat_owner" not in vars(base) and "_remat_owner" not in vars(cm.model)
+
+
+def test_a_plain_trl_trainer_given_the_wrapper_and_peft_config_is_refused_naming_the_line_that_works(tmp_path):
+    """The refusal speaks of peft_config only when one was given (TRL's PEFT then wrapped the
+    wrapper and put adapter layers into cm's model)."""
+    from peft import LoraConfig
+
+    data = datasets.Dataset.from_dict({"text": ["the quick brown fox jumps over the lazy dog"] * 4})
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    messages = []
+    for peft_config in (lora, None):
+        cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=2))
+        with pytest.raises(TypeError) as refused:
+            trl.SFTTrainer(
+                model=cm,
+                args=trl.SFTConfig(**_common(tmp_path)),
+                train_dataset=data,
+                processing_class=byte_tokenizer(),
+                peft_config=peft_config,
+            )
+        messages.append(str(refused.value))
+    assert "remat_trainer_class(YourTrainer)(model=cm, peft_config=...)" in messages[0]
+    assert "build the model and the wrapper again" in messages[0]
+    assert "peft_config" not in messages[1] and "remat_trainer_class(YourTrainer)(model=cm, ...)" in messages[1]

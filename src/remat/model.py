@@ -56,9 +56,24 @@ _PLAIN_TRAINER_REFUSED = (
     "a transformers Trainer (or a subclass, TRL's included) was given the CheckpointedModel itself: it would save "
     "every weight of the wrapper, no checkpoint_config.json, and resume without the map. Use "
     "remat.RematTrainer(model=cm, ...) for Trainer, or remat.remat_trainer_class(YourTrainer)(model=cm, ...) for a "
-    "subclass (SFTTrainer, GRPOTrainer, ...). A TRL trainer given peft_config has already added adapters to cm's "
-    "model: build it again, apply get_peft_model before wrapping, and pass no peft_config"
+    "subclass (SFTTrainer, GRPOTrainer, ...)"
 )
+_PEFT_CONFIG_ALREADY_APPLIED = (
+    ". The trainer's peft_config has already added adapters to cm's model: build the model and the wrapper again, "
+    "then remat_trainer_class(YourTrainer)(model=cm, peft_config=...)"
+)
+
+
+def _plain_trainer_refused(model: nn.Module) -> str:
+    """The refusal for a plain Trainer, with the word about peft_config only when a TRL trainer's
+    peft_config put adapter layers into the wrapped model (PEFT wrapped the wrapper)."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return _PLAIN_TRAINER_REFUSED
+    injected = not isinstance(model, PeftModel) and any(isinstance(m, BaseTunerLayer) for m in model.modules())
+    return _PLAIN_TRAINER_REFUSED + (_PEFT_CONFIG_ALREADY_APPLIED if injected else "")
 
 
 def _check_model(model: Any) -> None:
@@ -243,7 +258,7 @@ class CheckpointedModel(nn.Module):
             if name in ("model", "_controller"):  # not set yet: no recursion through self.model
                 raise
             if name == TRAINER_PROBE:
-                raise TypeError(_PLAIN_TRAINER_REFUSED) from None
+                raise TypeError(_plain_trainer_refused(self.model)) from None
             return getattr(self.model, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
