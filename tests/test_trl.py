@@ -323,7 +323,8 @@ def test_trls_peft_config_over_a_wrapped_base_model_is_adopted_and_its_checkpoin
 
 def test_a_base_model_adopted_into_trls_peft_model_is_still_owned(tmp_path):
     """After the adoption the wrapper owns the PeftModel and the base model inside it: a second
-    wrapper of either is refused while the first is enabled."""
+    wrapper of either is refused while the first is enabled, and a wrapper that took the base
+    model after it was disabled keeps it."""
     from peft import LoraConfig
 
     cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=2))
@@ -335,6 +336,10 @@ def test_a_base_model_adopted_into_trls_peft_model_is_still_owned(tmp_path):
             CheckpointedModel(model)
     cm.disable()
     assert "_remat_owner" not in vars(base) and "_remat_owner" not in vars(cm.model)
+    rival = CheckpointedModel(base, CheckpointConfig(every_n_layers=3))  # the base model, free again
+    with pytest.raises(RuntimeError, match="another CheckpointedModel took"):
+        cm.enable()  # it would install on the layers the rival checkpoints
+    assert rival.checkpoint_map.checkpointed == [0, 3] and not cm.is_enabled
 
 
 def test_a_plain_trl_trainer_given_the_wrapper_and_peft_config_is_refused_naming_the_line_that_works(tmp_path):
@@ -359,3 +364,25 @@ def test_a_plain_trl_trainer_given_the_wrapper_and_peft_config_is_refused_naming
     assert "remat_trainer_class(YourTrainer)(model=cm, peft_config=...)" in messages[0]
     assert "build the model and the wrapper again" in messages[0]
     assert "peft_config" not in messages[1] and "remat_trainer_class(YourTrainer)(model=cm, ...)" in messages[1]
+
+
+def test_sft_with_peft_config_resumes_its_own_checkpoint_with_the_saved_adapters_and_map(tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=2))
+    _trl_trainer("SFTTrainer", tmp_path, cm, [], peft_config=lora).train()
+    saved = _lora(cm.model)
+
+    resumed = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=1))
+    counter = RecomputedPerStep(resumed)
+    run = _trl_trainer("SFTTrainer", tmp_path, resumed, [counter], peft_config=lora)
+    run.args.max_steps = 3
+    loaded = []
+    run.add_callback(
+        type("Seen", (TrainerCallback,), {"on_train_begin": lambda *a, **k: loaded.append(_lora(resumed.model))})()
+    )
+    run.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert all(torch.equal(loaded[0][name], saved[name]) for name in saved) and loaded[0].keys() == saved.keys()
+    assert resumed.config.every_n_layers == 2 and run.state.global_step == 3
+    assert counter.steps == [EVERY_2ND], "the step after the saved one ran the saved map"

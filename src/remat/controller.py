@@ -130,10 +130,16 @@ class Controller:
 
     @property
     def replaced(self) -> bool:
-        """Another wrapper installed on the model after this one (this one was disabled first)."""
-        model = self._model()
-        claim = None if model is None or not self._has_installed else _LAST_CLAIM.get(model)
-        return claim is not None and claim is not self._claim
+        """Another wrapper installed on the model (or on a model it adopted around, see `adopt`)
+        after this one (this one was disabled first)."""
+        if not self._has_installed:
+            return False
+        for owned in (self._model, *self._adopted_from):
+            model = owned()
+            claim = None if model is None else _LAST_CLAIM.get(model)
+            if claim is not None and claim is not self._claim:
+                return True
+        return False
 
     def check_not_replaced(self, action: str) -> None:
         """Refuse `action` on a wrapper whose model another wrapper has taken: both would install
@@ -200,7 +206,10 @@ class Controller:
                 object.__setattr__(owned, "_remat_owner", self)
         self._exclude_swapped_from_ddp_sync()
         self.apply_map()
-        _LAST_CLAIM[model], self._has_installed = self._claim, True
+        for owned in (model, *(ref() for ref in self._adopted_from)):
+            if owned is not None:
+                _LAST_CLAIM[owned] = self._claim
+        self._has_installed = True
 
     # -- adopting a model built around this one -------------------------------------------------
 
