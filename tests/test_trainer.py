@@ -264,7 +264,7 @@ def test_cm_compile_then_remat_trainer_trains_compiled_with_the_map(tmp_path):
     assert backend.calls > calls, "cm's own forward runs compiled too"
 
 
-def test_remat_trainer_given_torch_compile_of_the_wrapper_refuses_naming_what_to_write(tmp_path):
+def test_remat_trainer_given_torch_compile_of_the_wrapper_refuses_naming_what_to_write(tmp_path, monkeypatch):
     cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
     with pytest.raises(TypeError) as refused:
         RematTrainer(model=torch.compile(cm, backend="eager"), args=_plain_args(tmp_path), train_dataset=_dataset())
@@ -274,7 +274,10 @@ def test_remat_trainer_given_torch_compile_of_the_wrapper_refuses_naming_what_to
     assert cm.is_enabled and cm.checkpoint_map.checkpointed == [0, 2]
 
     # The line it names trains compiled, with the map (a one-step run; the eager backend keeps it short).
+    # transformers before 5 sets ACCELERATE_DYNAMO_BACKEND for the whole process: undone after the test.
     from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
 
     cm = CheckpointedModel(add_lora(tiny_model(num_hidden_layers=2), dropout=0.0), CheckpointConfig(every_n_layers=2))
     counter, frames = RecomputeCounter(decoder_layers(cm.model)), counters["frames"]["ok"]
