@@ -11,6 +11,13 @@ installs lives on `cm.model`: the routes that TRL's generation toggles call, the
 `save_pretrained` that writes `checkpoint_config.json` into each checkpoint, the `load_adapter`
 that applies it on resume. `trainer.checkpointed_model` is the wrapper.
 
+A TRL trainer given `peft_config=` builds a PeftModel around `cm.model` while it is constructed;
+the wrapper then adopts it (`Controller.adopt`: the same layers under their new names, the map
+kept), so checkpoints carry the adapters the trainer trains. At train begin the map that runs
+goes into the trainer's logs under `remat/` keys, and training arguments that replace the
+wrapper's config say so once, as a WARNING. `torch.compile(cm)` is refused (Trainer would not see
+the model it saves); `cm.compile()` compiles `cm.model`, which the trainer trains.
+
 Beyond that the mixin only covers what the model cannot: it writes `checkpoint_config.json`
 after each save even while the wrapper is disabled, applies the saved config after resuming a
 model without PEFT (Trainer loads its weights with `load_state_dict`), and loads folders that a
