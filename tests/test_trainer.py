@@ -255,7 +255,7 @@ def test_cm_compile_then_remat_trainer_trains_compiled_with_the_map(tmp_path):
     backend = _CountingBackend()
     cm.compile(backend=backend)
     counter = RecomputeCounter(decoder_layers(cm.model))
-    trainer = RematTrainer(model=cm, args=_plain_args(tmp_path), train_dataset=_dataset())
+    trainer = RematTrainer(model=cm, args=_log_args(tmp_path), train_dataset=_dataset())
     trainer.train()
     assert backend.compiled > 0 and backend.calls >= 2, "the training steps ran compiled graphs"
     assert counter.counts == [4, 2], "layer 0 recomputed at both steps, layer 1 not"
