@@ -168,7 +168,7 @@ class Controller:
         self.offloader.min_bytes = config.offload_min_bytes
         self._install()
 
-    def disable(self, cause: str = "cm.disable()") -> None:
+    def disable(self, cause: str = "cm.disable()", *, say: bool = True) -> None:
         if not self.is_enabled:
             return
         self.disabled_by = cause
@@ -188,7 +188,8 @@ class Controller:
             model = owned()
             if model is not None:
                 model.__dict__.pop("_remat_owner", None)
-        logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
+        if say:
+            logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
 
     def _install(self) -> None:
         model = self.model
@@ -239,7 +240,7 @@ class Controller:
 
         discovery = Discovery(renamed(self.discovery.layers), renamed(self.discovery.holders))
         was_enabled, config, off_by = self.is_enabled, self.config, self.off_by
-        self.disable(cause=cause)
+        self.disable(cause=cause, say=False)  # installed again on `model` below
         self._adopted_from.append(self._model)
         self._model = Ref(model)
         self.discovery = discovery
