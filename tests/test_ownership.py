@@ -3,6 +3,7 @@ stays replaced, and disabling any set of wrappers in any order leaves the model 
 was before the first wrap: no flag, shim, route, override, hook or marker of remat's."""
 
 import contextlib
+import copy
 import gc
 
 import pytest
@@ -131,3 +132,19 @@ def test_exit_without_enter_says_how_to_use_the_context_manager():
     with cm.for_inference():
         assert not cm.model.training
     assert cm.model.training
+
+
+def test_a_shallow_copy_of_a_wrapper_is_refused_and_ownership_never_moves_to_a_copy():
+    """copy.copy(cm) would share cm's model and controller; once such a copy was dropped, the live
+    wrapper counted as gone and a second wrapper took the model over."""
+    model = add_lora(tiny_model())
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    with pytest.raises(TypeError, match=r"copy\.copy\(cm\).*copy\.deepcopy\(cm\)"):
+        copy.copy(cm)
+    twin = copy.deepcopy(cm)  # the independent copy the refusal names
+    assert twin.model is not model and _recomputed(twin, twin.model) == [0, 2]
+    del twin
+    gc.collect()
+    with pytest.raises(ValueError, match="already wrapped by another CheckpointedModel"):
+        CheckpointedModel(model)
+    assert cm.is_enabled and _recomputed(cm, model) == [0, 2]

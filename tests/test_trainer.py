@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, tiny_model
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from remat import CheckpointConfig, CheckpointedModel, RematTrainer, remat_trainer_class
 from remat.testing import trainer_checkpointing_args
@@ -140,3 +140,159 @@ def test_the_trainer_says_the_wrappers_map_applies_only_while_the_wrapper_is_ena
     with caplog.at_level("INFO", logger="remat"):
         RematTrainer(model=cm, args=_plain_args(tmp_path / "off"), train_dataset=_dataset())
     assert not any(said in r.getMessage() for r in caplog.records)
+
+
+def _log_args(output_dir, checkpointing_kwargs=None):
+    return TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        **trainer_checkpointing_args(True, checkpointing_kwargs),
+    )
+
+
+class _Reported(TrainerCallback):
+    """What a reporting integration (TensorBoard, W&B, MLflow) receives: every `on_log`."""
+
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def _remat_entries(entries):
+    return [
+        {k: v for k, v in e.items() if k.startswith("remat/")}
+        for e in entries
+        if any(k.startswith("remat/") for k in e)
+    ]
+
+
+def test_the_map_that_runs_reaches_the_trainers_logs_once_at_train_begin_as_numbers(tmp_path):
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=3))
+    reported, counter = _Reported(), RecomputeCounter(decoder_layers(cm.model))
+    trainer = RematTrainer(model=cm, args=_log_args(tmp_path), train_dataset=_dataset(), callbacks=[reported])
+    trainer.train()
+    assert counter.counts == [4, 2, 2, 4], "layers 0 and 3 recomputed at both steps"
+    logged = [e for e in trainer.state.log_history if any(k.startswith("remat/") for k in e)]
+    assert len(logged) == 1 and logged[0]["step"] == 0, "once, at train begin"
+    summary = _remat_entries(logged)[0]
+    assert summary["remat/layers"] == 4 and summary["remat/checkpointed_layers"] == 2
+    assert summary["remat/layers_recompute"] == 2 and summary["remat/layers_none"] == 2
+    assert summary["remat/swapped_layers"] == 0 and summary["remat/enabled"] == 1
+    assert all(type(v) in (int, float) for v in summary.values()), "integrations record numbers only"
+    assert _remat_entries(reported.logs) == [summary], "the integrations receive it through on_log"
+
+
+def test_a_planned_map_logs_its_predicted_bytes_and_budget(tmp_path):
+    """A planned config (what `profile.plan` returns) keeps its prediction through the Trainer's
+    own enable call, and the logs carry it. Built directly, as a profile costs seconds."""
+    from remat.planner import PlannedConfig
+
+    planned = PlannedConfig.of(
+        CheckpointConfig(every_n_layers=2),
+        choices=(),
+        outside_bytes=123_456,
+        budget=1 << 30,
+        scope="activations",
+        tokens=4,
+        predicted_seconds=0.5,
+        predicted_peak_bytes=None,
+        notes=(),
+    )
+    cm = CheckpointedModel(add_lora(tiny_model()), planned)
+    trainer = RematTrainer(model=cm, args=_log_args(tmp_path), train_dataset=_dataset())
+    trainer.train()
+    (summary,) = _remat_entries(trainer.state.log_history)
+    assert summary["remat/planned_activation_bytes"] == 123_456
+    assert summary["remat/planned_budget_bytes"] == 1 << 30
+    assert "remat/planned_step_peak_bytes" not in summary, "not measured, not logged"
+    assert summary["remat/checkpointed_layers"] == 2
+
+
+def test_training_arguments_that_replace_the_wrappers_map_say_so_once_as_a_warning(tmp_path, caplog):
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    with caplog.at_level("WARNING", logger="remat"):
+        trainer = RematTrainer(model=cm, args=_log_args(tmp_path, {"every_n_layers": 3}), train_dataset=_dataset())
+        trainer.train()
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1, warned
+    assert "every_n_layers 2 -> 3" in warned[0] and "recompute [0, 2]" in warned[0] and "recompute [0, 3]" in warned[0]
+    assert cm.checkpoint_map.checkpointed == [0, 3]
+    (summary,) = _remat_entries(trainer.state.log_history)
+    assert summary["remat/checkpointed_layers"] == 2
+
+    caplog.clear()  # arguments that only ask for checkpointing keep the wrapper's map, with no word
+    with caplog.at_level("WARNING", logger="remat"):
+        RematTrainer(model=cm, args=_log_args(tmp_path / "b"), train_dataset=_dataset()).train()
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    assert cm.checkpoint_map.checkpointed == [0, 3]
+
+
+class _CountingBackend:
+    """A torch.compile backend that runs the captured graphs eagerly and counts their calls."""
+
+    def __init__(self):
+        self.compiled = self.calls = 0
+
+    def __call__(self, graph, example_inputs):
+        self.compiled += 1
+
+        def run(*args):
+            self.calls += 1
+            return graph.forward(*args)
+
+        return run
+
+
+def test_cm_compile_then_remat_trainer_trains_compiled_with_the_map(tmp_path):
+    """`cm.compile()` compiles cm.model, which the trainer trains: the compile is kept."""
+    cm = CheckpointedModel(add_lora(tiny_model(num_hidden_layers=2), dropout=0.0), CheckpointConfig(every_n_layers=2))
+    backend = _CountingBackend()
+    cm.compile(backend=backend)
+    counter = RecomputeCounter(decoder_layers(cm.model))
+    trainer = RematTrainer(model=cm, args=_log_args(tmp_path), train_dataset=_dataset())
+    trainer.train()
+    assert backend.compiled > 0 and backend.calls >= 2, "the training steps ran compiled graphs"
+    assert counter.counts == [4, 2], "layer 0 recomputed at both steps, layer 1 not"
+    calls = backend.calls
+    cm(**batch())
+    assert backend.calls > calls, "cm's own forward runs compiled too"
+
+
+def test_remat_trainer_given_torch_compile_of_the_wrapper_refuses_naming_what_to_write(tmp_path, monkeypatch):
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    with pytest.raises(TypeError) as refused:
+        RematTrainer(model=torch.compile(cm, backend="eager"), args=_plain_args(tmp_path), train_dataset=_dataset())
+    message = str(refused.value)
+    assert "torch.compile(cm)" in message and "torch_compile=True" in message and "cm.compile(" in message
+    assert "RematTrainer(model=cm, args=TrainingArguments(" in message
+    assert cm.is_enabled and cm.checkpoint_map.checkpointed == [0, 2]
+
+    # The line it names trains compiled, with the map (a one-step run; the eager backend keeps it short).
+    # transformers before 5 sets ACCELERATE_DYNAMO_BACKEND for the whole process: undone after the test.
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
+
+    cm = CheckpointedModel(add_lora(tiny_model(num_hidden_layers=2), dropout=0.0), CheckpointConfig(every_n_layers=2))
+    counter, frames = RecomputeCounter(decoder_layers(cm.model)), counters["frames"]["ok"]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        torch_compile=True,
+        torch_compile_backend="eager",
+    )
+    trainer = RematTrainer(model=cm, args=args, train_dataset=_dataset())
+    trainer.train()
+    assert counters["frames"]["ok"] > frames, "dynamo compiled the model the trainer trained"
+    assert trainer.model is cm.model and counter.counts == [2, 1]

@@ -256,3 +256,133 @@ def test_a_trl_trainer_given_the_wrapper_without_the_mixin_is_refused_before_any
         build()
     assert generated == [], "nothing ran"
     assert not os.path.exists(tmp_path / "out" / "checkpoint-3")
+
+
+def _trl_trainer(name, tmp_path, cm, callbacks, **trainer_kwargs):
+    """A TRL trainer through `remat_trainer_class`, two steps, a checkpoint after the second."""
+    common = _common(tmp_path, max_steps=2, save_steps=2)
+    if name == "SFTTrainer":
+        args = trl.SFTConfig(max_length=32, gradient_checkpointing=True, **common)
+        text = "the quick brown fox jumps over the lazy dog. " * 3
+        data = datasets.Dataset.from_dict({"text": [text[i:] for i in range(16)]})
+    elif name == "DPOTrainer":
+        args = trl.DPOConfig(max_length=32, gradient_checkpointing=True, **common)
+        data = datasets.Dataset.from_dict(
+            {
+                "prompt": ["Say yes:", "Say no:", "Pick one:", "Answer:"] * 2,
+                "chosen": [" yes", " no", " one", " it"] * 2,
+                "rejected": [" no", " yes", " two", " not"] * 2,
+            }
+        )
+    else:
+        args = trl.GRPOConfig(num_generations=2, max_completion_length=6, gradient_checkpointing=True, **common)
+        data = datasets.Dataset.from_dict({"prompt": ["The cat", "A dog", "Hello", "Once upon"] * 4})
+        trainer_kwargs["reward_funcs"] = lambda completions, **kw: [float(sum(c.encode()) % 7) for c in completions]
+    cls = remat_trainer_class(getattr(trl, name))
+    return cls(
+        model=cm,
+        args=args,
+        train_dataset=data,
+        processing_class=byte_tokenizer(),
+        callbacks=callbacks,
+        **trainer_kwargs,
+    )
+
+
+def _base():
+    return tiny_model(num_hidden_layers=6, vocab_size=256, attention_dropout=0.0)
+
+
+@pytest.mark.parametrize("trainer", ["SFTTrainer", "DPOTrainer", "GRPOTrainer"])
+def test_trls_peft_config_over_a_wrapped_base_model_is_adopted_and_its_checkpoint_reloads_whole(tmp_path, trainer):
+    """TRL's own LoRA route: the trainer builds the PeftModel around cm.model; the wrapper adopts
+    it (same layers, new names, the map kept), so the checkpoint's config names the adapters it
+    holds and a reload gets every trained LoRA tensor."""
+    from peft import LoraConfig, PeftModel
+
+    cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=2))
+    counter = RecomputedPerStep(cm)
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    run = _trl_trainer(trainer, tmp_path, cm, [counter], peft_config=lora)
+    assert isinstance(cm.model, PeftModel) and run.model is cm.model and run.checkpointed_model is cm
+    assert cm.checkpoint_map.checkpointed == EVERY_2ND
+    assert cm.checkpoint_map[0].name == "base_model.model.model.layers.0"
+    run.train()
+    assert counter.steps == [EVERY_2ND] * 2, "the map held at every step"
+    trained = _lora(cm.model)
+    assert len(trained) == 24 and any(bool(p.abs().sum()) for n, p in trained.items() if "lora_B" in n)
+
+    reloaded = CheckpointedModel.from_pretrained(_base(), str(tmp_path / "out" / "checkpoint-2"))
+    loaded = _lora(reloaded.model)
+    assert loaded.keys() == trained.keys()
+    assert all(torch.equal(loaded[name], trained[name]) for name in trained), "every trained LoRA tensor"
+    assert reloaded.checkpoint_map.checkpointed == EVERY_2ND
+    cm.save_pretrained(tmp_path / "again")  # the wrapper saves what it trains, too
+    assert {"adapter_model.safetensors", "checkpoint_config.json"} <= set(os.listdir(tmp_path / "again"))
+
+
+def test_a_base_model_adopted_into_trls_peft_model_is_still_owned(tmp_path):
+    """After the adoption the wrapper owns the PeftModel and the base model inside it: a second
+    wrapper of either is refused while the first is enabled, and a wrapper that took the base
+    model after it was disabled keeps it."""
+    from peft import LoraConfig
+
+    cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=2))
+    base = cm.model
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    _trl_trainer("SFTTrainer", tmp_path, cm, [], peft_config=lora)
+    for model in (base, cm.model):
+        with pytest.raises(ValueError, match="already wrapped"):
+            CheckpointedModel(model)
+    cm.disable()
+    assert "_remat_owner" not in vars(base) and "_remat_owner" not in vars(cm.model)
+    rival = CheckpointedModel(base, CheckpointConfig(every_n_layers=3))  # the base model, free again
+    with pytest.raises(RuntimeError, match="another CheckpointedModel took"):
+        cm.enable()  # it would install on the layers the rival checkpoints
+    assert rival.checkpoint_map.checkpointed == [0, 3] and not cm.is_enabled
+
+
+def test_a_plain_trl_trainer_given_the_wrapper_and_peft_config_is_refused_naming_the_line_that_works(tmp_path):
+    """The refusal speaks of peft_config only when one was given (TRL's PEFT then wrapped the
+    wrapper and put adapter layers into cm's model)."""
+    from peft import LoraConfig
+
+    data = datasets.Dataset.from_dict({"text": ["the quick brown fox jumps over the lazy dog"] * 4})
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    messages = []
+    for peft_config in (lora, None):
+        cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=2))
+        with pytest.raises(TypeError) as refused:
+            trl.SFTTrainer(
+                model=cm,
+                args=trl.SFTConfig(**_common(tmp_path)),
+                train_dataset=data,
+                processing_class=byte_tokenizer(),
+                peft_config=peft_config,
+            )
+        messages.append(str(refused.value))
+    assert "remat_trainer_class(YourTrainer)(model=cm, peft_config=...)" in messages[0]
+    assert "build the model and the wrapper again" in messages[0]
+    assert "peft_config" not in messages[1] and "remat_trainer_class(YourTrainer)(model=cm, ...)" in messages[1]
+
+
+def test_sft_with_peft_config_resumes_its_own_checkpoint_with_the_saved_adapters_and_map(tmp_path):
+    from peft import LoraConfig
+
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=2))
+    _trl_trainer("SFTTrainer", tmp_path, cm, [], peft_config=lora).train()
+    saved = _lora(cm.model)
+
+    resumed = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=1))
+    counter = RecomputedPerStep(resumed)
+    run = _trl_trainer("SFTTrainer", tmp_path, resumed, [counter], peft_config=lora)
+    run.args.max_steps = 3
+    loaded = []
+    run.add_callback(
+        type("Seen", (TrainerCallback,), {"on_train_begin": lambda *a, **k: loaded.append(_lora(resumed.model))})()
+    )
+    run.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert all(torch.equal(loaded[0][name], saved[name]) for name in saved) and loaded[0].keys() == saved.keys()
+    assert resumed.config.every_n_layers == 2 and run.state.global_step == 3
+    assert counter.steps == [EVERY_2ND], "the step after the saved one ran the saved map"

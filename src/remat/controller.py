@@ -28,7 +28,7 @@ from torch import nn
 from .config import CheckpointConfig
 from .install import FlagInstall, ForwardInstall, installer_for
 from .integrations.routes import RouteOverrides, config_from_route, describe_changes
-from .layers import Discovery
+from .layers import DiscoveredLayer, Discovery
 from .offload import Offloader
 from .patches import InstancePatches
 from .persistence import SaveLoadOverrides
@@ -108,6 +108,7 @@ class Controller:
         self._mode_before_call: _Mode | None = None
         self.wrapper: LocalRef[nn.Module] | None = None  # the CheckpointedModel, if it still exists
         self._claim = _Claim()  # a copy (deepcopy, pickle) gets its own
+        self._adopted_from: list[Ref[nn.Module]] = []  # models this one wrapped before `adopt`
         self._has_installed = False
 
     @property
@@ -129,10 +130,16 @@ class Controller:
 
     @property
     def replaced(self) -> bool:
-        """Another wrapper installed on the model after this one (this one was disabled first)."""
-        model = self._model()
-        claim = None if model is None or not self._has_installed else _LAST_CLAIM.get(model)
-        return claim is not None and claim is not self._claim
+        """Another wrapper installed on the model (or on a model it adopted around, see `adopt`)
+        after this one (this one was disabled first)."""
+        if not self._has_installed:
+            return False
+        for owned in (self._model, *self._adopted_from):
+            model = owned()
+            claim = None if model is None else _LAST_CLAIM.get(model)
+            if claim is not None and claim is not self._claim:
+                return True
+        return False
 
     def check_not_replaced(self, action: str) -> None:
         """Refuse `action` on a wrapper whose model another wrapper has taken: both would install
@@ -161,7 +168,7 @@ class Controller:
         self.offloader.min_bytes = config.offload_min_bytes
         self._install()
 
-    def disable(self, cause: str = "cm.disable()") -> None:
+    def disable(self, cause: str = "cm.disable()", *, say: bool = True) -> None:
         if not self.is_enabled:
             return
         self.disabled_by = cause
@@ -177,10 +184,12 @@ class Controller:
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        model = self._model()
-        if model is not None:
-            model.__dict__.pop("_remat_owner", None)
-        logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
+        for owned in (self._model, *self._adopted_from):
+            model = owned()
+            if model is not None:
+                model.__dict__.pop("_remat_owner", None)
+        if say:
+            logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
 
     def _install(self) -> None:
         model = self.model
@@ -193,10 +202,64 @@ class Controller:
         self._hooks = [
             model.register_forward_pre_hook(self._before_forward),
         ]
-        object.__setattr__(model, "_remat_owner", self)  # the model keeps its controller alive
+        for owned in (model, *(ref() for ref in self._adopted_from)):
+            if owned is not None:  # the model keeps its controller alive; a model adopted around it is owned too
+                object.__setattr__(owned, "_remat_owner", self)
         self._exclude_swapped_from_ddp_sync()
         self.apply_map()
-        _LAST_CLAIM[model], self._has_installed = self._claim, True
+        for owned in (model, *(ref() for ref in self._adopted_from)):
+            if owned is not None:
+                _LAST_CLAIM[owned] = self._claim
+        self._has_installed = True
+
+    # -- adopting a model built around this one -------------------------------------------------
+
+    def adopt(self, model: nn.Module, cause: str) -> None:
+        """Make `model`, a model built around this controller's (TRL's `get_peft_model` when a
+        trainer is given `peft_config=`), the one this wrapper checkpoints, saves and loads.
+
+        Its layers are the same modules, found again under their new names, so the map (by
+        layer index) is kept as it is; what is installed on the model (routes, save/load
+        overrides, the owner mark) moves to `model`, and the wrapper's `.model` becomes `model`.
+        Raises before anything changes if `model` does not hold every layer of the map."""
+        old = self.model
+        if model is old:
+            return
+        names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+        lost = [layer.name for layer in self.discovery.layers if id(layer.module) not in names]
+        if id(old) not in names or lost:
+            raise ValueError(
+                f"{cause}: the trainer's model ({type(model).__name__}) does not contain the model this "
+                f"CheckpointedModel wraps{f' (layers {lost[:3]} are missing)' if lost else ''}, so the map would not "
+                "be what trains. Apply PEFT before wrapping: peft_model = get_peft_model(model, lora_config); "
+                "cm = CheckpointedModel(peft_model); and pass no peft_config to the trainer"
+            )
+
+        def renamed(found: tuple[DiscoveredLayer, ...]) -> tuple[DiscoveredLayer, ...]:
+            return tuple(DiscoveredLayer(names[id(d.module)], d.module, d.kind) for d in found)
+
+        discovery = Discovery(renamed(self.discovery.layers), renamed(self.discovery.holders))
+        was_enabled, config, off_by = self.is_enabled, self.config, self.off_by
+        self.disable(cause=cause, say=False)  # installed again on `model` below
+        self._adopted_from.append(self._model)
+        self._model = Ref(model)
+        self.discovery = discovery
+        self.checkpoint_map = plan_layers(config, discovery.names)
+        wrapper = self.wrapper() if self.wrapper is not None else None
+        if wrapper is not None:
+            wrapper.model = model
+        if was_enabled:
+            self.enable(config)
+            if off_by is not None:
+                self.replan(config, off_by=off_by, cause=cause, said=True)
+        logger.info(
+            "%s: the CheckpointedModel now wraps the %s built around its model; its layers are %s ... and the map "
+            "is kept: %r",
+            cause,
+            type(model).__name__,
+            discovery.names[0],
+            self.checkpoint_map,
+        )
 
     # -- planning ------------------------------------------------------------------------------
 

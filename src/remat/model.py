@@ -70,8 +70,8 @@ def _plain_trainer_refusal(model: nn.Module) -> str:
     )
     if not _is_peft_model(model) and _has_adapter_layers(model):
         message += (
-            ". The peft_config you passed has already added adapters to cm's model: build cm again from a fresh "
-            "model before retrying"
+            ". The peft_config you passed has already added adapters to cm's model: build the model and the wrapper "
+            f"again, then {works.replace('...', 'peft_config=...')}"
         )
     return message
 
@@ -293,9 +293,17 @@ class CheckpointedModel(nn.Module):
         return discovery
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """A copy or an unpickled wrapper owns the copy of the controller it carries."""
+        """A deep copy or an unpickled wrapper owns the copy of the controller it carries."""
         super().__setstate__(state)
         self._controller.wrapper = LocalRef(self)
+
+    def __copy__(self) -> CheckpointedModel:
+        """Refused: a shallow copy would share this wrapper's model and controller, so two
+        wrappers would claim one map (and ownership would follow whichever was made last)."""
+        raise TypeError(
+            "copy.copy(cm) would make a second wrapper sharing cm's model and map; a model has one wrapper. Use cm "
+            "itself, or copy.deepcopy(cm) for an independent wrapper over a copy of the model"
+        )
 
     # -- delegation (PEFT's pattern) -----------------------------------------------------------
 
@@ -312,6 +320,12 @@ class CheckpointedModel(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Calls the wrapped model. A plain method, so `torch.compile(cm)` traces it like any module."""
         return self.model(*args, **kwargs)
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch's `nn.Module.compile(...)` (same arguments), applied to the wrapped model:
+        `cm.model.compile(...)`. cm's forward calls cm.model, and a trainer given cm trains
+        cm.model, so both run compiled. `disable()` leaves the compile in place (it is the model's)."""
+        self.model.compile(*args, **kwargs)
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:

@@ -110,6 +110,8 @@ def config_from_route(
         changes["checkpoint_policy"] = "selective"
         if options.get("use_reentrant") is False:  # asked for together with selective, which needs it
             changes["use_reentrant"] = False
+    if not changes:
+        return current  # the same config object: a planned config keeps its prediction
     try:
         return current.replace(**changes)
     except (TypeError, ValueError) as err:

@@ -11,6 +11,13 @@ installs lives on `cm.model`: the routes that TRL's generation toggles call, the
 `save_pretrained` that writes `checkpoint_config.json` into each checkpoint, the `load_adapter`
 that applies it on resume. `trainer.checkpointed_model` is the wrapper.
 
+A TRL trainer given `peft_config=` builds a PeftModel around `cm.model` while it is constructed;
+the wrapper then adopts it (`Controller.adopt`: the same layers under their new names, the map
+kept), so checkpoints carry the adapters the trainer trains. At train begin the map that runs
+goes into the trainer's logs under `remat/` keys, and training arguments that replace the
+wrapper's config say so once, as a WARNING. `torch.compile(cm)` is refused (Trainer would not see
+the model it saves); `cm.compile()` compiles `cm.model`, which the trainer trains.
+
 Beyond that the mixin only covers what the model cannot: it writes `checkpoint_config.json`
 after each save even while the wrapper is disabled, applies the saved config after resuming a
 model without PEFT (Trainer loads its weights with `load_state_dict`), and loads folders that a
@@ -28,18 +35,24 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import weakref
 from typing import Any
 
 import safetensors
 import torch
-from transformers import Trainer
+from accelerate.utils import is_compiled_module
+from transformers import Trainer, TrainerCallback
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from ..controller import controller_of_wrapper
 from ..persistence import apply_saved_config
+from ..plan import plan_layers
+from ..policies import CHECKPOINTED
+from ..policies import NAMES as POLICY_NAMES
 from ..saving.folder import CONFIG_NAME, recover
 from ..saving.pair_format import save_model_pair
-from .transformers_compat import trainer_asks_for_checkpointing
+from .routes import config_from_route, describe_changes
+from .transformers_compat import trainer_asks_for_checkpointing, trainer_checkpointing_kwargs
 
 logger = logging.getLogger("remat")
 _WRAPPER_PREFIX = "model."
@@ -59,20 +72,23 @@ class RematTrainerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         model = kwargs["model"] if "model" in kwargs else (args[0] if args else None)
+        _refuse_compiled_wrapper(model)
         self.checkpointed_model = model if controller_of_wrapper(model) is not None else None
-        if self.checkpointed_model is not None:
+        cm = self.checkpointed_model
+        own_config = controller_of_wrapper(cm).config if cm is not None else None
+        if cm is not None:
             if "model" in kwargs:
                 kwargs["model"] = model.model
             else:
                 args = (model.model, *args[1:])
         super().__init__(*args, **kwargs)
-        cm = self.checkpointed_model
-        if (
-            cm is not None
-            and cm.is_enabled
-            and not trainer_asks_for_checkpointing(self.args)
-            and cm.checkpoint_map.checkpointed
-        ):
+        if cm is None:
+            return
+        if self.model is not cm.model:  # a TRL trainer given peft_config= built a PeftModel around cm.model
+            controller_of_wrapper(cm).adopt(self.model, f"{type(self).__name__}(peft_config=...)")
+        _warn_if_arguments_change_the_map(cm, own_config, self.args)
+        self.add_callback(_MapInLogs(self))
+        if cm.is_enabled and not trainer_asks_for_checkpointing(self.args) and cm.checkpoint_map.checkpointed:
             logger.info(
                 "the training arguments do not ask for checkpointing, so Trainer leaves it alone: the wrapper's map "
                 "applies (layers %s checkpointed); cm.disable() trains without checkpointing",
@@ -82,6 +98,7 @@ class RematTrainerMixin:
     def call_model_init(self, trial: Any = None) -> Any:
         """`model_init` may return a wrapper too (also on every hyperparameter-search trial)."""
         model = super().call_model_init(trial)  # type: ignore[misc]
+        _refuse_compiled_wrapper(model)
         if controller_of_wrapper(model) is not None:
             self.checkpointed_model = model
             return model.model
@@ -127,6 +144,87 @@ class RematTrainerMixin:
             super()._load_best_model()  # type: ignore[misc]
         if cm is not None:
             _apply_saved_config(cm, best, "loading the best model")
+
+
+def _refuse_compiled_wrapper(model: Any) -> None:
+    """`torch.compile(cm)` is a module around the wrapper: Trainer would save it as an unknown
+    module and TRL would not see the PeftModel. Compiling is the Trainer's to do on the model it
+    trains, or the wrapper's (`cm.compile()` compiles `cm.model`, which the trainer trains)."""
+    if is_compiled_module(model) and controller_of_wrapper(getattr(model, "_orig_mod", None)) is not None:
+        raise TypeError(
+            "RematTrainer was given torch.compile(cm): pass the CheckpointedModel itself and let the trainer compile "
+            "what it trains: RematTrainer(model=cm, args=TrainingArguments(..., torch_compile=True)) (options: "
+            "torch_compile_backend=, torch_compile_mode=), or call cm.compile(...) before building the trainer"
+        )
+
+
+def _warn_if_arguments_change_the_map(cm: Any, own_config: Any, args: Any) -> None:
+    """One WARNING when the training arguments' checkpointing options replace what the wrapper
+    was configured with (`gradient_checkpointing_kwargs={"every_n_layers": 3}` over the
+    wrapper's 2): the route they go through changes the config, which is logged only at INFO."""
+    if not trainer_asks_for_checkpointing(args):
+        return
+    kwargs = trainer_checkpointing_kwargs(args)
+    try:
+        asked = config_from_route(own_config, "the training arguments", kwargs, {})
+    except (TypeError, ValueError):
+        return  # the route refuses these options itself, with the reason, when the trainer passes them
+    changes = describe_changes(own_config, asked)
+    if not changes:
+        return
+    names = controller_of_wrapper(cm).discovery.names
+    logger.warning(
+        "the training arguments' checkpointing options %r replace the CheckpointedModel's own config (%s): the map "
+        "%r becomes %r when training starts. To keep the wrapper's map, leave those options out of the training "
+        "arguments (gradient_checkpointing=True alone keeps it)",
+        kwargs,
+        changes,
+        plan_layers(own_config, names),
+        plan_layers(asked, names),
+    )
+
+
+class _MapInLogs(TrainerCallback):
+    """At train begin, the map that will run, in the trainer's logs (`state.log_history` and every
+    reporting integration: TensorBoard, W&B, MLflow), under `remat/` keys, numbers only (the
+    integrations record numbers; TensorBoard and MLflow drop anything else with a warning)."""
+
+    def __init__(self, trainer: Any):
+        self._trainer = weakref.ref(trainer)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        trainer = self._trainer()
+        cm = None if trainer is None else trainer.checkpointed_model
+        if cm is None:
+            return
+        # The base class's log: TRL's trainers average their own metrics in theirs.
+        Trainer.log(trainer, map_summary(controller_of_wrapper(cm)))
+
+
+def map_summary(controller: Any) -> dict[str, int | float]:
+    """The map that runs, as numbers: layers, checkpointed layers, layers per policy, swapped
+    layers, and, for a planned config, its predicted bytes and budget."""
+    running = controller.is_enabled and not controller.inference
+    plans = list(controller.checkpoint_map)
+    policies = [plan.policy if running else "none" for plan in plans]
+    summary: dict[str, int | float] = {
+        "remat/enabled": int(controller.is_enabled),
+        "remat/layers": len(plans),
+        "remat/checkpointed_layers": sum(policy in CHECKPOINTED for policy in policies),
+    }
+    summary.update({f"remat/layers_{name}": policies.count(name) for name in POLICY_NAMES})
+    summary["remat/swapped_layers"] = sum(plan.swapped for plan in plans) if controller.is_enabled else 0
+    config = controller.config
+    for key, field in (
+        ("remat/planned_activation_bytes", "predicted_device_bytes"),
+        ("remat/planned_host_bytes", "predicted_host_bytes"),
+        ("remat/planned_step_peak_bytes", "predicted_peak_bytes"),
+        ("remat/planned_budget_bytes", "budget"),
+    ):
+        value = getattr(config, field, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            summary[key] = value
+    return summary
 
 
 def _saved_whole(cm: Any, folder: str) -> bool:

@@ -68,6 +68,15 @@ def trainer_asks_for_checkpointing(args: Any) -> bool:
     return bool(getattr(args, name, False) or getattr(args, "gradient_checkpointing", False))
 
 
+def trainer_checkpointing_kwargs(args: Any) -> Any:
+    """The checkpointing options these `TrainingArguments` pass to the model's enable route (the
+    `activation_checkpointing_kwargs` of 5.23+, which `gradient_checkpointing_kwargs` mirrors; TRL
+    may set the old name after the arguments were built)."""
+    if has_activation_checkpointing_names() and getattr(args, "activation_checkpointing_kwargs", None) is not None:
+        return args.activation_checkpointing_kwargs
+    return getattr(args, "gradient_checkpointing_kwargs", None)
+
+
 # What transformers' Trainer reads first on the model it is given, before any training step:
 # `Trainer.__init__` asks `hasattr(model, "accepts_loss_kwargs")` (models declare it; only Trainer
 # reads it). `CheckpointedModel` answers that read with the error naming `RematTrainer`, which
