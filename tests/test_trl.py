@@ -361,9 +361,9 @@ def test_a_plain_trl_trainer_given_the_wrapper_and_peft_config_is_refused_naming
                 peft_config=peft_config,
             )
         messages.append(str(refused.value))
-    assert "remat_trainer_class(YourTrainer)(model=cm, peft_config=...)" in messages[0]
+    assert "remat_trainer_class(SFTTrainer)(model=cm, peft_config=...)" in messages[0]
     assert "build the model and the wrapper again" in messages[0]
-    assert "peft_config" not in messages[1] and "remat_trainer_class(YourTrainer)(model=cm, ...)" in messages[1]
+    assert "peft_config" not in messages[1] and "remat_trainer_class(SFTTrainer)(model=cm, ...)" in messages[1]
 
 
 def test_sft_with_peft_config_resumes_its_own_checkpoint_with_the_saved_adapters_and_map(tmp_path):
