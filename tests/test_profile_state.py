@@ -143,7 +143,7 @@ def test_every_bad_budget_is_a_value_error_before_any_work(profiled, budget):
     assert forwards == [], "refused before measuring"
 
 
-@pytest.mark.parametrize("tokens", [10**400, 2**63, float("inf"), float("nan")])
+@pytest.mark.parametrize("tokens", [10**400, 2**63, float("inf"), float("nan")], ids=["int400", "2**63", "inf", "nan"])
 def test_every_bad_token_count_is_a_value_error(profiled, tokens):
     cm, data, profile = profiled
     with pytest.raises(ValueError, match="tokens"):
@@ -154,7 +154,7 @@ def test_every_bad_token_count_is_a_value_error(profiled, tokens):
         cm.plan_for_budget(data, "1GiB", tokens=tokens, repeats=1, progress=False)
 
 
-@pytest.mark.parametrize("value", [10**400, float("inf"), float("nan")])
+@pytest.mark.parametrize("value", [10**400, float("inf"), float("nan")], ids=["int400", "inf", "nan"])
 @pytest.mark.parametrize("field", ["offload_min_bytes", "every_n_layers", "swap_layers"])
 def test_every_bad_number_in_a_config_is_a_value_error(field, value):
     with pytest.raises(ValueError, match=field):
