@@ -1,11 +1,20 @@
 """cm.memory_report(batch): figures checked against hand-computed byte counts and against a
-count that shares no code with remat (`independent_memory.held_bytes`)."""
+count that shares no code with remat (`independent_memory.held_bytes`, the parameters' and
+buffers' own sizes); the report leaves gradients (accumulated ones), counters, RNG and buffers
+as they were, in a real Trainer callback too."""
+
+import copy
 
 import pytest
-from conftest import assert_same_grads, batch, step_grads, tiny_model
+import torch
+from conftest import add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
 from independent_memory import held_bytes
+from transformers import TrainerCallback, TrainingArguments
 
-from remat import CheckpointConfig, CheckpointedModel
+from remat import CheckpointConfig, CheckpointedModel, RematTrainer
+from remat.model import controller_of
+from remat.report import memory_report
+from remat.testing import SimulatedTransport
 
 B, S, H = 2, 16, 32
 LAYER_INPUT = B * S * H * 4  # batch x seq x hidden x 4 bytes (fp32)
@@ -58,7 +67,7 @@ def test_one_more_checkpointed_layer_adds_one_layer_input_to_the_total():
     assert totals[1] - totals[0] == totals[2] - totals[1] == LAYER_INPUT
 
 
-def test_the_report_step_is_a_normal_training_step():
+def test_the_report_step_is_a_normal_training_step_and_the_report_leaves_no_gradient():
     model = tiny_model(attention_dropout=0.0)
     named = list(model.named_parameters())
     data = batch(size=B, seq=S)
@@ -67,7 +76,130 @@ def test_the_report_step_is_a_normal_training_step():
         p.grad = None
     cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
     cm.memory_report(data)
+    assert all(p.grad is None for _, p in named), "cm.memory_report leaves the gradients as they were"
+    memory_report(controller_of(cm), data)  # the step the planner measures keeps its gradients
     assert_same_grads(expected, {n: p.grad for n, p in named})
+
+
+def _micro_batches():
+    return [batch(seed=seed, size=B, seq=S) for seed in (1, 2)]
+
+
+def _accumulate(cm, named, report_between):
+    """Two micro-batches of gradient accumulation, with a report between them if asked; returns
+    the gradients after the first, after the report, and after the second."""
+    for _, p in named:
+        p.grad = None
+    first, second = _micro_batches()
+    torch.manual_seed(5)
+    cm(**first).loss.backward()
+    after_first = {n: p.grad.clone() for n, p in named}
+    if report_between:
+        cm.memory_report(batch(seed=9, size=B, seq=S))
+    after_report = {n: p.grad.clone() for n, p in named}
+    cm(**second).loss.backward()
+    return after_first, after_report, {n: p.grad.clone() for n, p in named}
+
+
+def test_a_report_between_two_micro_batches_leaves_the_accumulated_gradients_bitwise():
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    named = [(n, p) for n, p in cm.model.named_parameters() if p.requires_grad]
+    after_first, after_report, final = _accumulate(cm, named, report_between=True)
+    _, _, without = _accumulate(cm, named, report_between=False)
+    for name, grad in after_first.items():
+        assert torch.equal(after_report[name], grad), name
+        assert torch.equal(final[name], without[name]), name  # dropout too: the RNG was put back
+
+
+def test_a_report_leaves_offload_and_swap_counters_rng_buffers_and_modes_as_they_were():
+    config = CheckpointConfig(offload=True, offload_min_bytes=0, swap_layers=[1])
+    cm = CheckpointedModel(add_lora(tiny_model()), config, offload_transport=SimulatedTransport())
+    cm(**batch()).loss.backward()  # a training step: counters to keep
+    cm.zero_grad(set_to_none=True)
+    offload = copy.deepcopy(cm.offload_stats)
+    swap = {i: copy.copy(s) for i, s in cm.swap_stats.items()}
+    assert any(s.offloaded_bytes or s.kept_because for s in offload.values()) and swap[1].fetches == 2
+    mlp = decoder_layers(cm.model)[2].mlp  # counts its calls, as an MoE router counts tokens
+    mlp.calls = 0
+    mlp.register_buffer("seen", torch.zeros(1))
+
+    def count(module, args):
+        module.calls += 1
+        module.seen += 1
+
+    handle = mlp.register_forward_pre_hook(count)
+    cm.model.base_model.model.lm_head.eval()  # a module in eval mode while training
+    modes = [m.training for m in cm.model.modules()]
+    rng = torch.random.get_rng_state()
+    report = cm.memory_report(batch(seed=3))
+    handle.remove()
+    assert report.layers[1].weight_fetches == 2, "the report counted its own step"
+    assert cm.offload_stats == offload, "offload_stats stay sums since the wrapper was made"
+    assert cm.swap_stats == swap
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert mlp.calls == 0 and mlp.seen.item() == 0
+    assert [m.training for m in cm.model.modules()] == modes
+    assert all(p.grad is None for p in cm.parameters())
+
+
+class _ReportEveryStep(TrainerCallback):
+    def __init__(self, cm):
+        self.cm, self.reports = cm, 0
+
+    def _report(self):
+        self.cm.memory_report(batch(seed=11, size=1, seq=S))
+        self.reports += 1
+
+    def on_substep_end(self, args, state, control, **kwargs):
+        self._report()  # between the two micro-batches of an accumulation
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._report()  # after the optimizer step and zero_grad, before the next accumulation
+
+
+def _train(tmp_path, with_reports):
+    cm = CheckpointedModel(add_lora(tiny_model(seed=4)), CheckpointConfig(every_n_layers=2))
+    rows = [{k: v[0] for k, v in batch(seed=seed, size=1, seq=S).items()} for seed in range(4)]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=7,
+        data_seed=7,
+    )
+    callback = _ReportEveryStep(cm)
+    RematTrainer(model=cm, args=args, train_dataset=rows, callbacks=[callback] if with_reports else []).train()
+    return {n: p.detach().clone() for n, p in cm.model.named_parameters()}, callback.reports
+
+
+def test_reports_in_a_trainer_callback_leave_the_trained_weights_bitwise(tmp_path):
+    reported, reports = _train(tmp_path / "a", with_reports=True)
+    plain, _ = _train(tmp_path / "b", with_reports=False)
+    assert reports == 4  # one substep and one step end per optimizer step
+    for name, value in plain.items():
+        assert torch.equal(reported[name], value), name
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_weights_total_counts_every_parameter_and_buffer_once(tied):
+    model = tiny_model(tie_word_embeddings=tied)
+    cm = CheckpointedModel(model, CheckpointConfig())
+    report = cm.memory_report(batch())
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert report.weight_bytes == params + buffers
+    in_layers = {id(p) for layer in decoder_layers(model) for p in (*layer.parameters(), *layer.buffers())}
+    outside = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in in_layers]
+    assert report.outside_weight_bytes == sum(t.numel() * t.element_size() for t in outside)
+    embeddings = model.get_input_embeddings().weight
+    assert report.outside_weight_bytes >= embeddings.numel() * embeddings.element_size()
+    text = str(report)
+    assert "total (whole model)" in text and "every parameter and buffer" in text
 
 
 def test_table_and_refusal_outside_training():

@@ -338,6 +338,8 @@ def test_memory_report_and_summary_show_where_offloaded_inputs_live():
     assert report.device_bytes == recompute.device_bytes - 3 * LAYER_INPUT
     assert report.layers[0].offload.startswith("out ") and KEPT_LAST in report.layers[3].offload
     assert KEPT_LAST in str(report)
+    assert cm.offload_stats == {}, "the report's step is not counted in the wrapper's sums"
+    cm(**batch()).loss.backward()
     summary = cm.summary()
     assert "offloaded MiB" in summary and KEPT_LAST in summary
 

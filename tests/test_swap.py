@@ -158,6 +158,8 @@ def test_memory_report_shows_resident_weights_falling_for_swapped_layers():
     assert report.layers[1].weight_bytes_fetched == 2 * frozen  # the layer's frozen weights, counted before wrapping
     assert report.swapped_weight_peak_bytes == frozen and report.swap_pool_bytes == 3 * frozen
     assert "block swap: swapped weights resident at peak" in str(report)
+    assert cm.swap_stats[1].fetches == 0, "the report's step is not counted in the wrapper's sums"
+    cm(**batch()).loss.backward()
     assert "2 (" in cm.summary()
 
 

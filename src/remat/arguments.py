@@ -6,6 +6,7 @@ an unrelated error from deep inside a hook.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -39,6 +40,10 @@ _SIZE_HELP = (
     "powers of 1024 ('6G' == '6GiB'); GB, MB, KB, TB are powers of 1000 ('6GB' == 6*10**9 bytes)"
 )
 
+MAX_COUNT = 2**63 - 1
+"""The largest byte count or token count accepted (torch's and every allocator's int64): a
+larger one is no size any machine has, and would overflow float arithmetic downstream."""
+
 TRANSPORT_METHODS = ("handles", "allocate_host", "return_freed_host_memory", "to_host", "to_device")
 MOVER_METHODS = ("host_copy", "fetch")
 
@@ -51,17 +56,37 @@ def parse_bytes(value: Any, name: str) -> int:
     GB, TB) are powers of 1000, as the standards say: "6GB" == 6 * 10**9 bytes. Case and spaces do
     not matter; a bare number is bytes.
     """
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number of bytes (int) or a size like '8GiB', got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(f"{name} must be a number of bytes (int) or {_SIZE_HELP}; got {value!r}")
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes, got {value}")
-        return value
+        return _at_most(value, name, "bytes")
     match = _SIZE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
         raise ValueError(f"{name} must be {_SIZE_HELP}; got {value!r}")
-    return int(float(match.group(1)) * _UNITS[unit])
+    size = float(match.group(1)) * _UNITS[unit]
+    if not size <= MAX_COUNT:  # hundreds of digits: no size a machine has (and no int a float can give)
+        raise ValueError(f"{name} must be at most {MAX_COUNT} bytes, got {value[:40]!r}{'...' * (len(value) > 40)}")
+    return int(size)
+
+
+def parse_count(value: Any, name: str, what: str) -> int:
+    """A whole number of things (tokens), from 1 to `MAX_COUNT`; anything else is a ValueError
+    naming `name` and `what` it counts."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1 ({what}), got {value!r}")
+    return _at_most(value, name, what)
+
+
+def _at_most(value: int, name: str, what: str) -> int:
+    if value > MAX_COUNT:
+        shown = str(value) if value < 10**30 else f"an int of {len(str(value))} digits"
+        raise ValueError(f"{name} must be at most {MAX_COUNT} ({what}), got {shown}")
+    return value
 
 
 def check_implements(value: Any, methods: tuple[str, ...], name: str) -> None:

@@ -12,12 +12,14 @@ import dataclasses
 import difflib
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .arguments import MAX_COUNT
 from .policies import CHECKPOINT_POLICIES
 from .policies import NAMES as POLICIES
 from .policies import policy as _policy
@@ -99,6 +101,10 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"CheckpointConfig.{name} must be a finite int, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and value > MAX_COUNT:
+        raise ValueError(f"CheckpointConfig.{name} must be at most {MAX_COUNT}, got an int of {len(str(value))} digits")
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"CheckpointConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:

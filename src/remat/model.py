@@ -472,14 +472,20 @@ class CheckpointedModel(nn.Module):
     def memory_report(self, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None) -> MemoryReport:
         """Run one training step on `batch` and measure, per layer: bytes held for backward after
         forward (device / host), resident weight bytes, and how often the layer ran (2 means
-        recomputed). The loss is the model's (`outputs.loss`, from labels in the batch) or
-        `loss_fn(outputs, batch)`. The model's gradients are left in place; tensors of the batch
-        that require grad (a soft prompt) get none; no optimizer step is taken."""
-        from .report import memory_report
+        recomputed); the weights total counts every parameter and buffer of the model
+        (embeddings and head in "outside layers"). The loss is the model's (`outputs.loss`, from
+        labels in the batch) or `loss_fn(outputs, batch)`. No optimizer step is taken.
+
+        Everything is left as it was, as `profile` leaves it: the gradients (accumulated ones
+        included: a report between two micro-batches changes nothing the next optimizer step
+        sees), `offload_stats` and `swap_stats` (the report's step is not counted), buffers and
+        counters of the modules, the RNG, train/eval flags; tensors of the batch that require
+        grad (a soft prompt) get no gradient."""
+        from .report import memory_report_leaving_state
 
         if self._controller.inference or not self.model.training:
             raise RuntimeError("memory_report measures a training step: call cm.for_training() first")
-        return memory_report(self._controller, dict(batch), loss_fn)
+        return memory_report_leaving_state(self._controller, dict(batch), loss_fn)
 
     def profile(
         self,

@@ -11,8 +11,18 @@ counted for that layer; every other storage counts for the layer that produced i
 "outside layers" (embeddings, the final norm, logits, the loss). Each storage counts once, so
 the layers and "outside layers" add up to the total exactly.
 
+Weights: the bytes of parameters and buffers resident where they are (a swapped layer's
+frozen weights wait in host memory and count only their placeholders), per layer, for the rest
+of the model ("outside layers": embeddings, the final norm, the head), and in total: every
+parameter and buffer of the model, each storage once.
+
 On CUDA the allocator's figure for the same step (`torch.cuda.memory_allocated` after forward,
 minus before) is reported beside the attributed total.
+
+What `cm.memory_report` runs is `memory_report_leaving_state`: the step, with everything it
+changed put back (gradients, accumulated ones included; the offload and swap counters; buffers
+and counters of the modules; RNG). `memory_report` alone leaves the step's gradients and
+counters, for the planner, which steps an optimizer on them and puts everything back itself.
 
 The report is handed the wrapper's controller (anything with the attributes of `Measured`), not
 the wrapper: rooms below the wrapper never reach back up into it. The step's loss and inputs are
@@ -22,8 +32,11 @@ require grad, a soft prompt, keep their gradients).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,6 +47,9 @@ from torch.utils._pytree import tree_flatten
 from .display import render_table
 from .loss import LossFn, check_loss_source, own_inputs, step_loss
 from .measure import storage_key, track_outputs, weight_storages
+from .snapshot import model_left_as_it_was
+
+BUFFER_COPY_LIMIT = 64 * 2**20  # larger buffers are weights (quantized models), not counters: not copied
 
 
 class Measured(Protocol):
@@ -64,7 +80,13 @@ class LayerMemory:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """What one training step held, per layer and in total. `str()` renders a table."""
+    """What one training step held, per layer and in total. `str()` renders a table.
+
+    Held bytes (`device_bytes`, `host_bytes`, `total_bytes`): activations alive after forward,
+    which backward needs, in the layers and outside them; each storage once. Weights
+    (`weight_bytes`): every parameter and buffer of the model resident where it is, each
+    storage once: the layers' (`LayerMemory.weight_bytes`) and the rest of the model's
+    (`outside_weight_bytes`: embeddings, final norm, head)."""
 
     layers: tuple[LayerMemory, ...]
     outside_device_bytes: int
@@ -75,6 +97,8 @@ class MemoryReport:
     swapped_weight_peak_bytes: int = 0
     swap_pool_bytes: int = 0
     notes: tuple[str, ...] = field(default=())
+    outside_weight_bytes: int = 0  # parameters and buffers outside every layer
+    model_weight_bytes: int | None = None  # every parameter and buffer of the model, each storage once
 
     @property
     def device_bytes(self) -> int:
@@ -90,7 +114,11 @@ class MemoryReport:
 
     @property
     def weight_bytes(self) -> int:
-        return sum(layer.weight_bytes for layer in self.layers)
+        """Every parameter and buffer of the model, resident where it is, each storage once:
+        the layers' and the rest of the model's (embeddings, final norm, head)."""
+        if self.model_weight_bytes is not None:
+            return self.model_weight_bytes
+        return self.outside_weight_bytes + sum(layer.weight_bytes for layer in self.layers)
 
     def __str__(self) -> str:
         mib = lambda b: f"{b / 2**20:.3f}"
@@ -109,13 +137,18 @@ class MemoryReport:
             )
             for layer in self.layers
         ]
-        outside = (mib(self.outside_device_bytes), mib(self.outside_host_bytes))
-        rows.append(("", "outside layers", "", "", "", *outside, "", "", ""))
+        outside = (mib(self.outside_device_bytes), mib(self.outside_host_bytes), mib(self.outside_weight_bytes))
+        rows.append(("", "outside layers", "", "", "", *outside, "", ""))
         total = (mib(self.device_bytes), mib(self.host_bytes), mib(self.weight_bytes))
-        rows.append(("", "total", "", "", "", *total, "", ""))
+        rows.append(("", "total (whole model)", "", "", "", *total, "", ""))
         header = ("index", "name", "policy", "swapped", "runs", "held MiB (device)", "held MiB (host)", "weights MiB")
         header += ("weight fetches", "offload")
-        lines = [render_table(header, rows), f"device: {self.device}, loss {self.loss:.4f}"]
+        lines = [
+            render_table(header, rows),
+            "held: activations kept for backward after forward; weights: every parameter and buffer resident where "
+            "it is (outside layers: embeddings, final norm, head), each storage once",
+            f"device: {self.device}, loss {self.loss:.4f}",
+        ]
         if self.swap_pool_bytes:
             lines.append(
                 f"block swap: swapped weights resident at peak {mib(self.swapped_weight_peak_bytes)} MiB "
@@ -202,19 +235,56 @@ class _LayerScopes:
         return self._storages(self._outputs)
 
 
-def _weight_bytes(module: nn.Module) -> int:
+def _weight_storages(module: nn.Module) -> dict[int, int]:
+    """{data pointer: bytes} of the storages of the module's parameters and buffers."""
     seen: dict[int, int] = {}
     for tensor in (*module.parameters(), *module.buffers()):
         key = storage_key(tensor)
         if key is not None and key[0] != 0:
             seen[key[0]] = key[1]
-    return sum(seen.values())
+    return seen
+
+
+def _weight_bytes(module: nn.Module) -> int:
+    return sum(_weight_storages(module).values())
+
+
+def memory_report_leaving_state(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
+    """`memory_report`, with everything the step changed put back, whatever happens (what
+    `cm.memory_report` runs): the parameters' gradients (accumulated ones included: a report
+    between two micro-batches changes nothing the next optimizer step sees), buffers and int/float
+    counters of the modules, the RNG (`remat.snapshot.model_left_as_it_was`), the offload and
+    swap counters (`offload_stats` stay sums since the wrapper was made or reset). The step
+    changes no train/eval flag."""
+    with (
+        _counters_left_as_they_were(state),
+        model_left_as_it_was(state.model, copy_limit=BUFFER_COPY_LIMIT, what="memory_report"),
+    ):
+        return memory_report(state, batch, loss_fn)
+
+
+@contextlib.contextmanager
+def _counters_left_as_they_were(state: Measured) -> Iterator[None]:
+    offload_stats = copy.deepcopy(dict(state.offloader.stats))
+    swap_stats = {i: copy.copy(e.stats) for i, e in state.swapper.layers.items()}
+    swap_peak = state.swapper.peak_resident_bytes
+    try:
+        yield
+    finally:
+        state.offloader.stats.clear()
+        state.offloader.stats.update(offload_stats)
+        for index, stats in swap_stats.items():
+            if index in state.swapper.layers:
+                state.swapper.layers[index].stats = stats
+        state.swapper.peak_resident_bytes = swap_peak
 
 
 def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
     """Run one training step of the controller's model on `batch` (forward, backward; no
-    optimizer step) and measure it. The model's gradients are left in place, as after any
-    backward; tensors of the batch that require grad get none (see `remat.loss`)."""
+    optimizer step) and measure it. The step's gradients are left in place, as after any
+    backward, and the offload and swap counters hold the step's counts (the planner steps an
+    optimizer on them); `memory_report_leaving_state` puts everything back. Tensors of the batch
+    that require grad get none (see `remat.loss`)."""
     model = state.model
     check_loss_source(model, batch, loss_fn, "memory_report")
     batch = own_inputs(batch)
@@ -290,6 +360,11 @@ def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None
         )
         for i, plan in enumerate(plans)
     )
+    every_weight = _weight_storages(model)
+    in_layers: set[int] = set()
+    for layer in layers:
+        in_layers |= _weight_storages(layer).keys()
+    outside_weights = sum(size for ptr, size in every_weight.items() if ptr not in in_layers)
     notes = []
     if device.type == "cpu" and not offloaded:
         notes.append("the model runs on the CPU: there is no separate host memory, so nothing is offloaded")
@@ -303,6 +378,8 @@ def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None
         swapper.peak_resident_bytes if swapper else 0,
         swapper.pool_bytes if swapper else 0,
         tuple(notes),
+        outside_weights,
+        sum(every_weight.values()),
     )
 
 

@@ -6,7 +6,7 @@
     profile.frontier(); profile.plot()           # every undominated map; a matplotlib Figure
     planned = cm.plan_for_budget(batch, "6GiB")  # the one-line form: profile, then plan
 
-Three rooms with one job each:
+Four rooms with one job each:
 
 - `measuring`: the training steps (bytes per layer and policy from `remat.report`, at two
   lengths when the batch is plain text; the step's peak counted as torch's `MemTracker` counts it, in `peak`;
@@ -16,6 +16,11 @@ Three rooms with one job each:
   combination of per-layer policies, the fastest one that fits a budget, the frontier.
 - `profile`: `Profile` (measurements + `plan` / `frontier` / `plot`) and `PlannedConfig`, the
   `CheckpointConfig` a plan is, which remembers its prediction and prints it.
+- `state`: `ModelState`, the state of the model a profile holds for (dtypes, devices, trainable
+  parameters, adapters, swapped layers, the settings that change a measurement): a plan from a
+  profile of another state is refused (`StaleProfileError`, a ValueError naming what changed).
+  Plans are built on the wrapper's current config, so applying one keeps block swap and offload
+  settings made since the profile.
 
 The planner is handed the wrapper's controller (`remat.controller.Controller`), never the
 wrapper: data flows down from `remat.model`.
@@ -42,11 +47,12 @@ from typing import Any
 
 import torch
 
-from ..arguments import parse_bytes
+from ..arguments import parse_bytes, parse_count
 from ..loss import LossFn
 from .chooser import SCOPES, LayerChoice, Measurements, Outside, Plan, StepMemory
 from .measuring import Controlled, check_measurable, measure
 from .profile import PlannedConfig, Profile
+from .state import ModelState, StaleProfileError
 
 
 def profile_model(
@@ -67,11 +73,15 @@ def profile_model(
     batch = dict(batch)
     check_measurable(state, batch, loss_fn, "profile")
     config = state.config
+    measured = ModelState.of(state.model, config, len(state.checkpoint_map))
     started = time.perf_counter()
     measurements, notes = measure(
         state, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats, progress=progress
     )
-    return Profile(measurements, config, tuple(notes), time.perf_counter() - started, native_every_n=_native_every_n())
+    seconds = time.perf_counter() - started
+    return Profile(
+        measurements, config, tuple(notes), seconds, native_every_n=_native_every_n(), state=measured, wrapper=state
+    )
 
 
 def _native_every_n() -> tuple[int, ...]:
@@ -117,8 +127,8 @@ def plan_for_budget(
                 f"no map fits a step budget of {limit} bytes ({limit / 2**20:.1f} MiB): the weights alone take "
                 f"{weights} bytes ({weights / 2**20:.1f} MiB) on the device"
             )
-    if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1):
-        raise ValueError(f"tokens must be an int >= 1 (batch x sequence length), got {tokens!r}")
+    if tokens is not None:
+        parse_count(tokens, "tokens", "batch x sequence length")
     found = profile_model(state, batch, loss_fn=loss_fn, optimizer=optimizer, progress=progress, repeats=repeats)
     return found.plan(limit, scope=scope, tokens=tokens)
 
@@ -137,10 +147,12 @@ def _device_weight_bytes(state: Controlled) -> int:
 __all__ = [
     "LayerChoice",
     "Measurements",
+    "ModelState",
     "Outside",
     "Plan",
     "PlannedConfig",
     "Profile",
+    "StaleProfileError",
     "StepMemory",
     "plan_for_budget",
     "profile_model",

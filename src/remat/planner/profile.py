@@ -1,14 +1,24 @@
 """`Profile`: what `cm.profile(batch)` measured, and the plans chosen from it without running
-the model; `PlannedConfig`: a plan as a `CheckpointConfig` that remembers its prediction."""
+the model; `PlannedConfig`: a plan as a `CheckpointConfig` that remembers its prediction.
+
+A profile describes one state of the model (`remat.planner.state.ModelState`: dtypes, devices,
+trainable parameters, adapters, swapped layers, the checkpoint settings that change what is
+measured). Each plan is chosen for the wrapper as it is when planning: a profile of another
+state is refused (`StaleProfileError`, naming what changed), and the plan is the wrapper's
+current config with only the per-layer policies chosen, so applying it never undoes block swap,
+offload thresholds or any other setting made since the profile.
+"""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
-from ..arguments import parse_bytes
+from ..arguments import parse_bytes, parse_count
 from ..config import CheckpointConfig
 from ..display import render_table
 from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, scoped_bytes, smallest
+from .state import ModelState, StaleProfileError
 
 _MIB = 2**20
 
@@ -64,9 +74,16 @@ class Profile:
     """What one `cm.profile(batch)` measured: plans for any budget are chosen from it at once,
     without running the model.
 
+    Plans are chosen for the wrapper as it is when `plan`, `frontier` or `plot` is called: they
+    raise `StaleProfileError` (a ValueError) naming what changed when the model is no longer in
+    the state measured (`state`), and each plan is the wrapper's current config with only the
+    per-layer policies chosen (see the module doc).
+
     Attributes:
         measurements: the per-layer bytes and seconds per policy (`remat.planner.chooser`).
-        config: the config the profile was taken under (the base of every plan).
+        config: the config the profile was measured under.
+        state: the model's state when measured (`remat.planner.state.ModelState`); None when
+            unknown (a profile built by hand), which plans on `config` unchecked.
         notes: what the measuring could not do, or did differently (shown with each plan).
         profiling_seconds: how long the measuring took.
         native_every_n: the `every_n_layers` transformers' own enable offers on this version
@@ -80,12 +97,17 @@ class Profile:
         notes: tuple[str, ...],
         profiling_seconds: float,
         native_every_n: tuple[int, ...] = (1, 2, 3, 4),
+        *,
+        state: ModelState | None = None,
+        wrapper: Any = None,
     ):
         self.native_every_n = native_every_n
         self.measurements = measurements
         self.config = config
         self.notes = notes
         self.profiling_seconds = profiling_seconds
+        self.state = state
+        self._wrapper = _WeakSource(wrapper)
 
     @property
     def tokens(self) -> int:
@@ -100,7 +122,8 @@ class Profile:
         limit = parse_bytes(budget, "budget")
         if limit <= 0:
             raise ValueError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
-        m = self.measurements.scaled(tokens)
+        config = self._base(scope)
+        m = self.measurements.scaled(_tokens(tokens))
         check_scope(m, scope)
         chosen = choose(m, limit, scope)
         if chosen is None:
@@ -115,13 +138,14 @@ class Profile:
                 f"smallest is {int(least)} bytes ({least / _MIB:.1f} MiB), about {fixed / _MIB:.1f} MiB of it "
                 f"{what}, which no checkpointing policy changes"
             )
-        return self._config(chosen, limit, m.tokens)
+        return self._config(chosen, limit, m.tokens, config)
 
     def frontier(self, *, scope: str = "activations", tokens: int | None = None) -> list[PlannedConfig]:
         """Every undominated plan: ascending in predicted bytes (of `scope`), each predicted faster
         than the one before. Each is a `PlannedConfig` whose budget is its own predicted bytes."""
-        m = self.measurements.scaled(tokens)
-        return [self._config(p, p.device_bytes, m.tokens) for p in frontier(m, scope)]
+        config = self._base(scope)
+        m = self.measurements.scaled(_tokens(tokens))
+        return [self._config(p, p.device_bytes, m.tokens, config) for p in frontier(m, scope)]
 
     def plot(
         self,
@@ -139,8 +163,8 @@ class Profile:
         (the `plot` extra); without it, an ImportError says how to install it."""
         from .plot import frontier_figure
 
-        m = self.measurements.scaled(tokens)
-        check_scope(m, scope)
+        self._base(scope)
+        m = self.measurements.scaled(_tokens(tokens))
         points = [(p.device_bytes, p.seconds) for p in frontier(m, scope)]
         marks = _native_points(m, scope, self.native_every_n) if native else {}
         limit = None if budget is None else parse_bytes(budget, "budget")
@@ -148,8 +172,33 @@ class Profile:
         chosen = None if best is None else (best.device_bytes, best.seconds)
         return frontier_figure(points, marks, scope=scope, tokens=m.tokens, budget=limit, chosen=chosen)
 
-    def _config(self, chosen: Plan, budget: int, tokens: int) -> PlannedConfig:
-        planned = self.config.replace(layer_policies={c.index: c.policy for c in chosen.choices}, offload=False)
+    def _base(self, scope: str) -> CheckpointConfig:
+        """The config plans are built on: the wrapper's current one, when the model is still in
+        the state measured (else `StaleProfileError`, naming what changed); the config measured
+        under when the wrapper is gone or the state unknown."""
+        check_scope(self.measurements, scope)  # a scope this profile cannot plan is said first
+        controller = self._wrapper()
+        try:
+            model = None if controller is None else controller.model
+        except RuntimeError:  # the model is gone
+            model = None
+        if model is None or self.state is None:
+            return self.config
+        names = tuple(plan.name for plan in controller.checkpoint_map)
+        now = ModelState.of(model, controller.config, len(names))
+        measured_offload = any("offload" in options for options in self.measurements.options)
+        changes = self.state.changes(now, measured_offload=measured_offload)
+        if names != self.measurements.names:
+            changes.insert(0, f"the layers were {list(self.measurements.names)}, now {list(names)}")
+        if changes:
+            raise StaleProfileError(
+                f"this profile measured the model in another state: {'; '.join(changes)}. Its figures do not hold for "
+                "the model as it is now: call cm.profile(batch) again and plan from the new profile"
+            )
+        return controller.config
+
+    def _config(self, chosen: Plan, budget: int, tokens: int, config: CheckpointConfig) -> PlannedConfig:
+        planned = config.replace(layer_policies={c.index: c.policy for c in chosen.choices}, offload=False)
         return PlannedConfig.of(
             planned,
             choices=chosen.choices,
@@ -167,6 +216,32 @@ class Profile:
             f"Profile({len(self.measurements.layers)} layers, {self.tokens} tokens, "
             f"step {'measured' if self.measurements.step else 'not measured'}, {self.profiling_seconds:.1f} s)"
         )
+
+
+class _WeakSource:
+    """The controller a profile measured, held weakly (a profile never keeps a model alive);
+    a copy of the profile refers to the same controller, a pickled one to none."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, controller: Any):
+        self._ref = None if controller is None else weakref.ref(controller)
+
+    def __call__(self) -> Any:
+        return None if self._ref is None else self._ref()
+
+    def __copy__(self) -> _WeakSource:
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _WeakSource:
+        return self
+
+    def __reduce__(self) -> Any:
+        return (_WeakSource, (None,))
+
+
+def _tokens(tokens: int | None) -> int | None:
+    return None if tokens is None else parse_count(tokens, "tokens", "batch x sequence length")
 
 
 def _native_points(m: Measurements, scope: str, every_n: tuple[int, ...]) -> dict[str, tuple[float, float]]:

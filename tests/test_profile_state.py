@@ -1,0 +1,163 @@
+"""A profile describes one state of the model, and plans are built on the wrapper as it is now.
+
+Planning from a profile of another state (a cast, a frozen or new trainable parameter, another
+adapter, another checkpoint implementation) is refused naming what changed; a plan keeps every
+setting of the wrapper's current config that is not the per-layer policy choice, so applying it
+never undoes block swap (checked by where the swapped weights live, not by a flag). Every bad
+number given to the planner or a config is a ValueError."""
+
+import pytest
+import torch
+from conftest import add_lora, batch, decoder_layers, tiny_model
+from independent_memory import held_bytes
+from peft import LoraConfig
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.model import controller_of
+from remat.planner import StaleProfileError
+from remat.planner.state import ModelState
+
+
+def _profiled(optimizer=False, **config):
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(**config))
+    data = batch(size=2, seq=16)
+    opt = torch.optim.SGD([p for p in cm.parameters() if p.requires_grad], lr=0.1) if optimizer else None
+    return cm, data, cm.profile(data, repeats=1, progress=False, optimizer=opt)
+
+
+def _frozen_weights_resident(cm, index):
+    """Bytes the frozen weights of layer `index` hold where the model runs, read from their storages."""
+    seen = {}
+    for p in decoder_layers(cm.model)[index].parameters():
+        if not p.requires_grad:
+            storage = p.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def test_planning_a_model_cast_since_the_profile_is_refused_naming_the_dtype():
+    cm, data, profile = _profiled()
+    assert profile.plan("1GiB").predicted_device_bytes > 0  # the same state: plans
+    cm.to(torch.float64)
+    for plan in (lambda: profile.plan("1GiB"), lambda: profile.frontier()):
+        with pytest.raises(StaleProfileError, match=r"float32 .*now float64.*call cm\.profile\(batch\) again"):
+            plan()
+    assert issubclass(StaleProfileError, ValueError)
+    fresh = cm.profile(data, repeats=1, progress=False)  # what the refusal asks for works
+    planned = fresh.plan("1GiB")
+    cm.enable(planned)
+    measured = held_bytes(cm, data)
+    assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
+
+
+def test_a_parameter_frozen_or_an_adapter_switched_since_the_profile_is_refused():
+    cm, _, profile = _profiled()
+    lora = next(p for n, p in cm.model.named_parameters() if "lora_A" in n)
+    lora.requires_grad_(False)
+    with pytest.raises(StaleProfileError, match="1 no longer trainable"):
+        profile.plan("1GiB")
+    lora.requires_grad_(True)
+    assert profile.plan("1GiB") is not None  # back in the state measured
+    cm.model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(StaleProfileError, match=r"adapters were \['default'\], now \['default', 'other'\]"):
+        profile.plan("1GiB")
+
+
+def test_another_checkpoint_implementation_since_the_profile_is_refused():
+    cm, _, profile = _profiled()
+    cm.enable(CheckpointConfig(use_reentrant=True))
+    with pytest.raises(StaleProfileError, match="use_reentrant was False, now True"):
+        profile.plan("1GiB")
+
+
+def test_a_plan_is_built_on_the_current_config_and_keeps_its_settings():
+    cm, _, profile = _profiled()
+    cm.enable(CheckpointConfig(offload_min_bytes=12345, preserve_rng_state=False, every_n_layers=3))
+    planned = profile.plan("1GiB")
+    assert planned.offload_min_bytes == 12345 and not planned.preserve_rng_state and planned.every_n_layers == 3
+    cm.enable(planned)
+    assert cm.config.offload_min_bytes == 12345 and controller_of(cm).offloader.min_bytes == 12345
+
+
+def test_a_swap_set_enabled_since_the_profile_is_refused_and_a_profile_under_it_keeps_the_weights_on_the_host():
+    """Block swap's slots are held across the step (here 2 layers' frozen weights, about a third
+    of the plan's held bytes): a profile without them would under-predict, so it is refused."""
+    cm, data, profile = _profiled(optimizer=True)
+    full = _frozen_weights_resident(cm, 1)
+    cm.enable(CheckpointConfig(swap_layers=2))
+    swapped = [p.index for p in cm.checkpoint_map if p.swapped]
+    assert swapped == [1, 3] and _frozen_weights_resident(cm, 1) < full / 100
+    for scope in ("activations", "step"):
+        with pytest.raises(StaleProfileError, match=r"swapped layers were \[\], now \[1, 3\].*cm\.profile\(batch\)"):
+            profile.plan("1GiB", scope=scope)
+    assert [p.index for p in cm.checkpoint_map if p.swapped] == swapped, "the refusal changed nothing"
+    planned = cm.profile(data, repeats=1, progress=False).plan("1GiB")  # measured under the swap set
+    assert planned.swap_layers == 2
+    assert all(planned.choices[i].policy != "none" for i in swapped), "a swapped layer is always checkpointed"
+    cm.enable(planned)
+    assert [p.index for p in cm.checkpoint_map if p.swapped] == swapped
+    assert all(_frozen_weights_resident(cm, i) < full / 100 for i in swapped), "the swapped weights stay on the host"
+    assert _frozen_weights_resident(cm, 0) == full
+    measured = held_bytes(cm, data)
+    assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
+
+
+def test_an_offload_threshold_changed_since_a_profile_that_measured_offload_is_refused():
+    """Offload is measured only on an accelerator; the rule itself is checked on recorded states."""
+    model = tiny_model()
+    measured = ModelState.of(model, CheckpointConfig(), 4)
+    now = ModelState.of(model, CheckpointConfig(offload_min_bytes=0), 4)
+    assert now.offload_min_bytes == 0 and now.dtypes == (("float32", len(list(model.parameters()))),)
+    assert measured.changes(now, measured_offload=True) == ["offload_min_bytes was 2097152, now 0"]
+    assert measured.changes(now, measured_offload=False) == []  # on a CPU nothing was offloaded
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_a_profile_of_the_model_on_another_device_is_refused():
+    cm, data, profile = _profiled()
+    cm.to("cuda")
+    with pytest.raises(StaleProfileError, match=r"devices were cpu .*now cuda:0"):
+        profile.plan("1GiB")
+
+
+BAD_BUDGETS = [10**400, "9" * 400, "1" + "0" * 400 + "GiB", 2**63, float("inf"), float("nan"), float("-inf")]
+
+
+@pytest.fixture(scope="module")
+def profiled():
+    return _profiled()
+
+
+@pytest.mark.parametrize("budget", BAD_BUDGETS, ids=["int400", "str400", "str400GiB", "2**63", "inf", "nan", "-inf"])
+def test_every_bad_budget_is_a_value_error_before_any_work(profiled, budget):
+    cm, data, profile = profiled
+    with pytest.raises(ValueError, match="budget"):
+        profile.plan(budget)
+    forwards = []
+    handle = cm.model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match="budget"):
+            cm.plan_for_budget(data, budget, repeats=1, progress=False)
+    finally:
+        handle.remove()
+    assert forwards == [], "refused before measuring"
+
+
+@pytest.mark.parametrize("tokens", [10**400, 2**63, float("inf"), float("nan")], ids=["int400", "2**63", "inf", "nan"])
+def test_every_bad_token_count_is_a_value_error(profiled, tokens):
+    cm, data, profile = profiled
+    with pytest.raises(ValueError, match="tokens"):
+        profile.plan("1GiB", tokens=tokens)
+    with pytest.raises(ValueError, match="tokens"):
+        profile.frontier(tokens=tokens)
+    with pytest.raises(ValueError, match="tokens"):
+        cm.plan_for_budget(data, "1GiB", tokens=tokens, repeats=1, progress=False)
+
+
+@pytest.mark.parametrize("value", [10**400, float("inf"), float("nan")], ids=["int400", "inf", "nan"])
+@pytest.mark.parametrize("field", ["offload_min_bytes", "every_n_layers", "swap_layers"])
+def test_every_bad_number_in_a_config_is_a_value_error(field, value):
+    with pytest.raises(ValueError, match=field):
+        CheckpointConfig(**{field: value})
+    with pytest.raises(ValueError, match=field):
+        CheckpointConfig.from_dict({field: value})
