@@ -70,8 +70,8 @@ def _plain_trainer_refusal(model: nn.Module) -> str:
     )
     if not _is_peft_model(model) and _has_adapter_layers(model):
         message += (
-            ". The peft_config you passed has already added adapters to cm's model: build the model and the wrapper "
-            f"again, then {works.replace('...', 'peft_config=...')}"
+            ". Your peft_config already put adapters into cm's model: build the model and the wrapper again, then "
+            f"{works.replace('...', 'peft_config=...')}"
         )
     return message
 
