@@ -15,10 +15,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-from transformers import TrainerCallback
-from transformers.trainer_callback import PrinterCallback
 
 from remat.demo import quiet_third_party_noise
+
+quiet_third_party_noise()  # first: importing Trainer's callbacks imports bitsandbytes, which speaks at import
+
+from transformers import TrainerCallback  # noqa: E402
+from transformers.trainer_callback import PrinterCallback  # noqa: E402
 
 
 class RecomputedLayers(TrainerCallback):

@@ -15,13 +15,17 @@ import statistics
 import time
 import warnings
 from importlib import resources
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 
-from . import CheckpointConfig, CheckpointedModel
+from .config import CheckpointConfig
 from .display import render_table
 from .measure import measure_step
+
+if TYPE_CHECKING:  # the wrapper (and PEFT, which it imports) only once a script has quieted the noise
+    from .model import CheckpointedModel
 
 
 def quiet_third_party_noise() -> None:
@@ -128,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     quiet_third_party_noise()  # transformers' use_cache notice, too, would repeat what the map says
+    from .model import CheckpointedModel
     config, text = load_assets()
     model = add_lora(build_model(config, args.seed))
     model.train()
