@@ -186,3 +186,18 @@ def test_the_plan_and_the_profile_show_the_spread():
     low, high = planned.predicted_seconds_range
     assert low <= planned.predicted_seconds <= high
     assert f"per step ({low * 1e3:.0f}-{high * 1e3:.0f})" in str(planned)
+
+
+def test_the_demo_says_which_settings_the_machine_was_too_busy_to_rank():
+    """Two settings whose middle halves overlap cannot be ranked by this run: named, with both
+    spreads; a setting clearly apart is not."""
+    from remat.demo import spread, unranked
+
+    assert spread([0.9, 1.0, 1.1, 1.2, 5.0]) == (1.0, 1.2)  # one outlier does not widen it
+    rows = [
+        ("no checkpointing", 1.00, 10, (0.95, 1.10)),
+        ("every layer", 1.40, 1, (1.35, 1.45)),
+        ("every second layer", 1.05, 5, (1.00, 1.20)),
+    ]
+    (said,) = unranked(rows)
+    assert said.startswith("no checkpointing and every second layer: 50 ms apart, within the spread")

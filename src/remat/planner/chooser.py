@@ -5,8 +5,9 @@ seconds it adds under each policy it may take (`remat.policies.LayerProfile`); t
 outside the layers (embeddings, logits, loss), which depend only on whether any layer is
 checkpointed; what each layer holds when no layer is checkpointed (transformers 4.57 keeps more
 in a "none" layer while another layer is checkpointed, so that map is priced by its own run);
-the step time with nothing recomputed; and, for `scope="step"`, what a whole training step needs
-besides the held activations (`StepMemory`).
+the step time with nothing recomputed, with what those seconds were made of (`TimePrices`:
+counted FLOPs, one rate and its spread); and, for `scope="step"`, what a whole training step
+needs besides the held activations (`StepMemory`).
 
 How it chooses: a map's bytes and time are sums over layers, with one exact correction: with
 offload, the input of the last checkpointed layer stays on the device (backward needs it
