@@ -57,7 +57,7 @@ def test_a_recompute_is_priced_by_the_flops_it_repeats_as_flopcountermode_counts
             prices.seconds_per_flop * prices.flops[i]
         )
     assert prices.flops[0] == prices.flops[1] > prices.flops[2] == prices.flops[3]  # LoRA adds work
-    assert all(0 < s < f for s, f in zip(prices.selective_flops, prices.flops))  # eager attention's core
+    assert all(0 < s < f for s, f in zip(prices.selective_flops, prices.flops, strict=True))  # eager attention's core
 
 
 def _plans(profile, budgets):
