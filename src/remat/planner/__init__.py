@@ -24,7 +24,8 @@ What a plan promises: its predicted held activations (`planned.predicted_device_
 measurement of the planned map within a few percent, and fit the budget; with `scope="step"`,
 the same for the peak of a whole step as `MemTracker` counts it (`predicted_peak_bytes`).
 Time (`predicted_seconds`) is counts (the FLOPs a recompute repeats) times a rate measured on
-the machine, so maps rank alike however busy it was; `predicted_seconds_range` is its spread.
+the machine, so recompute and none rank alike however busy it was (selective's share is measured,
+and moves with the noise); `predicted_seconds_range` is its spread.
 For `tokens` other than the profiled batch's, bytes and seconds are scaled in proportion to the
 tokens (see `Measurements.scaled`).
 
