@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
         for name, apply in settings.items():
             times[name].append(run.step(apply(), batch))
     medians = {name: statistics.median(values) for name, values in times.items()}
+    spreads = {name: run.spread(values) for name, values in times.items()}
 
     rows, refusals = [], []
     for name, (scope, budget, config, refused) in plans.items():
@@ -160,6 +161,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "native_bytes": measure[best] if best else None,
                 "native_step_s": medians[best] if best else None,
                 "ratio": medians[name] / medians[best] if best else None,
+                "planned_quartiles_s": spreads[name],
+                "planned_predicted_quartiles_s": config.predicted_seconds_range,
+                "too_close_to_rank": run.overlap(spreads[name], spreads[best]) if best else None,
             }
         )
     results = {
@@ -197,35 +201,44 @@ def main(argv: list[str] | None = None) -> dict:
 
 def profiling_cost(run, preset, dtype, args, batch) -> dict:
     """What `cm.profile` costs, in training steps (forward, backward, optimizer step) of the
-    wrapper as it is before planning (every layer recomputed): CPU seconds of this process, so
-    that other processes on a shared machine do not count; medians of 5 steps; without and with
-    an optimizer (the step's peak measured too)."""
+    wrapper as it is before planning (every layer recomputed): CPU seconds of this process (other
+    processes on a shared machine do not count) and wall seconds (they do: what a user waits);
+    medians of 5 steps; without and with an optimizer (the step's peak measured too)."""
     cm = CheckpointedModel(run.build(preset, preset["layers"], dtype, args.device))
     optimizer = _optimizer(cm)
 
-    def cpu(work) -> float:
-        start = time.process_time()
+    def timed(work) -> tuple[float, float]:
+        cpu, wall = time.process_time(), time.perf_counter()
         work()
-        return time.process_time() - start
+        return time.process_time() - cpu, time.perf_counter() - wall
 
     def step() -> None:
         cm(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    cpu(step)  # warm-up: the optimizer's state is made
-    steps = statistics.median(cpu(step) for _ in range(5))
-    without = cpu(lambda: cm.profile(batch, repeats=args.plan_repeats, progress=False))
-    with_optimizer = cpu(lambda: cm.profile(batch, optimizer=optimizer, repeats=args.plan_repeats, progress=False))
+    timed(step)  # warm-up: the optimizer's state is made
+    steps = [timed(step) for _ in range(5)]
+    step_cpu, step_wall = (statistics.median(s[k] for s in steps) for k in (0, 1))
+    without = timed(lambda: cm.profile(batch, repeats=args.plan_repeats, progress=False))
+    with_optimizer = timed(lambda: cm.profile(batch, optimizer=optimizer, repeats=args.plan_repeats, progress=False))
+    with open("/proc/loadavg") as handle:
+        load = float(handle.read().split()[0])
     results = {
         "command": "python benchmarks/pareto.py " + " ".join(sys.argv[1:]),
         "preset": args.preset,
         "threads": torch.get_num_threads(),
-        "step_cpu_s": steps,
-        "profile_cpu_s": without,
-        "profile_with_optimizer_cpu_s": with_optimizer,
-        "steps_worth": without / steps,
-        "steps_worth_with_optimizer": with_optimizer / steps,
+        "load_average_1min_after": load,
+        "step_cpu_s": step_cpu,
+        "step_wall_s": step_wall,
+        "profile_cpu_s": without[0],
+        "profile_wall_s": without[1],
+        "profile_with_optimizer_cpu_s": with_optimizer[0],
+        "profile_with_optimizer_wall_s": with_optimizer[1],
+        "steps_worth": without[0] / step_cpu,
+        "steps_worth_wall": without[1] / step_wall,
+        "steps_worth_with_optimizer": with_optimizer[0] / step_cpu,
+        "steps_worth_with_optimizer_wall": with_optimizer[1] / step_wall,
         "plan_repeats": args.plan_repeats,
     }
     if not args.quiet:
@@ -347,6 +360,7 @@ def markdown(results: dict) -> str:
             counts = " / ".join(str(r["planned"][p]) for p in ("none", "selective", "recompute", "offload"))
             native = r["native_best"] or "nothing fits"
             ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else ""
+            ratio += " (too close to rank here)" if r.get("too_close_to_rank") else ""
             native_bytes = mib(r["native_bytes"]) if r["native_bytes"] is not None else ""
             native_ms = ms(r["native_step_s"]) if r["native_step_s"] is not None else ""
             lines.append(

@@ -264,6 +264,7 @@ def compare(args, preset) -> list[dict]:
         for s in live:
             times[s.name].append(step(s.apply(), batch))
     medians = {s.name: statistics.median(times[s.name]) for s in live}
+    spreads = {s.name: spread(times[s.name]) for s in live}
     base = medians.get("no checkpointing")
     rows = []
     for s in settings:
@@ -273,14 +274,31 @@ def compare(args, preset) -> list[dict]:
             native_t = medians.get(s.same_layers_as) if s.same_layers_as else None
             row.update(
                 median_step_s=t,
+                quartiles_s=spreads[s.name],
                 steps=len(times[s.name]),
                 vs_none=t / base if base else None,
                 vs_native=t / native_t if native_t else None,
+                too_close_to_native=overlap(spreads[s.name], spreads[s.same_layers_as]) if native_t else None,
                 activation_bytes=held[s.name],
                 peak_bytes=peak[s.name],
             )
         rows.append(row)
     return rows
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """The quartiles of repeated timings (lowest and highest with fewer than three): half the
+    repeats lie between them."""
+    if len(values) < 3:
+        return min(values), max(values)
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
+def overlap(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Two settings whose spreads overlap: the machine's noise is larger than their difference,
+    and this run cannot rank them."""
+    return a[0] <= b[1] and b[0] <= a[1]
 
 
 def sweep(args, preset) -> list[dict]:
@@ -450,7 +468,7 @@ def markdown(results: dict) -> str:
     lines = []
     if results.get("compare"):
         lines += [
-            "| setting | median step ms | vs none | vs native, same layers | activation MiB held "
+            "| setting | median step ms (quartiles) | vs none | vs native, same layers | activation MiB held "
             "| peak MiB of the step |",
             "| --- | --- | --- | --- | --- | --- |",
         ]
@@ -459,9 +477,11 @@ def markdown(results: dict) -> str:
         if r["error"]:
             lines.append(f"| {r['setting']} | failed: {r['error']} | | | | |")
             continue
+        low, high = r.get("quartiles_s") or (r["median_step_s"], r["median_step_s"])
+        versus = fmt(r["vs_native"], ".3f") + (" (too close to rank here)" if r.get("too_close_to_native") else "")
         lines.append(
-            f"| {r['setting']} | {r['median_step_s'] * 1e3:.1f} | {fmt(r['vs_none'], '.3f')} | "
-            f"{fmt(r['vs_native'], '.3f')} | {r['activation_bytes'] / 2**20:.2f} | {_mib(r['peak_bytes'])} |"
+            f"| {r['setting']} | {r['median_step_s'] * 1e3:.1f} ({low * 1e3:.0f}-{high * 1e3:.0f}) | "
+            f"{fmt(r['vs_none'], '.3f')} | {versus} | {r['activation_bytes'] / 2**20:.2f} | {_mib(r['peak_bytes'])} |"
         )
     if results.get("policies"):
         lines += [

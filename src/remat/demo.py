@@ -2,13 +2,15 @@
 
 Everything it needs ships with remat (a model config and a short text, read one byte at a
 time), so it runs on a fresh machine with no downloads. It prints the checkpoint map, the loss
-falling, and a table measured in this run: median step time and activation bytes held for
-backward, for no checkpointing, every layer and every second layer.
+falling, and a table measured in this run: median step time (with its spread: the quartiles of
+the repeats) and activation bytes held for backward, for no checkpointing, every layer and every
+second layer; settings whose spreads overlap are named as too close to rank on this machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import statistics
@@ -95,6 +97,14 @@ def batches(text: bytes, seq: int, size: int, seed: int):
 
 def compare_policies(cm: CheckpointedModel, batch: dict, repeats: int) -> list[tuple[str, float, int]]:
     """Median step time and activation bytes for each setting, alternated over `repeats`."""
+    return [(name, median, held) for name, median, held, _ in compare_with_spread(cm, batch, repeats)]
+
+
+def compare_with_spread(
+    cm: CheckpointedModel, batch: dict, repeats: int
+) -> list[tuple[str, float, int, tuple[float, float]]]:
+    """`compare_policies` with each setting's spread: the quartiles of its step times (half the
+    repeats lie between them; with one or two repeats, the lowest and highest)."""
     settings = {
         "no checkpointing": None,
         "every layer": CheckpointConfig(every_n_layers=1),
@@ -118,7 +128,28 @@ def compare_policies(cm: CheckpointedModel, batch: dict, repeats: int) -> list[t
             times[name].append(measure_step(cm, batch, track_memory=False).seconds)
             cm.zero_grad(set_to_none=True)
     cm.enable(settings["every second layer"])
-    return [(name, statistics.median(times[name]), memory[name]) for name in settings]
+    return [(name, statistics.median(times[name]), memory[name], spread(times[name])) for name in settings]
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """The quartiles of repeated timings (the lowest and highest when there are fewer than three)."""
+    if len(values) < 3:
+        return min(values), max(values)
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q3
+
+
+def unranked(rows: list[tuple[str, float, int, tuple[float, float]]]) -> list[str]:
+    """Pairs of settings the machine was too busy to rank: their spreads overlap, so the
+    difference of their medians is smaller than the noise."""
+    out = []
+    for (a, ta, _, (la, ha)), (b, tb, _, (lb, hb)) in itertools.combinations(rows, 2):
+        if la <= hb and lb <= ha:
+            out.append(
+                f"{a} and {b}: {abs(ta - tb) * 1e3:.0f} ms apart, within the spread ({la * 1e3:.0f}-{ha * 1e3:.0f} "
+                f"and {lb * 1e3:.0f}-{hb * 1e3:.0f} ms)"
+            )
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,15 +195,23 @@ def main(argv: list[str] | None = None) -> None:
         sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
         print(f"\nsample: {sample!r}\n")
 
-    rows = compare_policies(cm, next(data), args.repeats)
+    rows = compare_with_spread(cm, next(data), args.repeats)
     base_time = rows[0][1]
-    print(f"Measured here: batch {args.batch_size} x {args.seq} tokens, median of {args.repeats} steps each")
+    what = "quartiles" if args.repeats >= 3 else "lowest-highest"
+    print(f"Measured here: batch {args.batch_size} x {args.seq} tokens, median of {args.repeats} steps each ({what})")
     print(
         render_table(
             ("setting", "step ms", "vs none", "activation MiB held"),
-            [(name, f"{t * 1e3:.0f}", f"{t / base_time:.2f}x", f"{b / 2**20:.2f}") for name, t, b in rows],
+            [
+                (name, f"{t * 1e3:.0f} ({lo * 1e3:.0f}-{hi * 1e3:.0f})", f"{t / base_time:.2f}x", f"{b / 2**20:.2f}")
+                for name, t, b, (lo, hi) in rows
+            ],
         )
     )
+    close = unranked(rows)
+    if close:
+        print("Too busy to rank these here (the machine's noise is larger than their difference):")
+        print("\n".join(f"  {line}" for line in close))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ Four rooms with one job each:
 
 - `measuring`: the training steps (bytes per layer and policy from `remat.report`, at two
   lengths when the batch is plain text; the step's peak counted as torch's `MemTracker` counts it, in `peak`;
-  times against "recompute everywhere", in `timing`), and putting the model back as it was
+  time as counted FLOPs times a measured rate, in `timing`), and putting the model back as it was
   afterwards (`remat.snapshot`).
 - `chooser`: a pure function of the measurements (no torch, no model): every undominated
   combination of per-layer policies, the fastest one that fits a budget, the frontier.
@@ -28,15 +28,16 @@ wrapper: data flows down from `remat.model`.
 What a plan promises: its predicted held activations (`planned.predicted_device_bytes`) match a
 measurement of the planned map within a few percent, and fit the budget; with `scope="step"`,
 the same for the peak of a whole step as `MemTracker` counts it (`predicted_peak_bytes`).
-Time (`predicted_seconds`) is a model of noisy measurements (medians over alternated repeats,
-floors from physics), never negative. For `tokens` other than the profiled batch's, bytes and
-seconds are scaled in proportion to the tokens (see `Measurements.scaled`).
+Time (`predicted_seconds`) is counts (the FLOPs a recompute repeats) times a rate measured on
+the machine, so recompute and none rank alike however busy it was (selective's share is measured,
+and moves with the noise); `predicted_seconds_range` is its spread.
+For `tokens` other than the profiled batch's, bytes and seconds are scaled in proportion to the
+tokens (see `Measurements.scaled`).
 
 Cost: 4 memory steps (one more for offload on an accelerator), the same 4 again at half the
-sequence length when the batch is plain text, and `repeats` x 3 timed steps: 17 forwards with
-the default `repeats=3`. On the benchmark's small preset that is 13.6 training steps' worth
-(14.5 with an optimizer, whose peak is measured too), in CPU seconds against a step with every
-layer recomputed (`python benchmarks/pareto.py --preset small --cost-only`, benchmarks/RESULTS.md).
+sequence length when the batch is plain text, 2 counted steps (FLOPs) and `repeats` x 3 timed
+steps: 19 forwards with the default `repeats=3` (what that costs in steps and seconds: the
+README, `python benchmarks/pareto.py --preset small --cost-only`, benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ seconds it adds under each policy it may take (`remat.policies.LayerProfile`); t
 outside the layers (embeddings, logits, loss), which depend only on whether any layer is
 checkpointed; what each layer holds when no layer is checkpointed (transformers 4.57 keeps more
 in a "none" layer while another layer is checkpointed, so that map is priced by its own run);
-the step time with nothing recomputed; and, for `scope="step"`, what a whole training step needs
-besides the held activations (`StepMemory`).
+the step time with nothing recomputed, with what those seconds were made of (`TimePrices`:
+counted FLOPs, one rate and its spread); and, for `scope="step"`, what a whole training step
+needs besides the held activations (`StepMemory`).
 
 How it chooses: a map's bytes and time are sums over layers, with one exact correction: with
 offload, the input of the last checkpointed layer stays on the device (backward needs it
@@ -58,6 +59,57 @@ class StepMemory:
 
 
 @dataclass(frozen=True)
+class TimePrices:
+    """What a layer's seconds were made of (`remat.planner.timing`): counted FLOPs (per layer,
+    its forward, and the part "selective" recomputes; None where torch counts none), one rate
+    (seconds per FLOP of a layer's forward, the median of `samples` timed forwards and
+    recomputes, with its quartiles), the share of a recompute "selective" costs (measured; None
+    when not timed), and the quartiles of the step with nothing recomputed over `steps` timed
+    steps. The quartiles are the spread a prediction is shown with."""
+
+    flops: tuple[int, ...] | None
+    selective_flops: tuple[int, ...] | None
+    seconds_per_flop: float
+    rate_range: tuple[float, float]
+    selective_share: float | None
+    base_range: tuple[float, float]
+    samples: int
+    steps: int
+
+    def scaled(self, ratio: float) -> TimePrices:
+        """For `ratio` times the tokens: the counts grow with them, the rates stay."""
+        low, high = self.base_range
+        grow = lambda counts: None if counts is None else tuple(round(c * ratio) for c in counts)
+        return dataclasses.replace(
+            self,
+            flops=grow(self.flops),
+            selective_flops=grow(self.selective_flops),
+            base_range=(low * ratio, high * ratio),
+        )
+
+    def seconds_range(self, added: float) -> tuple[float, float]:
+        """A prediction's spread: the base's quartiles, and what the layers add at the rate's."""
+        rate, (low, high) = self.seconds_per_flop, self.rate_range
+        return (self.base_range[0] + added * low / rate, self.base_range[1] + added * high / rate)
+
+    def spread(self) -> float:
+        """The rate's interquartile range as a share of it: how steady the machine was."""
+        low, high = self.rate_range
+        return (high - low) / self.seconds_per_flop
+
+    def summary(self) -> str:
+        low, high = self.rate_range
+        rate = self.seconds_per_flop
+        text = (
+            f"time: {rate * 1e12:.3g} ms per GFLOP of a layer's forward (half the {self.samples} timed layer calls "
+            f"between {low * 1e12:.3g} and {high * 1e12:.3g})"
+        )
+        if self.selective_share is not None:
+            text += f"; selective costs {self.selective_share:.2f} of a recompute"
+        return text
+
+
+@dataclass(frozen=True)
 class Measurements:
     """Everything the chooser needs, measured on one batch of `tokens` tokens (see the module doc)."""
 
@@ -69,6 +121,7 @@ class Measurements:
     base_seconds: float  # the step with nothing recomputed
     tokens: int
     step: StepMemory | None = None
+    time: TimePrices | None = None  # how the seconds were priced; None for hand-made measurements
 
     shorter: Measurements | None = None  # the same bytes at a shorter length, when measured
 
@@ -130,6 +183,7 @@ class Measurements:
             base_seconds=self.base_seconds * ratio,
             tokens=tokens,
             step=step,
+            time=None if self.time is None else self.time.scaled(ratio),
             shorter=None,
         )
 
@@ -181,6 +235,7 @@ class Plan:
     seconds: float
     scope: str
     peak_bytes: int | None  # the peak of one whole step, when the measurements have it
+    seconds_range: tuple[float, float] | None = None  # the spread of `seconds` (quartiles of the rates)
 
 
 def combinations(m: Measurements) -> list[Combination]:
@@ -291,6 +346,22 @@ def frontier(m: Measurements, scope: str = "activations") -> list[Plan]:
     return [_plan(m, c, scope) for c in kept]
 
 
+def predicted(m: Measurements, policies: Sequence[str], scope: str = "activations") -> Plan:
+    """The prediction for a map given layer by layer (each policy among that layer's options)."""
+    check_scope(m, scope)
+    if len(policies) != len(m.layers) or any(p not in o for p, o in zip(policies, m.options, strict=True)):
+        raise ValueError(f"a map names one of each layer's options {m.options}, got {list(policies)}")
+    choices = _layer_choices(m, policies)
+    checkpointed = [x.index for x in choices if policy(x.policy).checkpointed]
+    owed = 0
+    if checkpointed and policies[checkpointed[-1]] == "offload" and checkpointed[-1] != len(choices) - 1:
+        last = m.layers[checkpointed[-1]]
+        owed = min(last.input_bytes, policy("offload").cost(last).host_bytes)
+    raw = [policy(name).cost(p) for p, name in zip(m.layers, policies, strict=True)]
+    c = Combination(sum(x.device_bytes for x in raw), owed, sum(x.seconds for x in raw), tuple(policies))
+    return _plan(m, c, scope)
+
+
 def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
     choices = _layer_choices(m, c.policies)
     checkpointing = checkpoints(c.policies)
@@ -303,8 +374,10 @@ def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
     held = outside + sum(x.device_bytes for x in choices)
     extra = m.step.extra(c.policies) if m.step is not None else None
     peak = None if extra is None else int(held + extra)
-    seconds = max(0.0, m.base_seconds + sum(x.seconds for x in choices))  # never negative, whatever the noise
-    return Plan(tuple(choices), outside, int(held), int(scoped_bytes(m, c, scope)), seconds, scope, peak)
+    added = sum(x.seconds for x in choices)
+    seconds = max(0.0, m.base_seconds + added)  # never negative, whatever the noise
+    spread = None if m.time is None else m.time.seconds_range(added)
+    return Plan(tuple(choices), outside, int(held), int(scoped_bytes(m, c, scope)), seconds, scope, peak, spread)
 
 
 def _layer_choices(m: Measurements, chosen: Sequence[str]) -> list[LayerChoice]:

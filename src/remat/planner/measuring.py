@@ -24,12 +24,13 @@ What is measured, on the batch given (`measure`):
    dimensions is (batch, sequence, ...)), the steps of 1. and 2. run again on its first half
    (`shorter_batch`), at about half the cost, so that bytes that grow with the square of the
    sequence length (eager attention's scores, SDPA's mask) are modelled (`Measurements.scaled`).
-4. Time. Maps with one policy on every layer (where it may go) are timed against "recompute
-   everywhere", alternated over `repeats`, medians. A timer on each layer (CUDA events on an
-   accelerator, so nothing synchronizes mid-step) gives each layer's forward time, the median
-   over every timed step; it divides a map's change among the layers. Physics sets floors under
-   the noise: recomputing a layer costs at least one forward of it, offloading at least
-   recomputing, "selective" something; no predicted time is negative (`remat.planner.timing`).
+4. Time (`remat.planner.timing`). One step with every layer recomputed counts FLOPs (torch's
+   formulas): each layer's forward, which a recompute repeats, and the part "selective"
+   repeats. Then `repeats` x 3 timed steps of mixed maps (every policy in every step, against
+   the same load) give one rate, seconds per FLOP of a layer's forward (the median of every
+   timed layer call), selective's share of a recompute, and the step with nothing recomputed,
+   each with its quartiles. A price is a count times the rate, so maps rank the same however
+   busy the machine was; the quartiles are the spread shown with each prediction.
 
 Everything is put back afterwards (`remat.snapshot.model_left_as_it_was` for gradients, buffers,
 counters and RNG; here the config and on/off state, the offload and swap counters, and the
@@ -55,11 +56,12 @@ from ..loss import LossFn, check_loss_source, own_inputs, step_loss
 from ..policies import LayerProfile, policy
 from ..report import Measured, memory_report
 from ..snapshot import model_left_as_it_was
-from .chooser import Measurements, Outside, StepMemory
+from .chooser import Measurements, Outside, StepMemory, TimePrices
 from .peak import StepPeak
-from .timing import LayerClock, layer_seconds, synchronize
+from .timing import FlopTally, LayerClock, price_time, synchronize
 
 CANDIDATES = ("none", "selective", "recompute", "offload")
+BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
 BUFFER_COPY_LIMIT = 64 * 2**20  # larger buffers are weights (quantized models), not counters
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -162,6 +164,24 @@ class _Steps:
         self.bar.update(1)
         return report
 
+    def counted(self, policies: Mapping[int, str], tally: FlopTally) -> tuple[list[int], list[int]] | None:
+        """One step under `policies` (the other layers recomputing), counted by `tally`: per
+        layer, the FLOPs of its forward and of backward's recompute of it. None if it ran out of
+        memory."""
+        self.use(policies)
+        try:
+            with tally:
+                step_loss(self.model, self.batch, self.loss_fn).backward()
+            found = tally.forward, tally.recomputed
+        except OUT_OF_MEMORY:
+            found = None
+            _give_back_memory()
+        finally:
+            tally.remove()
+        self.model.zero_grad(set_to_none=True)
+        self.bar.update(1)
+        return found
+
     def timed(self, policies: Mapping[int, str], clock: LayerClock) -> float | None:
         self.use(policies)
         try:
@@ -197,25 +217,33 @@ def measure(
     swapped = {p.index for p in state.checkpoint_map if p.swapped}
     rotation = [name for name in names if name not in ("recompute", "offload")] or ["none"]
     rotation = rotation if len(rotation) > 1 else [*rotation, "recompute"]
-    timed_maps = [name for name in names if name != "recompute"]
+    timed = len([name for name in names if name != "offload"]) + ("offload" in names)
     memory_steps = 1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)
     short = shorter_batch(batch)
-    total = memory_steps * (1 if short is None else 2) + repeats * (1 + len(timed_maps))
+    counting = 1 + ("selective" in names)
+    total = memory_steps * (1 if short is None else 2) + counting + repeats * timed
     with (
         tqdm(total=total, desc="remat: profiling", disable=not progress, leave=False) as bar,
         _left_as_it_was(state),
     ):
         steps = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar)
         found = _bytes(steps, names, rotation, swapped, notes)
-        seconds, base = layer_seconds(steps, names, found.held, swapped, repeats)
-        measured = _measurements(steps, names, found, swapped, seconds, base)
+        seconds, base, prices, timing_notes = price_time(steps, names, found.held, swapped, repeats)
+        notes += [*timing_notes, prices.summary()]
+        if prices.spread() > BUSY_SPREAD:
+            notes.append(
+                f"time: the machine was busy while profiling (the rate's quartiles are {prices.spread():.0%} of it "
+                "apart): predicted seconds are that uncertain; the choice of map depends only on the counts and "
+                "selective's share"
+            )
+        measured = _measurements(steps, names, found, swapped, seconds, base, prices)
         if short is not None:
             # bytes at a second length, so that `tokens` can model what grows with the square of it
             steps = _Steps(state, own_inputs(short), loss_fn, optimizer, bar)
             ratio = batch_tokens(short) / measured.tokens
             scaled = {name: {i: t * ratio for i, t in per_layer.items()} for name, per_layer in seconds.items()}
             found_short = _bytes(steps, names, rotation, swapped, [])
-            shorter = _measurements(steps, names, found_short, swapped, scaled, base * ratio)
+            shorter = _measurements(steps, names, found_short, swapped, scaled, base * ratio, prices.scaled(ratio))
             measured = dataclasses.replace(measured, shorter=shorter)
         else:
             notes.append("tokens: bytes scale in proportion (the batch is not plain text: measured at one length)")
@@ -301,7 +329,13 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
 
 
 def _measurements(
-    steps: _Steps, names: list[str], found: _Bytes, swapped: set[int], seconds: dict[str, dict[int, float]], base: float
+    steps: _Steps,
+    names: list[str],
+    found: _Bytes,
+    swapped: set[int],
+    seconds: dict[str, dict[int, float]],
+    base: float,
+    prices: TimePrices,
 ) -> Measurements:
     everything = range(steps.n)
     held = found.held
@@ -326,6 +360,7 @@ def _measurements(
         base_seconds=base,
         tokens=batch_tokens(steps.batch),
         step=StepMemory(found.extras) if found.extras else None,
+        time=prices,
     )
 
 

@@ -34,6 +34,7 @@ class PlannedConfig(CheckpointConfig):
     scope: str
     tokens: int
     predicted_seconds: float
+    predicted_seconds_range: tuple[float, float] | None  # quartiles of the timing: the prediction's spread
     predicted_peak_bytes: int | None  # the peak of one whole step, when the profile measured it
     notes: tuple[str, ...]
 
@@ -61,7 +62,10 @@ class PlannedConfig(CheckpointConfig):
         ]
         rows.append(("", "outside layers", "", mib(self.outside_bytes), "0.00", ""))
         totals = (mib(self.predicted_device_bytes), mib(self.predicted_host_bytes))
-        rows.append(("", "total (predicted)", "", *totals, f"{self.predicted_seconds * 1e3:.1f} per step"))
+        step = f"{self.predicted_seconds * 1e3:.1f} per step"
+        if self.predicted_seconds_range is not None:
+            step += " ({:.0f}-{:.0f})".format(*(s * 1e3 for s in self.predicted_seconds_range))
+        rows.append(("", "total (predicted)", "", *totals, step))
         header = ("index", "name", "policy", "held MiB (device)", "held MiB (host)", "step ms")
         what = "held activations on the device" if self.scope == "activations" else "peak of a whole training step"
         lines = [render_table(header, rows), f"budget {mib(self.budget)} MiB of {what}, for {self.tokens} tokens"]
@@ -207,6 +211,7 @@ class Profile:
             scope=chosen.scope,
             tokens=tokens,
             predicted_seconds=chosen.seconds,
+            predicted_seconds_range=chosen.seconds_range,
             predicted_peak_bytes=chosen.peak_bytes,
             notes=self.notes,
         )

@@ -1,0 +1,203 @@
+"""Time prices from counts: a profile prices a policy by the work it repeats (FLOPs, counted as
+torch's `FlopCounterMode` counts them) times one rate calibrated on the machine, so the plan at
+every budget does not move when the wall clock does.
+
+Checked against what shares no code with remat: `FlopCounterMode` over whole training steps
+with and without a layer recomputed (what a recompute really repeats), and plans from a profile
+whose timed steps were slowed on purpose (a hook that sleeps in some layers' forwards)."""
+
+import itertools
+import time
+
+import pytest
+from conftest import batch, decoder_layers, tiny_model
+from peft import LoraConfig, get_peft_model
+from torch.utils.flop_counter import FlopCounterMode
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.loss import step_loss
+from remat.planner.chooser import TimePrices, frontier, predicted
+from remat.planner.timing import Counts, _prices
+
+
+def _partly_lora(layers: int = 4):
+    """LoRA on the first half of the layers only: two kinds of layer, with different work."""
+    model = tiny_model(num_hidden_layers=layers)
+    lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj", "down_proj"], layers_to_transform=[0, 1])
+    model = get_peft_model(model, lora)
+    model.train()
+    return model
+
+
+def _step_flops(cm, data, policies):
+    cm.enable(CheckpointConfig(layer_policies=policies))
+    with FlopCounterMode(display=False) as counter:
+        step_loss(cm.model, data, None).backward()
+    cm.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def test_a_recompute_is_priced_by_the_flops_it_repeats_as_flopcountermode_counts_a_step():
+    """FlopCounterMode over a whole step: recomputing layer i adds exactly the profile's count of
+    what its recompute repeats (its forward, less the tail torch need not run again), and
+    "selective" exactly its count of what selective repeats; identical layers share one count;
+    a layer's recompute price is that count times the profile's one rate."""
+    cm = CheckpointedModel(_partly_lora())
+    data = batch(size=2, seq=16)
+    profile = cm.profile(data, repeats=1, progress=False)
+    prices = profile.measurements.time
+    n = len(cm.checkpoint_map)
+    nothing = _step_flops(cm, data, dict.fromkeys(range(n), "none"))
+    for i in range(n):
+        recomputed = _step_flops(cm, data, {**dict.fromkeys(range(n), "none"), i: "recompute"})
+        selective = _step_flops(cm, data, {**dict.fromkeys(range(n), "none"), i: "selective"})
+        assert recomputed - nothing == prices.flops[i] > 0, i
+        assert selective - nothing == prices.selective_flops[i], i
+        assert profile.measurements.layers[i].seconds["recompute"] == pytest.approx(
+            prices.seconds_per_flop * prices.flops[i]
+        )
+    assert prices.flops[0] == prices.flops[1] > prices.flops[2] == prices.flops[3]  # LoRA adds work
+    assert all(0 < s < f for s, f in zip(prices.selective_flops, prices.flops, strict=True))  # eager attention's core
+
+
+def _plans(profile, budgets):
+    out = []
+    for budget in budgets:
+        try:
+            out.append(tuple(c.policy for c in profile.plan(budget).choices))
+        except ValueError:
+            out.append(None)
+    return out
+
+
+def test_layers_slowed_in_some_timed_steps_change_no_plan_at_any_budget():
+    """Two profiles of one model and batch, the second with the plain layers' forwards (less
+    work than the LoRA layers') slowed by a sleep in two of its three repeats, as another
+    process would: the same frontier and the same plan at every budget. (Before, each kind of
+    layer was priced by its own median forward time: the slowed kind looked the dearer to
+    recompute and was kept instead.)"""
+    model = _partly_lora()
+    layers = decoder_layers(model)
+    cm = CheckpointedModel(model, CheckpointConfig(use_reentrant=True))  # none and recompute: counts decide
+    data = batch(size=2, seq=16)
+    calm = cm.profile(data, repeats=3, progress=False)
+
+    steps = {"count": 0}
+    outer = cm.model.register_forward_pre_hook(lambda *_: steps.__setitem__("count", steps["count"] + 1))
+    memory_steps = 1 + 2 + 1 + 1  # every layer recomputed, two mixed maps, nothing checkpointed, the FLOP count
+
+    def slow(module, args):
+        timed = steps["count"] - memory_steps  # the timed steps come after the memory steps and the count
+        if 0 < timed <= 4:  # the first two repeats of both timed maps
+            time.sleep(0.05)
+
+    handles = [layer.register_forward_pre_hook(slow) for layer in layers[2:]]
+    busy = cm.profile(data, repeats=3, progress=False)
+    for handle in [*handles, outer]:
+        handle.remove()
+    assert steps["count"] > memory_steps + 4
+
+    smallest = calm.frontier()[0].predicted_device_bytes
+    largest = calm.frontier()[-1].predicted_device_bytes
+    budgets = [smallest + (largest - smallest) * k // 40 for k in range(41)]
+    assert _plans(busy, budgets) == _plans(calm, budgets)
+    maps = lambda profile: [[c.policy for c in p.choices] for p in profile.frontier()]
+    assert maps(busy) == maps(calm)
+    assert len({_plans(calm, [b])[0] for b in budgets}) >= 3  # the budgets span several plans
+
+
+def _runs(slow_share: float, slowed: int):
+    """Hand-made timed steps of two identical layers: per step the map, its time, and per layer
+    (forward, recompute) seconds; `slowed` of the steps have every call `slow_share` slower."""
+    maps = [{0: "none", 1: "selective"}, {0: "selective", 1: "recompute"}, {0: "recompute", 1: "none"}]
+    calls = {"none": [0.010, None], "selective": [0.012, 0.004], "recompute": [0.011, 0.010]}
+    out = []
+    for k in range(9):
+        factor = 1 + slow_share if k < slowed else 1.0
+        policies = maps[k % 3]
+        layers = [[None if c is None else c * factor for c in calls[policies[i]]] for i in range(2)]
+        out.append((policies, 0.100 * factor + 0.02, layers))
+    return out
+
+
+def test_selective_share_holds_when_a_minority_of_steps_is_slow():
+    """The one measured ratio, what selective costs of a recompute, is taken within each timed
+    step (every policy runs in every step, against the same load), then the median over steps:
+    three of nine steps twice as slow leave it, and so the ranking of maps, as it was; the rate
+    (a median over every timed layer call) moves by much less than the slowdown; the spread
+    widens."""
+    held = {"none": {0: (10, 0), 1: (10, 0)}, "selective": {0: (6, 0), 1: (6, 0)}, "recompute": {0: (1, 0), 1: (1, 0)}}
+    names = ["none", "selective", "recompute"]
+    counts = Counts([10**7] * 2, [10**7] * 2, [10**5] * 2)
+    calm = _prices(2, names, held, counts, [0, 0], _runs(0.0, 0), [])
+    busy = _prices(2, names, held, counts, [0, 0], _runs(1.0, 3), [])
+    assert busy[2].selective_share == pytest.approx(calm[2].selective_share)
+    # per step: (selective's forward beyond a plain one + its recompute) / a recompute
+    assert 0.3 < calm[2].selective_share < 0.8
+    ratio = lambda prices: prices[0]["selective"][0] / prices[0]["recompute"][0]
+    assert ratio(busy) == pytest.approx(ratio(calm))
+    assert 1.0 <= busy[2].seconds_per_flop / calm[2].seconds_per_flop < 1.2
+    assert busy[2].spread() > calm[2].spread()
+
+
+def _measurements_of(prices):
+    from test_chooser import layer, measurements
+
+    layers = []
+    for i in range(3):
+        seconds = {"none": 0.0, "selective": prices["selective"], "recompute": prices["recompute"], "offload": 0.0}
+        layers.append(layer(i, seconds=seconds))
+    rate = prices["recompute"] / 100
+    time = TimePrices((100,) * 3, (30,) * 3, rate, (rate * 0.5, rate * 2), 0.3, (9.0, 12.0), 12, 9)
+    m = measurements(layers, base=10.0)
+    return type(m)(**{**m.__dict__, "time": time})
+
+
+def test_predicted_step_time_is_a_monotone_function_of_the_policies_with_its_spread():
+    """A map's prediction is the base plus each layer's price: moving any layer from "none" to
+    "selective" to "recompute" never makes it faster; the spread contains the prediction and
+    follows the rate's quartiles; the frontier is ascending in bytes and descending in time."""
+    m = _measurements_of({"selective": 0.3, "recompute": 1.0})
+    order = ["none", "selective", "recompute"]
+    for policies in itertools.product(order, repeat=3):
+        plan = predicted(m, policies)
+        assert plan.seconds == pytest.approx(
+            10.0 + sum({"none": 0, "selective": 0.3, "recompute": 1.0}[p] for p in policies)
+        )
+        low, high = plan.seconds_range
+        assert low <= plan.seconds <= high
+        added = plan.seconds - 10.0
+        assert (low, high) == pytest.approx((9.0 + added * 0.5, 12.0 + added * 2))
+        for i in range(3):
+            rank = order.index(policies[i])
+            for more in order[rank + 1 :]:
+                heavier = list(policies)
+                heavier[i] = more
+                assert predicted(m, heavier).seconds >= plan.seconds
+    times = [p.seconds for p in frontier(m)]
+    assert times == sorted(times, reverse=True)
+
+
+def test_the_plan_and_the_profile_show_the_spread():
+    cm = CheckpointedModel(tiny_model(num_hidden_layers=2))
+    profile = cm.profile(batch(), repeats=1, progress=False)
+    assert any("ms per GFLOP of a layer's forward" in note for note in profile.notes)
+    planned = profile.plan("1GiB")
+    low, high = planned.predicted_seconds_range
+    assert low <= planned.predicted_seconds <= high
+    assert f"per step ({low * 1e3:.0f}-{high * 1e3:.0f})" in str(planned)
+
+
+def test_the_demo_says_which_settings_the_machine_was_too_busy_to_rank():
+    """Two settings whose middle halves overlap cannot be ranked by this run: named, with both
+    spreads; a setting clearly apart is not."""
+    from remat.demo import spread, unranked
+
+    assert spread([0.9, 1.0, 1.1, 1.2, 5.0]) == (1.0, 1.2)  # one outlier does not widen it
+    rows = [
+        ("no checkpointing", 1.00, 10, (0.95, 1.10)),
+        ("every layer", 1.40, 1, (1.35, 1.45)),
+        ("every second layer", 1.05, 5, (1.00, 1.20)),
+    ]
+    (said,) = unranked(rows)
+    assert said.startswith("no checkpointing and every second layer: 50 ms apart, within the spread")
