@@ -164,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
 
     quiet_third_party_noise()  # transformers' use_cache notice, too, would repeat what the map says
     from .model import CheckpointedModel
+
     config, text = load_assets()
     model = add_lora(build_model(config, args.seed))
     model.train()
