@@ -257,14 +257,16 @@ def memory_report_leaving_state(state: Measured, batch: dict[str, Any], loss_fn:
     swap counters (`offload_stats` stay sums since the wrapper was made or reset). The step
     changes no train/eval flag."""
     with (
-        _counters_left_as_they_were(state),
+        counters_left_as_they_were(state),
         model_left_as_it_was(state.model, copy_limit=BUFFER_COPY_LIMIT, what="memory_report"),
     ):
         return memory_report(state, batch, loss_fn)
 
 
 @contextlib.contextmanager
-def _counters_left_as_they_were(state: Measured) -> Iterator[None]:
+def counters_left_as_they_were(state: Measured) -> Iterator[None]:
+    """The offload and swap counters (and the swap's resident peak) put back, whatever happens:
+    a report's or a profile's steps are not the user's training."""
     offload_stats = copy.deepcopy(dict(state.offloader.stats))
     swap_stats = {i: copy.copy(e.stats) for i, e in state.swapper.layers.items()}
     swap_peak = state.swapper.peak_resident_bytes

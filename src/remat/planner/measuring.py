@@ -41,7 +41,6 @@ fresh leaves (`remat.loss.own_inputs`), so a soft prompt's gradient is never tou
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import gc
 import time
@@ -54,7 +53,7 @@ import torch
 from ..config import CheckpointConfig
 from ..loss import LossFn, check_loss_source, own_inputs, step_loss
 from ..policies import LayerProfile, policy
-from ..report import Measured, memory_report
+from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, memory_report
 from ..snapshot import model_left_as_it_was
 from .chooser import Measurements, Outside, StepMemory, TimePrices
 from .peak import StepPeak
@@ -62,7 +61,6 @@ from .timing import FlopTally, LayerClock, price_time, synchronize
 
 CANDIDATES = ("none", "selective", "recompute", "offload")
 BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
-BUFFER_COPY_LIMIT = 64 * 2**20  # larger buffers are weights (quantized models), not counters
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
@@ -384,33 +382,14 @@ def _left_as_it_was(state: Controlled) -> Iterator[None]:
     puts back, and the config and on/off state and the offload and swap counters (each restored
     on its own). The optimizer's state is put back after each step that used it (`_PeakFactory`)."""
     config, off_by = state.config, state.off_by
-    offload_stats = copy.deepcopy(dict(state.offloader.stats))
-    swap_stats = {i: copy.copy(e.stats) for i, e in state.swapper.layers.items()}
-    swap_peak = state.swapper.peak_resident_bytes
-
-    def counters_back() -> None:
-        state.offloader.stats.clear()
-        state.offloader.stats.update(offload_stats)
-        for index, stats in swap_stats.items():
-            if index in state.swapper.layers:
-                state.swapper.layers[index].stats = stats
-        state.swapper.peak_resident_bytes = swap_peak
-
-    def config_back() -> None:
-        state.replan(config, off_by=off_by, cause="profile() (restoring)")
-
-    failures: list[BaseException] = []
     try:
-        with model_left_as_it_was(state.model, copy_limit=BUFFER_COPY_LIMIT, what="profile"):
+        with (
+            counters_left_as_they_were(state),
+            model_left_as_it_was(state.model, copy_limit=BUFFER_COPY_LIMIT, what="profile"),
+        ):
             yield
-    finally:
-        for restore in (counters_back, config_back):
-            try:
-                restore()
-            except Exception as err:
-                failures.append(err)
-    if failures:
-        raise failures[0]
+    finally:  # runs even when putting the model or the counters back failed
+        state.replan(config, off_by=off_by, cause="profile() (restoring)")
 
 
 def _give_back_memory() -> None:
