@@ -89,6 +89,26 @@ def add_lora(model: nn.Module, dropout: float = 0.1):
     return peft_model
 
 
+def marked_lora_cm(value: float, seed: int = 0):
+    """A wrapped LoRA model whose every LoRA weight is `value`: a save recognisable by one number
+    (read back with `lora_value`)."""
+    from remat import CheckpointConfig, CheckpointedModel
+
+    cm = CheckpointedModel(add_lora(tiny_model(seed=seed)), CheckpointConfig(every_n_layers=2))
+    with torch.no_grad():
+        for name, param in cm.model.named_parameters():
+            if "lora_" in name:
+                param.fill_(value)
+    return cm
+
+
+def lora_value(cm) -> float:
+    """The one value every LoRA weight of `cm` holds (fails if they come from several saves)."""
+    values = {round(float(p.detach().mean()), 4) for n, p in cm.model.named_parameters() if "lora_" in n}
+    assert len(values) == 1, values
+    return values.pop()
+
+
 def batch(seed: int = 0, size: int = BATCH, seq: int = SEQ) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, VOCAB, (size, seq), generator=g)

@@ -12,28 +12,12 @@ import threading
 import time
 
 import pytest
-import torch
-from conftest import add_lora, tiny_model
+from conftest import lora_value, marked_lora_cm, tiny_model
 
 from remat import CheckpointConfig, CheckpointedModel
 from remat.saving import STAGING_PREFIX, locks
 
 TESTS = os.path.dirname(__file__)
-
-
-def _lora_cm(value=1.0, seed=0):
-    cm = CheckpointedModel(add_lora(tiny_model(seed=seed)), CheckpointConfig(every_n_layers=2))
-    with torch.no_grad():
-        for name, param in cm.model.named_parameters():
-            if "lora_" in name:
-                param.fill_(value)
-    return cm
-
-
-def _lora_value(cm):
-    values = {round(float(p.detach().mean()), 4) for n, p in cm.model.named_parameters() if "lora_" in n}
-    assert len(values) == 1, values
-    return values.pop()
 
 
 def _staging_folders(folder):
@@ -107,20 +91,20 @@ def _in_threads(*jobs, timeout=60):
 @pytest.mark.parametrize("where", ["COMMIT", "LOCK", "manifest entry"])
 def test_a_fifo_in_a_staging_folder_is_dropped_with_one_warning_and_blocks_nothing(tmp_path, caplog, where):
     folder = tmp_path / "shared"
-    _lora_cm(1.0).save_pretrained(folder)
+    marked_lora_cm(1.0).save_pretrained(folder)
     staging = _plant_fifo(folder, where)
     loaded = []
     with caplog.at_level(logging.WARNING, logger="remat"):
         errors = _in_threads(
-            lambda: loaded.append(_lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))),
-            lambda: _lora_cm(2.0).save_pretrained(folder),
+            lambda: loaded.append(lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))),
+            lambda: marked_lora_cm(2.0).save_pretrained(folder),
         )
     assert not errors, errors
     assert loaded and loaded[0] in (1.0, 2.0)
     said = [r.getMessage() for r in caplog.records if "crafted" in r.getMessage()]
     assert len(said) == 1 and "dropping" in said[0], said
     assert not staging.exists() and not _staging_folders(folder)
-    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
+    assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are a POSIX thing")
@@ -128,7 +112,7 @@ def test_a_fifo_as_a_staging_manifest_blocks_neither_a_load_nor_a_save_in_other_
     """The same across processes: a load (one process) and a save (another, started at the same
     time) both return; the folder holds the new save."""
     folder = tmp_path / "shared"
-    _lora_cm(1.0).save_pretrained(folder)
+    marked_lora_cm(1.0).save_pretrained(folder)
     staging = _plant_fifo(folder, "COMMIT")
     save = _subprocess(
         f"""
@@ -145,11 +129,11 @@ def test_a_fifo_as_a_staging_manifest_blocks_neither_a_load_nor_a_save_in_other_
         """
     )
     loaded = []
-    errors = _in_threads(lambda: loaded.append(_lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))))
+    errors = _in_threads(lambda: loaded.append(lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))))
     assert not errors and loaded[0] in (1.0, 2.0), errors
     _finished(save, 120)
     assert not staging.exists() and not _staging_folders(folder)
-    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
+    assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are a POSIX thing")
@@ -159,7 +143,7 @@ def test_a_manifest_whose_files_cannot_land_is_dropped_not_retried_forever(tmp_p
     a FIFO `sub` (or `extra.txt` where it has a folder): finishing it would fail at every save and
     load; it is dropped with one warning, and the folder keeps working."""
     folder = tmp_path / "out"
-    _lora_cm(1.0).save_pretrained(folder)
+    marked_lora_cm(1.0).save_pretrained(folder)
     name = "sub/extra.txt" if blocker.startswith("a FIFO") else "extra.txt"
     if blocker.startswith("a FIFO"):
         os.mkfifo(folder / "sub")
@@ -170,19 +154,19 @@ def test_a_manifest_whose_files_cannot_land_is_dropped_not_retried_forever(tmp_p
     (staging / name).write_text("x")
     (staging / "COMMIT").write_text(json.dumps({"files": [{"path": name, "replaces": None}]}))
     with caplog.at_level(logging.WARNING, logger="remat"):
-        assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 1.0
-        _lora_cm(2.0).save_pretrained(folder)
+        assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 1.0
+        marked_lora_cm(2.0).save_pretrained(folder)
     said = [r.getMessage() for r in caplog.records if "crafted" in r.getMessage()]
     assert len(said) == 1, said
     assert not staging.exists()
-    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
+    assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are a POSIX thing")
 @pytest.mark.parametrize("name", ["checkpoint_config.json", "adapter_model.safetensors", "adapter_config.json"])
 def test_a_fifo_where_a_saved_file_goes_is_an_error_naming_it_not_a_hang(tmp_path, name):
     folder = tmp_path / "out"
-    _lora_cm().save_pretrained(folder)
+    marked_lora_cm(1.0).save_pretrained(folder)
     os.unlink(folder / name)
     os.mkfifo(folder / name)
     outcome = {}
@@ -205,7 +189,7 @@ def test_a_fifo_where_a_saved_file_goes_is_an_error_naming_it_not_a_hang(tmp_pat
 @pytest.mark.parametrize("kind", ["FIFO", "empty folder"])
 def test_a_folder_lock_that_is_not_a_file_is_removed_with_one_warning(tmp_path, caplog, kind):
     folder = tmp_path / "out"
-    _lora_cm(1.0).save_pretrained(folder)
+    marked_lora_cm(1.0).save_pretrained(folder)
     if kind == "FIFO":
         os.mkfifo(folder / ".remat-lock")
     else:
@@ -214,15 +198,15 @@ def test_a_folder_lock_that_is_not_a_file_is_removed_with_one_warning(tmp_path, 
     with caplog.at_level(logging.WARNING, logger="remat"):
         errors = _in_threads(
             lambda: (
-                loaded.append(_lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))),
-                _lora_cm(2.0).save_pretrained(folder),
+                loaded.append(lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))),
+                marked_lora_cm(2.0).save_pretrained(folder),
             )
         )
     assert not errors and loaded == [1.0], errors
     said = [r.getMessage() for r in caplog.records if ".remat-lock" in r.getMessage()]
     assert len(said) == 1 and "not a regular file" in said[0], said
     assert not os.path.lexists(folder / ".remat-lock")
-    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
+    assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
 
 
 def test_a_folder_this_process_cannot_create_the_lock_file_in_is_read_unlocked_not_forever(tmp_path, monkeypatch):
@@ -258,18 +242,18 @@ DEEP = "[" * 200_000 + "]" * 200_000
 
 def test_a_manifest_nested_200000_deep_is_dropped_with_one_warning_and_the_folder_works(tmp_path, caplog):
     folder = tmp_path / "out"
-    _lora_cm(1.0).save_pretrained(folder)
+    marked_lora_cm(1.0).save_pretrained(folder)
     staging = folder / f"{STAGING_PREFIX}deep"
     staging.mkdir()
     (staging / "adapter_config.json").write_text("{}")
     (staging / "COMMIT").write_text(DEEP)
     with caplog.at_level(logging.WARNING, logger="remat"):
-        assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 1.0
-        _lora_cm(3.0).save_pretrained(folder)
+        assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 1.0
+        marked_lora_cm(3.0).save_pretrained(folder)
     said = [r.getMessage() for r in caplog.records if "deep" in r.getMessage()]
     assert len(said) == 1 and "did not finish" in said[0], said
     assert not staging.exists()
-    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 3.0
+    assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 3.0
 
 
 CONFIGS = {
@@ -284,7 +268,7 @@ CONFIGS = {
 @pytest.mark.parametrize("content", list(CONFIGS))
 def test_a_malformed_checkpoint_config_is_a_value_error_naming_the_file_and_a_save_mends_it(tmp_path, content):
     folder = tmp_path / "out"
-    _lora_cm(1.0).save_pretrained(folder)
+    marked_lora_cm(1.0).save_pretrained(folder)
     file = folder / "checkpoint_config.json"
     data = CONFIGS[content]
     file.write_bytes(data if isinstance(data, bytes) else data.encode())
@@ -295,8 +279,8 @@ def test_a_malformed_checkpoint_config_is_a_value_error_naming_the_file_and_a_sa
             CheckpointConfig.from_pretrained(folder)
         with pytest.raises(ValueError, match=str(file)):
             CheckpointConfig.from_pretrained(file)
-    _lora_cm(4.0).save_pretrained(folder)  # the folder is not bricked: a save replaces the file
-    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 4.0
+    marked_lora_cm(4.0).save_pretrained(folder)  # the folder is not bricked: a save replaces the file
+    assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 4.0
 
 
 # -- 9. a save and a load side by side are not a crashed save -----------------------------------------
@@ -317,7 +301,7 @@ def test_a_save_and_a_load_side_by_side_log_no_warning(tmp_path, caplog, monkeyp
 
     monkeypatch.setattr(transaction.tempfile, "mkdtemp", slow_mkdtemp)
     folder = tmp_path / "out"
-    saver_cm = _lora_cm(1.0)
+    saver_cm = marked_lora_cm(1.0)
     saver_cm.save_pretrained(folder)
     stop, errors, counts = threading.Event(), [], {"saves": 0, "loads": 0}
 
@@ -332,7 +316,7 @@ def test_a_save_and_a_load_side_by_side_log_no_warning(tmp_path, caplog, monkeyp
     def load():
         try:
             while not stop.is_set():
-                assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 1.0
+                assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 1.0
                 assert CheckpointConfig.from_pretrained(folder).every_n_layers == 2
                 counts["loads"] += 1
         except Exception as err:

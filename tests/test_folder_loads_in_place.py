@@ -8,25 +8,9 @@ import tempfile
 import threading
 import time
 
-import torch
-from conftest import add_lora, tiny_model
+from conftest import lora_value, marked_lora_cm, tiny_model
 
 from remat import CheckpointConfig, CheckpointedModel
-
-
-def _lora_cm(value):
-    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
-    with torch.no_grad():
-        for name, param in cm.model.named_parameters():
-            if "lora_" in name:
-                param.fill_(value)
-    return cm
-
-
-def _lora_value(cm):
-    values = {round(float(p.detach().mean()), 4) for n, p in cm.model.named_parameters() if "lora_" in n}
-    assert len(values) == 1, values
-    return values.pop()
 
 
 def _tree(root):
@@ -43,13 +27,13 @@ def _tree(root):
 def test_a_load_works_whatever_the_temporary_folder_is(tmp_path, monkeypatch):
     """A temporary folder that does not exist (or is full, or read-only): a load does not use it."""
     folder = tmp_path / "out"
-    _lora_cm(3.0).save_pretrained(folder)
+    marked_lora_cm(3.0).save_pretrained(folder)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "no-such-folder"))
-    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 3.0
+    assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 3.0
     assert CheckpointConfig.from_pretrained(folder).every_n_layers == 2
-    resumed = _lora_cm(0.0)
+    resumed = marked_lora_cm(0.0)
     resumed.model.load_adapter(str(folder), "default", is_trainable=True)  # Trainer resume's path
-    assert _lora_value(resumed) == 3.0
+    assert lora_value(resumed) == 3.0
     assert not (tmp_path / "no-such-folder").exists()
 
 
@@ -58,7 +42,7 @@ def test_a_load_killed_at_random_moments_leaves_nothing_anywhere(tmp_path):
     temporary folder stays empty and the folder holds what it held (a lock file the killed load
     held is all that may stay, until the next load removes it)."""
     folder = tmp_path / "out"
-    _lora_cm(5.0).save_pretrained(folder)
+    marked_lora_cm(5.0).save_pretrained(folder)
     before = _tree(folder)
     private_tmp = tmp_path / "tmp"
     private_tmp.mkdir()
@@ -84,7 +68,7 @@ def test_a_load_killed_at_random_moments_leaves_nothing_anywhere(tmp_path):
         after = _tree(folder)
         after.pop(str(folder / ".remat-lock"), None)
         assert after == before
-    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 5.0
+    assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 5.0
     assert _tree(folder) == before  # the next load removed a lock file left by a killed one
 
 
@@ -95,7 +79,7 @@ def test_a_commit_waits_for_a_load_reading_while_other_loads_read_alongside(tmp_
     from peft import PeftModel
 
     folder = tmp_path / "out"
-    _lora_cm(1.0).save_pretrained(folder)
+    marked_lora_cm(1.0).save_pretrained(folder)
     real_load, inside, release = PeftModel.load_adapter, threading.Event(), threading.Event()
     held = []
 
@@ -109,10 +93,10 @@ def test_a_commit_waits_for_a_load_reading_while_other_loads_read_alongside(tmp_
     results = {}
 
     def load_a():
-        results["a"] = _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))
+        results["a"] = lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))
 
     def save():
-        _lora_cm(2.0).save_pretrained(folder)
+        marked_lora_cm(2.0).save_pretrained(folder)
         results["saved"] = time.monotonic()
 
     a = threading.Thread(target=load_a)
@@ -122,7 +106,7 @@ def test_a_commit_waits_for_a_load_reading_while_other_loads_read_alongside(tmp_
     saver = threading.Thread(target=save)
     saver.start()
     time.sleep(0.3)
-    results["b"] = _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))  # alongside A
+    results["b"] = lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder))  # alongside A
     time.sleep(0.3)
     assert "saved" not in results, "a save committed while a load was reading"
     released = time.monotonic()
@@ -131,4 +115,4 @@ def test_a_commit_waits_for_a_load_reading_while_other_loads_read_alongside(tmp_
     saver.join(60)
     assert results["a"] == 1.0 and results["b"] == 1.0
     assert results["saved"] >= released
-    assert _lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
+    assert lora_value(CheckpointedModel.from_pretrained(tiny_model(), folder)) == 2.0
