@@ -20,6 +20,7 @@ budget the other does). `frontier` lists every undominated map, ascending in byt
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -60,30 +61,40 @@ class StepMemory:
 
 @dataclass(frozen=True)
 class TimePrices:
-    """What a layer's seconds were made of (`remat.planner.timing`): counted FLOPs (per layer,
-    its forward, and the part "selective" recomputes; None where torch counts none), one rate
-    (seconds per FLOP of a layer's forward, the median of `samples` timed forwards and
-    recomputes, with its quartiles), the share of a recompute "selective" costs (measured; None
-    when not timed), and the quartiles of the step with nothing recomputed over `steps` timed
-    steps. The quartiles are the spread a prediction is shown with."""
+    """What a layer's seconds were made of (`remat.planner.timing`): counts per layer of what a
+    recompute repeats and of what "selective" repeats (FLOPs, and `work`: FLOPs plus the bytes
+    and launches of the other ops at the device's balance; None where selective was not
+    counted), one rate (seconds per unit of work, the median of `samples` timed forwards and
+    recomputes, with its quartiles), and the quartiles of the step with nothing recomputed over
+    `steps` timed steps. The quartiles are the spread a prediction is shown with."""
 
-    flops: tuple[int, ...] | None
+    flops: tuple[int, ...]
     selective_flops: tuple[int, ...] | None
+    work: tuple[float, ...]
+    selective_work: tuple[float, ...] | None
     seconds_per_flop: float
     rate_range: tuple[float, float]
-    selective_share: float | None
     base_range: tuple[float, float]
     samples: int
     steps: int
 
+    @property
+    def selective_share(self) -> float | None:
+        """What "selective" costs of a recompute, counted (the median over layers)."""
+        if self.selective_work is None:
+            return None
+        return statistics.median(s / w for s, w in zip(self.selective_work, self.work, strict=True))
+
     def scaled(self, ratio: float) -> TimePrices:
         """For `ratio` times the tokens: the counts grow with them, the rates stay."""
         low, high = self.base_range
-        grow = lambda counts: None if counts is None else tuple(round(c * ratio) for c in counts)
+        grow = lambda counts: None if counts is None else tuple(type(c)(c * ratio) for c in counts)
         return dataclasses.replace(
             self,
             flops=grow(self.flops),
             selective_flops=grow(self.selective_flops),
+            work=grow(self.work),
+            selective_work=grow(self.selective_work),
             base_range=(low * ratio, high * ratio),
         )
 
@@ -101,8 +112,8 @@ class TimePrices:
         low, high = self.rate_range
         rate = self.seconds_per_flop
         text = (
-            f"time: {rate * 1e12:.3g} ms per GFLOP of a layer's forward (half the {self.samples} timed layer calls "
-            f"between {low * 1e12:.3g} and {high * 1e12:.3g})"
+            f"time: {rate * 1e12:.3g} ms per GFLOP of a layer's forward (bytes and op launches counted as FLOPs; "
+            f"half the {self.samples} timed layer calls between {low * 1e12:.3g} and {high * 1e12:.3g})"
         )
         if self.selective_share is not None:
             text += f"; selective costs {self.selective_share:.2f} of a recompute"

@@ -57,7 +57,7 @@ from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, me
 from ..snapshot import model_left_as_it_was
 from .chooser import Measurements, Outside, StepMemory, TimePrices
 from .peak import StepPeak
-from .timing import FlopTally, LayerClock, price_time, synchronize
+from .timing import FlopTally, LayerClock, Work, price_time, synchronize
 
 CANDIDATES = ("none", "selective", "recompute", "offload")
 BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
@@ -162,15 +162,15 @@ class _Steps:
         self.bar.update(1)
         return report
 
-    def counted(self, policies: Mapping[int, str], tally: FlopTally) -> tuple[list[int], list[int]] | None:
+    def counted(self, policies: Mapping[int, str], tally: FlopTally) -> tuple[list[Work], list[Work]] | None:
         """One step under `policies` (the other layers recomputing), counted by `tally`: per
-        layer, the FLOPs of its forward and of backward's recompute of it. None if it ran out of
+        layer, the work of its forward and of backward's recompute of it (`Work`). None if it ran out of
         memory."""
         self.use(policies)
         try:
             with tally:
                 step_loss(self.model, self.batch, self.loss_fn).backward()
-            found = tally.forward, tally.recomputed
+            found = tally.work()
         except OUT_OF_MEMORY:
             found = None
             _give_back_memory()

@@ -1,33 +1,35 @@
 """Pricing time: what each policy adds to a step, from counts turned into seconds by one rate.
 
 A busy machine makes every wall-clock figure move: three profiles that priced a recompute by
-differences of step times gave +66, +84 and +545 ms a layer and three different frontiers. So
-a price is what can be counted, times a rate:
+differences of step times gave +66, +84 and +545 ms a layer and three different frontiers, and
+a measured ratio (what "selective" costs of a recompute) came out 0.26, 1.35 and 2.13 in three
+profiles of one batch. So every price is what can be counted, times one rate:
 
-- Counted (`FlopTally`, one step with every layer recomputed, under a dispatch mode that uses
-  torch's own FLOP formulas, `torch.utils.flop_counter`): each layer's forward FLOPs, which is
-  what recomputing it repeats, and the FLOPs of the ops "selective" does not keep (what it
-  repeats). Identical layers get identical counts; nothing about them is timed apart.
-- One rate, seconds per FLOP of a layer's forward: the median over every layer's forward and
-  recompute in every timed step (all layers pooled: dozens of samples, so a slow minority moves
-  nothing), with its quartiles as the spread.
-- "recompute" costs one forward: `rate x FLOPs`. "selective" costs the share of that forward it
-  repeats, measured (its recomputes are mostly small elementwise ops, whose time FLOPs do not
-  count): the median over its layers of (forward beyond a plain forward + its recompute) /
-  FLOPs, divided by the rate; never below its counted FLOPs, never above a whole recompute.
-  "offload" costs a recompute and the copies out and back (on an accelerator: the median of
-  steps with every layer offloaded, beyond their prediction as recompute, shared by input bytes).
+- Counted (`FlopTally`, one step with every layer recomputed and one with every layer
+  selective, under a dispatch mode): per layer, the work of its forward, of what a recompute
+  repeats and of what "selective" repeats. Work is FLOPs (torch's own formulas,
+  `torch.utils.flop_counter`), plus, for the ops torch has no formula for (softmax, norms,
+  activations, copies: what "selective" mostly repeats), their bytes read and written and
+  their launches, in FLOPs at the device's fixed balance (`BALANCES`). Identical layers get
+  identical counts; nothing about them is timed apart.
+- One rate, seconds per unit of work: the median over every layer's forward and recompute in
+  every timed step (all layers pooled: dozens of samples, so a slow minority moves nothing),
+  with its quartiles as the spread.
+- "recompute" costs its counted work at that rate; "selective" the work it repeats plus its
+  policy's own cost on every op it dispatches, forward and recompute (a Python dispatch mode:
+  on a CPU it makes "selective" dearer than a recompute for small layers). "offload" costs a
+  recompute and the copies out and back (on an accelerator: the median of steps with every
+  layer offloaded, beyond their prediction as recompute, shared by input bytes).
 - The step with nothing recomputed: the median over the timed steps of the step's time less
   its map's prices, with quartiles.
 
-The timed steps are mixed maps: step k gives layer i the policy number (i + k) of the timed ones
-(alternated over `repeats`), so every policy is timed in every step, against the same load. A
-map's predicted time is the base plus its layers' prices, so the ranking of maps is fixed by the
-counts and by one measured share (selective's): noise in the rate moves every map alike. A
-timer on each layer (CUDA events on an accelerator, so nothing synchronizes mid-step; the host
-clock on a CPU) gives each call's time: the first call of a layer in a step is its forward,
-the second its recompute in backward (seen on layers transformers checkpoints; a layer remat
-wraps itself shows no recompute, and its "selective" is then priced as a whole recompute).
+So the ranking of maps is fixed by counts: noise in the rate moves every map's added seconds
+alike, and the plan at every budget is the same however busy the machine (offload aside, whose
+copies are timed). The timed steps are mixed maps: step k gives layer i the policy number
+(i + k) of the timed ones (alternated over `repeats`), so every policy is timed in every step,
+against the same load. A timer on each layer (CUDA events on an accelerator, so nothing
+synchronizes mid-step; the host clock on a CPU) gives each call's time: the first call of a
+layer in a step is its forward, the second its recompute in backward.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from .chooser import TimePrices
 
@@ -55,22 +58,67 @@ def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
     return q1, median, q3
 
 
+class Balance(NamedTuple):
+    """A device's time for what is not a FLOP, in FLOPs it could have done instead: moving a
+    byte, launching an op, and running an op under "selective"'s policy (a Python dispatch mode
+    that decides per op what to keep, in the forward and again in the recompute). It turns
+    counts of bytes and ops into the unit of FLOPs (a roofline with its launch costs). Fixed per
+    device kind, not timed per profile, so the prices' ratios are counts: a busy machine moves
+    the rate, never the ranking."""
+
+    flops_per_byte: float
+    flops_per_op: float
+    flops_per_policed_op: float
+
+
+# cpu: 2-core x86 (AVX-512), torch 2.13: 150-170 GFLOP/s on a 256-512 square matmul, 25-200
+# GB/s on an elementwise multiply (memory or cache), about 10 us an op through modules and
+# autograd, about 40 us more under selective's policy (steps of a 4-layer model in
+# `benchmarks/plan_stability.py --preset tiny`, none / selective / recompute alternated).
+# cuda: H100/H200 datasheets, dense bf16 against HBM3(e): ~990 TFLOP/s over 3.4-4.8 TB/s; a
+# launch of about 1 us; the policy's host time assumed hidden behind the kernels queued before
+# it (not measured here: no GPU was lent).
+BALANCES = {
+    "cpu": Balance(flops_per_byte=8.0, flops_per_op=1.5e6, flops_per_policed_op=6e6),
+    "cuda": Balance(flops_per_byte=250.0, flops_per_op=1e9, flops_per_policed_op=0.0),
+}
+
+
+def balance_of(device: torch.device) -> Balance:
+    return BALANCES.get(device.type, BALANCES["cuda"])
+
+
+class Work(NamedTuple):
+    """What some ops did: FLOPs (torch's formulas); the bytes read and written by the ops torch
+    counts no FLOPs for (views move nothing); the ops launched (views aside); every op
+    dispatched (views too: what a dispatch mode sees)."""
+
+    flops: int = 0
+    bytes: int = 0
+    ops: int = 0
+    dispatched: int = 0
+
+    def units(self, balance: Balance) -> float:
+        """In FLOPs: the FLOPs, plus the bytes and launches at the device's balance."""
+        return self.flops + self.bytes * balance.flops_per_byte + self.ops * balance.flops_per_op
+
+
 class FlopTally(TorchDispatchMode):
-    """Counts FLOPs as torch's `FlopCounterMode` does (its formulas, per op; ops without one
-    count nothing) in one training step: per layer, in its forward (the layer's first call) and
-    in backward's recompute of it (its children's calls after that forward: what torch really
-    runs again, which may stop before the layer's last ops when backward needs nothing from
-    them). Runs every op as it is (no decomposition: the step computes what it always does)."""
+    """Counts the work of one training step per layer, in its forward (the layer's first call)
+    and in backward's recompute of it (its children's calls after that forward: what torch
+    really runs again, which may stop before the layer's last ops when backward needs nothing
+    from them): FLOPs as torch's `FlopCounterMode` counts them (its formulas, per op), and the
+    bytes and launches of the other ops. Runs every op as it is (no decomposition)."""
 
     def __init__(self, layers: Sequence[nn.Module]):
         super().__init__()
         from torch.utils.flop_counter import flop_registry
 
         self._formulas = flop_registry
-        self.forward = [0] * len(layers)
-        self.recomputed = [0] * len(layers)
+        self.forward = [[0, 0, 0, 0] for _ in layers]
+        self.recomputed = [[0, 0, 0, 0] for _ in layers]
         self._phase = [0] * len(layers)  # 0 before the forward, 1 in it, 2 after it
-        self._counting: tuple[list[int], int] | None = None
+        self._counting: list[int] | None = None
         self._handles = []
         for i, layer in enumerate(layers):
             self._handles.append(layer.register_forward_pre_hook(self._layer(i, start=True)))
@@ -82,7 +130,7 @@ class FlopTally(TorchDispatchMode):
     def _layer(self, i: int, start: bool) -> Callable[..., None]:
         def hook(*_: Any) -> None:
             if start and self._phase[i] == 0 and self._counting is None:
-                self._phase[i], self._counting = 1, (self.forward, i)
+                self._phase[i], self._counting = 1, self.forward[i]
             elif not start and self._phase[i] == 1:
                 self._phase[i], self._counting = 2, None
 
@@ -91,33 +139,32 @@ class FlopTally(TorchDispatchMode):
     def _child(self, i: int, start: bool) -> Callable[..., None]:
         def hook(*_: Any) -> None:
             if self._phase[i] == 2:  # after the forward: a recompute
-                self._counting = (self.recomputed, i) if start else None
+                self._counting = self.recomputed[i] if start else None
 
         return hook
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = self._formulas.get(func._overloadpacket)
-        if formula is not None and self._counting is not None:
-            counts, i = self._counting
-            counts[i] += int(formula(*args, **kwargs, out_val=out))
+        counts = self._counting
+        if counts is not None:
+            counts[3] += 1
+            formula = self._formulas.get(func._overloadpacket)
+            if formula is not None:
+                counts[0] += int(formula(*args, **kwargs, out_val=out))
+            elif not func.is_view:
+                leaves = tree_leaves((args, kwargs, out))
+                counts[1] += sum(t.nbytes for t in leaves if isinstance(t, torch.Tensor))
+            counts[2] += not func.is_view
         return out
+
+    def work(self) -> tuple[list[Work], list[Work]]:
+        """Per layer: the work of its forward, and of backward's recompute of it."""
+        return [Work(*c) for c in self.forward], [Work(*c) for c in self.recomputed]
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
-
-
-def kinds(layers: Sequence[nn.Module]) -> list[int]:
-    """Per layer, the number of its kind: identical layers (same class, same parameter shapes and
-    dtypes) run the same ops and share a kind."""
-    seen: dict[Any, int] = {}
-    out = []
-    for layer in layers:
-        shapes = tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in layer.parameters())
-        out.append(seen.setdefault((type(layer), shapes), len(seen)))
-    return out
 
 
 def timed_maps(n: int, names: Sequence[str], swapped: set[int]) -> list[dict[int, str]]:
@@ -135,30 +182,30 @@ def timed_maps(n: int, names: Sequence[str], swapped: set[int]) -> list[dict[int
 
 
 class Counts(NamedTuple):
-    """FLOPs per layer: of its forward, of what a recompute of it repeats, and of what
-    "selective" repeats (each from a counted step; zeros where the step could not run)."""
+    """Work per layer: of its forward, of what a recompute of it repeats, and of what
+    "selective" repeats (each from a counted step; empty where the step could not run)."""
 
-    forward: list[int]
-    recompute: list[int]
-    selective: list[int]
+    forward: list[Work]
+    recompute: list[Work]
+    selective: list[Work]
 
 
 def price_time(
     steps: Any, names: list[str], held: dict[str, dict[int, tuple[int, int]]], swapped: set[int], repeats: int
 ) -> tuple[dict[str, dict[int, float]], float, TimePrices, list[str]]:
     """Seconds each policy adds per layer over "none", the step time with nothing recomputed,
-    the rates and counts behind them, and notes. See the module docstring."""
+    the rate and counts behind them, and notes. See the module docstring."""
     n = steps.n
     modules = [layer.module for layer in steps.state.discovery.layers]
     found = steps.counted(dict.fromkeys(range(n), "recompute"), FlopTally(modules))
     if found is None:
         raise RuntimeError("profiling: the step with every layer recomputed ran out of memory while counted")
     forward, recompute = found
-    selective = [0] * n
+    selective: list[Work] = []
     if "selective" in names:
         found = steps.counted({i: "selective" for i in held["selective"]}, FlopTally(modules))
-        selective = found[1] if found is not None else selective
-    counts = Counts(forward, recompute, selective)
+        if found is not None:  # what it repeats, and the policy's own cost on each op, forward and recompute
+            selective = [r._replace(dispatched=f.dispatched + r.dispatched) for f, r in zip(*found, strict=True)]
     # a layer that cannot run a policy (it ran out of memory measuring it) recomputes instead
     maps = [
         {i: p if p == "recompute" or i in held.get(p, {}) else "recompute" for i, p in m.items()}
@@ -182,7 +229,8 @@ def price_time(
         clock.remove()
     if not runs:
         raise RuntimeError("profiling: every timed step ran out of memory")
-    return _prices(n, names, held, counts, kinds(modules), runs, offloaded)
+    counts = Counts(forward, recompute, selective)
+    return _prices(n, names, held, counts, balance_of(steps.device), runs, offloaded)
 
 
 def _prices(
@@ -190,45 +238,32 @@ def _prices(
     names: list[str],
     held: dict[str, dict[int, tuple[int, int]]],
     counts: Counts,
-    kind: list[int],
+    balance: Balance,
     runs: list[tuple[dict[int, str], float, list[list[float]]]],
     offloaded: list[float],
 ) -> tuple[dict[str, dict[int, float]], float, TimePrices, list[str]]:
     notes: list[str] = []
-    forward = counts.forward
-    repeated = [r or f for r, f in zip(counts.recompute, counts.forward, strict=True)]  # none seen: the forward
-    counted = all(f > 0 for f in repeated)
-    if not counted:  # a layer of ops with no FLOP formula: each layer's forward counts as one
-        notes.append("time: some layers run no op torch counts FLOPs for; each layer's forward counts as one unit")
-        forward = repeated = [1] * n
+    forward = [max(1.0, w.units(balance)) for w in counts.forward]
+    # a recompute torch was not seen running (nothing counted after the forward): the forward
+    repeated = [r.units(balance) or f for r, f in zip(counts.recompute, forward, strict=True)]
     rates: list[float] = []
-    timed_selective: list[tuple[int, list[tuple[int, float, float]]]] = []  # per step: its rates' end, calls
     for policies, _, calls in runs:
-        step_selective = []
         for i, (first, second) in enumerate(calls):
-            policy = policies[i]
-            if policy in ("none", "recompute") and first is not None and forward[i]:
+            if policies[i] in ("none", "recompute") and first is not None:
                 rates.append(first / forward[i])
-            if policy == "recompute" and second is not None:
+            if policies[i] == "recompute" and second is not None:
                 rates.append(second / repeated[i])
-            if policy == "selective" and first is not None and second is not None:
-                step_selective.append((i, first, second))
-        timed_selective.append((len(rates), step_selective))
     if not rates:
         raise RuntimeError("profiling: no layer's forward was timed (is every layer skipped by the model?)")
     low, rate, high = quartiles(rates)
     rate = max(rate, 1e-18)
     recompute = {i: rate * repeated[i] for i in range(n)}
     out: dict[str, dict[int, float]] = {"none": dict.fromkeys(range(n), 0.0), "recompute": recompute}
-    share = _selective_share(timed_selective, rates, forward, repeated, rate) if "selective" in names else None
+    selective = [w.units(balance) + w.dispatched * balance.flops_per_policed_op for w in counts.selective]
     if "selective" in names:
-        if share is None:
-            notes.append("time: the selective recompute of these layers could not be timed; priced as a recompute")
-        # never below the FLOPs it repeats, never above a whole recompute
-        floor = [counts.selective[i] / repeated[i] if counted else 0.0 for i in range(n)]
-        out["selective"] = {
-            i: recompute[i] * min(1.0, max(floor[i], 1.0 if share is None else share)) for i in held["selective"]
-        }
+        if not selective:
+            notes.append("time: the selective recompute of these layers could not be counted; priced as a recompute")
+        out["selective"] = {i: rate * selective[i] if selective else recompute[i] for i in held["selective"]}
     bases = [seconds - sum(out.get(p, recompute)[i] for i, p in policies.items()) for policies, seconds, _ in runs]
     base_low, base, base_high = quartiles(bases)
     if "offload" in names:
@@ -237,37 +272,17 @@ def _prices(
         total = sum(inputs.values())
         out["offload"] = {i: recompute[i] + max(0.0, beyond) * inputs[i] / total for i in held["offload"]}
     prices = TimePrices(
-        flops=tuple(repeated) if counted else None,
-        selective_flops=tuple(counts.selective) if counted else None,
+        flops=tuple(w.flops for w in counts.recompute),
+        selective_flops=tuple(w.flops for w in counts.selective) if selective else None,
+        work=tuple(repeated),
+        selective_work=tuple(selective) if selective else None,
         seconds_per_flop=rate,
         rate_range=(low, high),
-        selective_share=share,
         base_range=(max(0.0, base_low), max(0.0, base_high)),
         samples=len(rates),
         steps=len(runs),
     )
     return out, max(0.0, base), prices, notes
-
-
-def _selective_share(
-    timed: list[tuple[int, list[tuple[int, float, float]]]],
-    rates: list[float],
-    forward: list[int],
-    repeated: list[int],
-    rate: float,
-) -> float | None:
-    """What "selective" costs of a recompute, within each timed step and against that step's own
-    rate (the same load): per selective layer, its forward beyond a plain forward (its FLOPs at
-    the step's rate) plus its recompute, over a recompute's FLOPs at that rate; the median over
-    steps. None when no selective recompute was timed."""
-    shares, start = [], 0
-    for end, calls in timed:
-        step_rate = statistics.median(rates[start:end]) if end > start else rate
-        start = end
-        if calls:
-            costs = [(first - forward[i] * step_rate + second) / repeated[i] for i, first, second in calls]
-            shares.append(statistics.median(costs) / max(step_rate, 1e-18))
-    return statistics.median(shares) if shares else None
 
 
 class LayerClock:
