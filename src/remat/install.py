@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .integrations.transformers_compat import CACHE_ARGUMENTS, LAYER_FLAG, LAYER_FUNCTION
+from .compat.transformers_compat import CACHE_ARGUMENTS, LAYER_FLAG, LAYER_FUNCTION
 from .layers import DiscoveredLayer, calls_checkpoint_directly
 from .patches import MISSING, restore_attributes
 from .recompute import run_without_checkpoint

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .integrations.transformers_compat import LAYER_FLAG, gradient_checkpointing_layer_class
+from .compat.transformers_compat import LAYER_FLAG, gradient_checkpointing_layer_class
 from .refs import Ref
 
 

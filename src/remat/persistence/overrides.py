@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from ..patches import InstancePatches
-from .folder import CONFIG_NAME, is_staging, recover
+from ..saving.folder import CONFIG_NAME, is_staging, recover
 from .pair_format import expected_for, read_model_pair, save_model_pair
 from .peft_names import is_peft_model, original_method
 from .rollback import ModelChanges
