@@ -119,10 +119,7 @@ class Controller:
 
     @property
     def model(self) -> nn.Module:
-        model = self._model()
-        if model is None:
-            raise RuntimeError("remat: the model this wrapper checkpoints no longer exists")
-        return model
+        return self._model.alive("the model this wrapper checkpoints no longer exists")
 
     @property
     def is_enabled(self) -> bool:
