@@ -11,7 +11,7 @@ This package imports nothing else of remat. What the pair holds, and how a model
 it and loaded from it, is `remat.persistence`, above it.
 """
 
-from .files import read_json_object, sha256_file, write_file_atomically
-from .folder import CONFIG_NAME, STAGING_PREFIX
+from .files import sha256_file
+from .folder import STAGING_PREFIX
 
-__all__ = ["CONFIG_NAME", "STAGING_PREFIX", "read_json_object", "sha256_file", "write_file_atomically"]
+__all__ = ["STAGING_PREFIX", "sha256_file"]
