@@ -99,7 +99,7 @@ def test_the_graph_reader_finds_a_circle():
     """The checker itself: a circle made by hand is found, a chain is not."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
-    # No circle between files, one between rooms: a.low -> b -> a.high.
+    # No circle between files, one between rooms (a.top -> b -> a.low: room a -> b -> a).
     files = {"remat": {"remat.a.top"}, "remat.a.top": {"remat.b"}, "remat.b": {"remat.a.low"}, "remat.a.low": set()}
     assert cycles(files) == [] and cycles(room_graph(files)) == [["a", "b"]]
 
