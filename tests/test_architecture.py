@@ -1,5 +1,6 @@
-"""The shape of the package: data flows one way (no import circles), and `import remat` needs
-nothing a platform may lack.
+"""The shape of the package: data flows one way (no import circles between files, nor between
+rooms: a folder, or a single-file module, taken whole), and `import remat` needs nothing a platform
+may lack.
 
 The import graph is built from the source with `ast`, so it sees every import a module makes:
 at the top, inside functions, and under `TYPE_CHECKING`. A lazy import still says which room
@@ -13,6 +14,8 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "src" / "remat"
 
@@ -45,6 +48,19 @@ def import_graph() -> dict[str, set[str]]:
                 continue
             graph[name].update(c for c in candidates if c in files and c != name)
     return graph
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """{room: the other rooms it imports}; `remat.X...` is in room X, the package's face (`remat`) in none."""
+
+    def room(module: str) -> str | None:
+        return module.split(".")[1] if "." in module else None
+
+    rooms: dict[str, set[str]] = {}
+    for name, targets in graph.items():
+        if (here := room(name)) is not None:
+            rooms.setdefault(here, set()).update(r for r in map(room, targets) if r not in (None, here))
+    return rooms
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -83,17 +99,23 @@ def test_the_graph_reader_finds_a_circle():
     """The checker itself: a circle made by hand is found, a chain is not."""
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+    # No circle between files, one between rooms (a.top -> b -> a.low: room a -> b -> a).
+    files = {"remat": {"remat.a.top"}, "remat.a.top": {"remat.b"}, "remat.b": {"remat.a.low"}, "remat.a.low": set()}
+    assert cycles(files) == [] and cycles(room_graph(files)) == [["a", "b"]]
 
 
 def test_the_graph_sees_lazy_and_type_checking_imports():
     graph = import_graph()
     assert "remat.config" in graph["remat.plan"]  # a top-level import
     assert len(graph) > 20 and sum(map(len, graph.values())) > 50
+    assert "saving" in room_graph(graph)["config"] and "remat" not in room_graph(graph)
 
 
-def test_no_import_circles_in_the_package():
-    found = cycles(import_graph())
-    assert found == [], f"import circles (each list imports itself through the others): {found}"
+@pytest.mark.parametrize("level", ["files", "rooms"])
+def test_no_import_circles_in_the_package(level):
+    graph = import_graph() if level == "files" else room_graph(import_graph())
+    found = cycles(graph)
+    assert found == [], f"import circles between {level} (each list imports itself through the others): {found}"
 
 
 def test_no_room_below_the_wrapper_imports_it():

@@ -27,7 +27,7 @@ def test_the_notebook_teaches_the_headline_and_runs_in_the_time_it_states(tmp_pa
     cells = notebook.cells
     code = [cell for cell in cells if cell.cell_type == "code"]
     assert code and all(not cell.get("outputs") and cell.get("execution_count") is None for cell in code)
-    assert not any("remat.demo" in cell.source or "remat.integrations" in cell.source for cell in code)
+    assert not any("remat.demo" in cell.source or "remat.trainer" in cell.source for cell in code)
     # Each code cell is introduced by markdown that says what its output is.
     assert all(cells[i - 1].cell_type == "markdown" for i, cell in enumerate(cells) if cell.cell_type == "code" and i)
     order = [

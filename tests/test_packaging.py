@@ -16,8 +16,8 @@ import pytest
 from conftest import tiny_model
 
 from remat import CheckpointedModel
-from remat.integrations import tested_versions
-from remat.integrations.tested_versions import TESTED, minor_release, warn_if_untested
+from remat.compat import tested_versions
+from remat.compat.tested_versions import TESTED, minor_release, warn_if_untested
 
 ROOT = Path(__file__).resolve().parents[1]
 

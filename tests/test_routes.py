@@ -4,7 +4,7 @@ import pytest
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, hook_snapshot, step_grads, tiny_model
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.integrations.transformers_compat import (
+from remat.compat.transformers_compat import (
     DISABLE_ROUTES,
     ENABLE_ROUTES,
     has_activation_checkpointing_names,

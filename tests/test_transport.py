@@ -111,7 +111,7 @@ def _classes(path: Path) -> set[str]:
 
 def test_the_transport_offload_and_swap_classes_have_names_no_other_room_uses():
     """One meaning per name: offload's route to the host is `_HostRoute`, not a second `_Route`
-    beside transformers' routes in `integrations/routes.py`."""
+    beside transformers' routes in `routes.py`."""
     mine = [SOURCE / "transport.py", SOURCE / "offload.py", SOURCE / "testing.py", *(SOURCE / "swap").glob("*.py")]
     others = [p for p in SOURCE.rglob("*.py") if p not in mine]
     theirs = set().union(*(_classes(p) for p in others))

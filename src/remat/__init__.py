@@ -31,7 +31,7 @@ def __getattr__(name: str):
 
         return NoCheckpointableLayersError
     if name in _TRAINER_NAMES:
-        from .integrations import trainer
+        from . import trainer
 
         return getattr(trainer, name)
     raise AttributeError(f"module 'remat' has no attribute {name!r}")

@@ -43,7 +43,7 @@ files load."""
 META_KEYS = ("format_version", "remat_version", "layers", "adapters", "architecture")
 """Keys of a saved `checkpoint_config.json` that describe the save rather than the config:
 the layers it was planned for, the model's architecture and the adapter files it belongs
-with (see `remat.saving.pair_format`)."""
+with (see `remat.persistence.pair_format`)."""
 
 
 class FrozenPolicies(Mapping[int, str]):

@@ -27,7 +27,6 @@ from torch import nn
 
 from .config import CheckpointConfig
 from .install import FlagInstall, ForwardInstall, installer_for
-from .integrations.routes import RouteOverrides, config_from_route, describe_changes
 from .layers import DiscoveredLayer, Discovery
 from .offload import Offloader
 from .patches import InstancePatches
@@ -36,6 +35,7 @@ from .plan import CheckpointMap, plan_layers
 from .policies import policy as policy_named
 from .recompute import LayerCheckpoint, run_without_checkpoint
 from .refs import LocalRef, Ref
+from .routes import RouteOverrides, config_from_route, describe_changes
 from .swap import WeightSwapper, check_swappable, weights_in_use
 
 logger = logging.getLogger("remat")
@@ -119,10 +119,7 @@ class Controller:
 
     @property
     def model(self) -> nn.Module:
-        model = self._model()
-        if model is None:
-            raise RuntimeError("remat: the model this wrapper checkpoints no longer exists")
-        return model
+        return self._model.alive("the model this wrapper checkpoints no longer exists")
 
     @property
     def is_enabled(self) -> bool:

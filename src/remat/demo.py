@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from .config import CheckpointConfig
-from .display import render_table
+from .display import mib, render_table
 from .measure import measure_step
 
 if TYPE_CHECKING:  # the wrapper (and PEFT, which it imports) only once a script has quieted the noise
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         render_table(
             ("setting", "step ms", "vs none", "activation MiB held"),
             [
-                (name, f"{t * 1e3:.0f} ({lo * 1e3:.0f}-{hi * 1e3:.0f})", f"{t / base_time:.2f}x", f"{b / 2**20:.2f}")
+                (name, f"{t * 1e3:.0f} ({lo * 1e3:.0f}-{hi * 1e3:.0f})", f"{t / base_time:.2f}x", mib(b))
                 for name, t, b, (lo, hi) in rows
             ],
         )

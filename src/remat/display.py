@@ -17,6 +17,11 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join(lines)
 
 
+def mib(nbytes: float, digits: int = 2) -> str:
+    """Bytes as MiB, the unit of every table and message: `mib(3 * 2**20)` is "3.00"."""
+    return f"{nbytes / 2**20:.{digits}f}"
+
+
 def off_notice(why: str) -> str:
     """The line shown above a map that is not running."""
     return (
@@ -38,7 +43,6 @@ def describe_map(
 ) -> str:
     """The map's table plus per-layer counters: offload (bytes offloaded / kept and why, copies)
     and block swap (weight fetches and bytes fetched)."""
-    mib = lambda b: f"{b / 2**20:.2f}"
     swap_stats = swap_stats or {}
     rows = []
     for p in checkpoint_map:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .integrations.transformers_compat import CACHE_ARGUMENTS, LAYER_FLAG, LAYER_FUNCTION
+from .compat.transformers_compat import CACHE_ARGUMENTS, LAYER_FLAG, LAYER_FUNCTION
 from .layers import DiscoveredLayer, calls_checkpoint_directly
 from .patches import MISSING, restore_attributes
 from .recompute import run_without_checkpoint
@@ -45,10 +45,7 @@ class _Installed:
 
     @property
     def module(self) -> nn.Module:
-        module = self._module()
-        if module is None:
-            raise RuntimeError("remat: a layer of the wrapped model no longer exists")
-        return module
+        return self._module.alive("a layer of the wrapped model no longer exists")
 
 
 class FlagInstall(_Installed):
@@ -151,10 +148,7 @@ class _OnTheModule(_Installed):
 
     @property
     def install(self) -> ForwardInstall:
-        install = self._install()
-        if install is None:
-            raise RuntimeError("remat: this layer's checkpointing was removed while it was still called")
-        return install
+        return self._install.alive("this layer's checkpointing was removed while it was still called")
 
 
 class CheckpointingForward(_OnTheModule):

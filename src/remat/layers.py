@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .integrations.transformers_compat import LAYER_FLAG, gradient_checkpointing_layer_class
+from .compat.transformers_compat import LAYER_FLAG, gradient_checkpointing_layer_class
 from .refs import Ref
 
 
@@ -58,10 +58,7 @@ class DiscoveredLayer:
 
     @property
     def module(self) -> nn.Module:
-        module = self._module()
-        if module is None:
-            raise RuntimeError(f"remat: layer {self.name} of the wrapped model no longer exists")
-        return module
+        return self._module.alive(f"layer {self.name} of the wrapped model no longer exists")
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .arguments import MOVER_METHODS, TRANSPORT_METHODS, check_implements, parse_bytes
+from .compat.tested_versions import warn_if_untested
+from .compat.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .config import CheckpointConfig
 from .controller import Controller, swap_targets
 from .display import describe_map
-from .integrations.tested_versions import warn_if_untested
-from .integrations.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
 from .persistence import load_checkpointed_model, save_checkpointed_model

@@ -13,7 +13,7 @@ and `pickle` rebuild the same structure around the copied model.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NoReturn, TypeVar
 
 T = TypeVar("T")
 
@@ -27,6 +27,13 @@ class Ref(Generic[T]):
     def __call__(self) -> T | None:
         return self._ref()
 
+    def alive(self, gone: str) -> T:
+        """The target, or a RuntimeError saying `gone` when it was freed while remat still used it."""
+        target = self._ref()
+        if target is None:
+            raise RuntimeError(f"remat: {gone}")
+        return target
+
     def __reduce__(self) -> Any:
         target = self._ref()
         return (Ref, (target,)) if target is not None else (_dead, ())
@@ -38,6 +45,9 @@ class Ref(Generic[T]):
 class _Dead:
     def __call__(self) -> None:
         return None
+
+    def alive(self, gone: str) -> NoReturn:
+        raise RuntimeError(f"remat: {gone}")
 
 
 def _dead() -> _Dead:

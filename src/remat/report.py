@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from .display import render_table
+from .display import mib, render_table
 from .loss import LossFn, check_loss_source, own_inputs, step_loss
 from .measure import storage_key, track_outputs, weight_storages
 from .snapshot import model_left_as_it_was
@@ -121,7 +121,6 @@ class MemoryReport:
         return self.outside_weight_bytes + sum(layer.weight_bytes for layer in self.layers)
 
     def __str__(self) -> str:
-        mib = lambda b: f"{b / 2**20:.3f}"
         rows = [
             (
                 str(layer.index),
@@ -129,17 +128,17 @@ class MemoryReport:
                 layer.policy,
                 "yes" if layer.swapped else "no",
                 str(layer.runs),
-                mib(layer.device_bytes),
-                mib(layer.host_bytes),
-                mib(layer.weight_bytes),
+                mib(layer.device_bytes, 3),
+                mib(layer.host_bytes, 3),
+                mib(layer.weight_bytes, 3),
                 str(layer.weight_fetches) if layer.swapped else "",
                 layer.offload,
             )
             for layer in self.layers
         ]
-        outside = (mib(self.outside_device_bytes), mib(self.outside_host_bytes), mib(self.outside_weight_bytes))
+        outside = [mib(b, 3) for b in (self.outside_device_bytes, self.outside_host_bytes, self.outside_weight_bytes)]
         rows.append(("", "outside layers", "", "", "", *outside, "", ""))
-        total = (mib(self.device_bytes), mib(self.host_bytes), mib(self.weight_bytes))
+        total = [mib(b, 3) for b in (self.device_bytes, self.host_bytes, self.weight_bytes)]
         rows.append(("", "total (whole model)", "", "", "", *total, "", ""))
         header = ("index", "name", "policy", "swapped", "runs", "held MiB (device)", "held MiB (host)", "weights MiB")
         header += ("weight fetches", "offload")
@@ -151,11 +150,11 @@ class MemoryReport:
         ]
         if self.swap_pool_bytes:
             lines.append(
-                f"block swap: swapped weights resident at peak {mib(self.swapped_weight_peak_bytes)} MiB "
-                f"(slot pool {mib(self.swap_pool_bytes)} MiB); weights column: resident after the step"
+                f"block swap: swapped weights resident at peak {mib(self.swapped_weight_peak_bytes, 3)} MiB "
+                f"(slot pool {mib(self.swap_pool_bytes, 3)} MiB); weights column: resident after the step"
             )
         if self.allocator_bytes is not None:
-            lines.append(f"CUDA allocator, allocated after forward minus before: {mib(self.allocator_bytes)} MiB")
+            lines.append(f"CUDA allocator, allocated after forward minus before: {mib(self.allocator_bytes, 3)} MiB")
         lines.extend(self.notes)
         return "\n".join(lines)
 
@@ -388,8 +387,8 @@ def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None
 def _offload_note(stats: Any) -> str:
     if stats is None:
         return ""
-    parts = [f"out {stats.offloaded_bytes / 2**20:.3f} MiB"] if stats.offloaded_bytes else []
-    parts += [f"kept {nbytes / 2**20:.3f} MiB: {why}" for why, nbytes in stats.kept_because.items()]
+    parts = [f"out {mib(stats.offloaded_bytes, 3)} MiB"] if stats.offloaded_bytes else []
+    parts += [f"kept {mib(nbytes, 3)} MiB: {why}" for why, nbytes in stats.kept_because.items()]
     return "; ".join(parts)
 
 

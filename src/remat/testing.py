@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .integrations.transformers_compat import has_activation_checkpointing_names
+from .compat.transformers_compat import has_activation_checkpointing_names
 from .transport import DoneEvent, Event, TensorMeta, as_bytes, from_bytes
 
 

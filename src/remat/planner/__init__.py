@@ -92,7 +92,7 @@ def _native_every_n() -> tuple[int, ...]:
 
     import transformers
 
-    from ..integrations.transformers_compat import ENABLE_ROUTES
+    from ..compat.transformers_compat import ENABLE_ROUTES
 
     routes = [getattr(transformers.PreTrainedModel, name, None) for name in ENABLE_ROUTES]
     takes = any(r is not None and "every_n_layers" in inspect.signature(r).parameters for r in routes)

@@ -16,7 +16,7 @@ from typing import Any
 
 from ..arguments import parse_bytes, parse_count
 from ..config import CheckpointConfig
-from ..display import render_table
+from ..display import mib, render_table
 from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, scoped_bytes, smallest
 from .state import ModelState, StaleProfileError
 
@@ -55,7 +55,6 @@ class PlannedConfig(CheckpointConfig):
         return sum(c.host_bytes for c in self.choices)
 
     def __str__(self) -> str:
-        mib = lambda b: f"{b / _MIB:.2f}"
         rows = [
             (str(c.index), c.name, c.policy, mib(c.device_bytes), mib(c.host_bytes), f"{c.seconds * 1e3:+.1f}")
             for c in self.choices

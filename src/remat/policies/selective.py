@@ -32,7 +32,7 @@ class SelectivePolicy(Policy):
         return {"context_fn": functools.partial(fresh_contexts, index)}
 
     def explain_recompute_error(self, error: RuntimeError, index: int) -> RuntimeError | None:
-        from ..integrations.transformers_compat import TORCH_SAC_MUTATED
+        from ..compat.transformers_compat import TORCH_SAC_MUTATED
 
         if TORCH_SAC_MUTATED not in str(error):
             return None

@@ -1,10 +1,8 @@
 """A folder is a transaction: saves commit whole, in order; loads read one whole save.
 
-This module knows files, not models (it imports nothing from remat above `remat.saving`), so that every save path
-(`cm.save_pretrained`, a Trainer / TRL checkpoint, `CheckpointConfig.save_pretrained`) and
-every load path (`CheckpointedModel.from_pretrained`, `load_adapter` on Trainer resume,
-`CheckpointConfig.from_pretrained`) goes through the same two functions: `save_pair` and
-`read_pair`.
+It knows files, not models, so that every save (`cm.save_pretrained`, a Trainer / TRL checkpoint,
+`CheckpointConfig.save_pretrained`) goes through `save_pair` and every load (`from_pretrained`,
+`load_adapter` on Trainer resume, `CheckpointConfig.from_pretrained`) through `read_pair`.
 
 A save writes only its own files into the folder it is given, and never deletes or moves
 anything else there (a training log, `checkpoint-500/`, the user's README), except the stale
@@ -43,19 +41,11 @@ with nothing written in it (its writer died at once) is removed without a word.
 
 Files get the permissions any file the process creates gets (the umask), like PEFT's own.
 
-What the lock promises. The lock is `flock` (Unix) or `LockFileEx` (Windows) on
-`.remat-lock` inside the folder, through `filelock`. Between processes on one machine it
-orders commits and loads exactly. On a network file system it holds across machines only
-where the file system passes such locks on (NFSv4; NFSv3 with lockd, where Linux maps
-`flock` to byte-range locks); on mounts whose locks are local to each machine (NFS mounted
-with `nolock` or `local_lock=all`, some SMB and FUSE mounts) two machines can commit into one
-folder at the same moment. A load still never returns a mix: it hands PEFT only bytes whose
-fingerprints it checked, and a folder that two machines' commits mixed is refused on load
-("the folder mixes two saves") until one of them saves again. Where the folder cannot be
-written (another account's folder, a read-only mount) a load takes no lock: it reads, checks,
-and reads again if a commit came in between; a file replaced while PEFT read it is a
-`FolderChanged` error, never a silent mix. Where the system has no native locks at all,
-saves and loads go on unlocked (one warning says so).
+What the lock promises (`flock` / `LockFileEx` through `filelock`; on network file systems only
+where locks pass between machines) is the README's "What the lock promises". Where the folder
+cannot be written a load takes no lock: it reads, checks, and reads again if a commit came in
+between (`FolderChanged` when PEFT's read overlapped one). Without native locks saves and loads
+go on unlocked (one warning says so).
 """
 
 from __future__ import annotations
@@ -425,12 +415,6 @@ class Snapshot:
         self._opened: dict[str, tuple[int, os.stat_result]] = {}
         self._absent: set[str] = set()
         self._closed = False
-
-    @property
-    def copy(self) -> str:
-        """Where PEFT reads the files: the folder itself (the name is kept from when loads
-        read a copy)."""
-        return self.folder
 
     def path(self, relative: str) -> str:
         return os.path.join(self.folder, relative)

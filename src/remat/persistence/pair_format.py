@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import CheckpointConfig
-from .files import sha256_file
-from .folder import CONFIG_NAME, FolderChanged, Snapshot, read_pair, save_pair
+from ..saving.files import sha256_file
+from ..saving.folder import CONFIG_NAME, FolderChanged, Snapshot, read_pair, save_pair
+from ..saving.stale_shards import StaleShards
 from .peft_names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_folder, is_peft_model
-from .stale_shards import StaleShards
 
 logger = logging.getLogger("remat")
 

@@ -30,16 +30,16 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from ..config import CheckpointConfig
-from ..patches import InstancePatches
-from ..refs import Ref
-from .transformers_compat import (
+from .compat.transformers_compat import (
     ENABLE_ROUTES,
     TRL_SAC_MARKER,
     TRL_SAC_ROUTE,
     pretrained_model_class,
     routes_defined_on,
 )
+from .config import CheckpointConfig
+from .patches import InstancePatches
+from .refs import Ref
 
 if TYPE_CHECKING:
     from torch import nn

@@ -1,7 +1,9 @@
 """Saving and loading a `CheckpointedModel`: the adapters exactly as PEFT writes them, plus
 `checkpoint_config.json` (the config, the layers it was planned for, the architecture, and the
-fingerprints of every file PEFT reads to rebuild each adapter). See `remat.saving` for the
-rooms this joins: the folder transaction, the format, PEFT loading and its rollback.
+fingerprints of every file PEFT reads to rebuild each adapter). This joins, for the wrapper,
+the folder transaction (`remat.saving`) with the files beside this one: the format
+(`pair_format`), PEFT's names (`peft_names`), PEFT loading (`peft_loading`) and its rollback
+(`rollback`), and the model's own save/load while wrapped (`overrides`).
 
 `save_checkpointed_model(owner, folder)` writes its files into `folder` and touches nothing
 else there; a crash at any moment leaves the previous save or the new one; saves from several
@@ -24,13 +26,13 @@ from typing import Any
 
 from torch import nn
 
-from .config import CheckpointConfig
-from .saving.folder import FolderChanged
-from .saving.overrides import SaveLoadOverrides
-from .saving.pair_format import Expected, PairOwner, expected_for, read_model_pair, save_model_pair
-from .saving.peft_loading import check_loadable_into, check_trainable_load, load_adapters
-from .saving.peft_names import is_peft_model, original_method
-from .saving.rollback import ModelChanges
+from ..config import CheckpointConfig
+from ..saving.folder import FolderChanged
+from .overrides import SaveLoadOverrides
+from .pair_format import Expected, PairOwner, expected_for, read_model_pair, save_model_pair
+from .peft_loading import check_loadable_into, check_trainable_load, load_adapters
+from .peft_names import is_peft_model, original_method
+from .rollback import ModelChanges
 
 logger = logging.getLogger("remat")
 

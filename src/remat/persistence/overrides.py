@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from ..patches import InstancePatches
-from .folder import CONFIG_NAME, is_staging, recover
+from ..saving.folder import CONFIG_NAME, is_staging, recover
 from .pair_format import expected_for, read_model_pair, save_model_pair
 from .peft_names import is_peft_model, original_method
 from .rollback import ModelChanges
@@ -78,7 +78,7 @@ def _load_checked(loaded: Any, load: Any, args: tuple, kwargs: dict) -> Any:
     """PEFT's load of the verified files, then a check that none was replaced while PEFT read
     them (possible only in a folder this process cannot lock): a `FolderChanged` raised here is
     inside `_undone_if_it_fails`, so what PEFT did is undone."""
-    result = load(loaded.snapshot.copy, *args, **kwargs)
+    result = load(loaded.snapshot.folder, *args, **kwargs)
     loaded.snapshot.unchanged()
     return result
 

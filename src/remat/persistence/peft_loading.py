@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from .files import read_json_object
+from ..saving.files import read_json_object
 from .pair_format import Loaded
 from .peft_names import ADAPTER_CONFIG, is_peft_model, original_method
 

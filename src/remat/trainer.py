@@ -44,15 +44,15 @@ from accelerate.utils import is_compiled_module
 from transformers import Trainer, TrainerCallback
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
-from ..controller import controller_of_wrapper
-from ..persistence import apply_saved_config
-from ..plan import plan_layers
-from ..policies import CHECKPOINTED
-from ..policies import NAMES as POLICY_NAMES
-from ..saving.folder import CONFIG_NAME, recover
-from ..saving.pair_format import save_model_pair
+from .compat.transformers_compat import trainer_asks_for_checkpointing, trainer_checkpointing_kwargs
+from .controller import controller_of_wrapper
+from .persistence import apply_saved_config
+from .persistence.pair_format import save_model_pair
+from .plan import plan_layers
+from .policies import CHECKPOINTED
+from .policies import NAMES as POLICY_NAMES
 from .routes import config_from_route, describe_changes
-from .transformers_compat import trainer_asks_for_checkpointing, trainer_checkpointing_kwargs
+from .saving.folder import CONFIG_NAME, recover
 
 logger = logging.getLogger("remat")
 _WRAPPER_PREFIX = "model."

@@ -1,0 +1,1 @@
+"""The bottom room: every transformers version difference, and the tested version ranges."""
