@@ -63,6 +63,11 @@ class Saved:
     adapters: tuple[SavedAdapter, ...] | None  # None: the config does not say (an older save)
     architecture: dict[str, Any] | None  # None: an older save
 
+    @property
+    def adapter_layers(self) -> bool:
+        """Whether the map was planned with layers a PEFT tuner adds (see `ADAPTER_LAYER`)."""
+        return any(n.startswith(ADAPTER_LAYER) for n in self.layers or ())
+
 
 def parse_saved(snapshot: Snapshot) -> Saved:
     file = snapshot.name(CONFIG_NAME)
