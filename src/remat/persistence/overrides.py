@@ -1,12 +1,7 @@
-"""The wrapped model's own `save_pretrained` and (for a PeftModel) `load_adapter`, while wrapped.
-
-Trainer saves a checkpoint with `model.save_pretrained(folder)` and resumes a PeftModel with
-`model.load_adapter(folder, ...)`. While remat wraps the model, both are instance-level
-overrides (removed by `disable()`) that go through the same save and load as
-`cm.save_pretrained` / `CheckpointedModel.from_pretrained`: the save is staged and committed
-with `checkpoint_config.json` (`pair_format.save_model_pair`); the load reads and checks the
-pair under the folder's shared lock, hands PEFT the files it verified (read in place), and applies the saved config.
-`owner` is the controller behind the wrapper (it reaches the model weakly: no reference cycle).
+"""The wrapped model's own `save_pretrained` and (for a PeftModel) `load_adapter`, which Trainer
+calls to checkpoint and resume: instance overrides (removed by `disable()`) through the same
+save and load as `cm.save_pretrained` / `CheckpointedModel.from_pretrained`. `owner` is the
+controller behind the wrapper.
 """
 
 from __future__ import annotations
@@ -22,9 +17,8 @@ from .rollback import ModelChanges
 
 
 class _SaveWithConfig:
-    """`model.save_pretrained` while wrapped: the model's own save and `checkpoint_config.json`,
-    committed as one save. Inside a save that already stages (a Trainer checkpoint through
-    `RematTrainerMixin`), or on a process that is not the main one, the model's save runs as is."""
+    """The model's own save and `checkpoint_config.json`, committed as one; as is inside a save
+    that already stages (a Trainer checkpoint) or on a process that is not the main one."""
 
     def __init__(self, owner: Any):
         self.owner = owner
@@ -44,9 +38,8 @@ class _SaveWithConfig:
 
 
 class _LoadAdapterWithConfig:
-    """A PeftModel's `load_adapter` while wrapped: the folder's pair is read and checked (layers,
-    architecture, fingerprints) before PEFT loads anything, PEFT loads the checked copy, and the
-    saved config is applied. `loaded_from` tells Trainer support which folder it just applied."""
+    """The pair checked before PEFT loads anything, then the saved config applied. `loaded_from`
+    tells Trainer support which folder it just applied."""
 
     def __init__(self, owner: Any):
         self.owner = owner
@@ -75,9 +68,7 @@ class _LoadAdapterWithConfig:
 
 
 def _load_checked(loaded: Any, load: Any, args: tuple, kwargs: dict) -> Any:
-    """PEFT's load of the verified files, then a check that none was replaced while PEFT read
-    them (possible only in a folder this process cannot lock): a `FolderChanged` raised here is
-    inside `_undone_if_it_fails`, so what PEFT did is undone."""
+    """PEFT's load, then a check that no file changed meanwhile (a `FolderChanged` is undone)."""
     result = load(loaded.snapshot.folder, *args, **kwargs)
     loaded.snapshot.unchanged()
     return result
@@ -93,8 +84,6 @@ def _undone_if_it_fails(model: Any, load: Any) -> Any:
 
 
 class SaveLoadOverrides:
-    """`save_pretrained` (and a PeftModel's `load_adapter`) on the wrapped model's instance."""
-
     def __init__(self) -> None:
         self._patches = InstancePatches()
 

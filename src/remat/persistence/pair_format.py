@@ -1,19 +1,14 @@
-"""The pair's format: what `checkpoint_config.json` holds beside PEFT's adapters, how a save
-writes it, and every check a load makes before anything changes.
+"""The pair's format: what `checkpoint_config.json` holds beside PEFT's adapters, and every
+check a load makes before anything changes.
 
-`checkpoint_config.json` holds the config (`CheckpointConfig.to_json_string`), and about the
-save: `layers` (the names of the layers the map was planned for, relative to the transformers
-model whatever PEFT wrapper holds it: `model.layers.0` from a LoRA PeftModel, a prompt-tuning
-one and the bare model alike), `architecture` (the model's
-`model_type`, layer count and hidden size) and `adapters`: for each adapter, the folder PEFT
-wrote it into, its weights file, and the sha256 of that file and of its `adapter_config.json`
-(together, everything PEFT reads to rebuild the adapter). Loading checks all of it on the
-bytes it then hands to PEFT (see `remat.saving.folder.read_pair`): a folder whose files come
-from two saves is a clear error, never a silent mix.
+Beside the config it holds `layers` (the map's layer names relative to the transformers model,
+whatever PEFT wrapper holds it), `architecture` (`model_type`, layer count, hidden size) and,
+per adapter, its folder, weights file and the sha256 of that file and of its
+`adapter_config.json`: everything PEFT reads, so a folder mixing two saves is refused.
 
-Older saves still load: format 2 has no `architecture` and no `config_sha256` (those checks
-are skipped), format 1 no `adapters` (PEFT's default adapter is loaded, unchecked); saves
-from before relative layer names carry a PeftModel's full names, read without its prefix.
+Older saves still load: format 2 has no `architecture` and no `config_sha256` (those checks are
+skipped), format 1 no `adapters` (PEFT's default adapter is loaded, unchecked); saves from
+before relative layer names carry a PeftModel's full names, read without its prefix.
 """
 
 from __future__ import annotations
@@ -34,23 +29,17 @@ from .peft_names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_folder, is_peft
 
 logger = logging.getLogger("remat")
 
-_LEGACY_PEFT_PREFIXES = ("base_model.model.", "base_model.")
-"""What a PeftModel puts before the names of its base model's modules: `base_model.model.` for
-tuners that inject layers (LoRA and the like), `base_model.` for prompt learning. Older saves
-wrote them into `layers`; a load reads those names without them (`_saved_readings`)."""
+_LEGACY_PEFT_PREFIXES = ("base_model.model.", "base_model.")  # injected tuners, prompt learning
 
 
 class PairOwner(Protocol):
-    """What a save needs handed down: the model, the config and the map (a controller)."""
+    """What a save needs: the model, the config and the map (a controller)."""
 
     @property
     def model(self) -> Any: ...
 
     config: CheckpointConfig
     checkpoint_map: Sequence[Any]
-
-
-# -- what a save holds ---------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -61,8 +50,7 @@ class SavedAdapter:
     sha256: str | None  # None for saves from before fingerprints
     config_sha256: str | None  # of its adapter_config.json; None for saves before format 3
 
-    def file(self, name: str | None = None) -> str:
-        """A file of this adapter, relative to the save."""
+    def file(self, name: str | None = None) -> str:  # relative to the save
         return os.path.join(self.folder, name or self.weights)
 
 
@@ -122,9 +110,8 @@ def _read_adapters(value: Any, file: str) -> tuple[SavedAdapter, ...] | None:
 
 
 def pair_files(config: dict[str, Any] | None) -> list[str]:
-    """The files a load copies beside `checkpoint_config.json`: PEFT's files at the top and in
-    every adapter folder the config names (both weight formats, to see a stale one PEFT would
-    prefer)."""
+    """The files a load opens beside `checkpoint_config.json`: PEFT's files at the top and in
+    every adapter folder the config names (both weight formats: a stale one PEFT prefers)."""
     folders = {""}
     adapters = config.get("adapters") if isinstance(config, dict) else None
     if isinstance(adapters, dict):
@@ -132,14 +119,9 @@ def pair_files(config: dict[str, Any] | None) -> list[str]:
     return [os.path.join(f, name) for f in sorted(folders) for name in (ADAPTER_CONFIG, *ADAPTER_WEIGHTS)]
 
 
-# -- checks ----------------------------------------------------------------------------------------
-
-
 def base_model_prefix(model: Any) -> str:
-    """The name (with its trailing dot) under which the transformers model sits inside `model`:
-    "" for a model that is no PeftModel, "base_model.model." for a PeftModel of a tuner that
-    injects layers, "base_model." for prompt learning. Found by identity, so it holds for any
-    tuner PEFT has or adds."""
+    """The name (with its trailing dot) of the transformers model inside `model`, "" for no
+    PeftModel; found by identity, so it holds for any tuner."""
     if not is_peft_model(model):
         return ""
     base = model.get_base_model()
@@ -149,17 +131,13 @@ def base_model_prefix(model: Any) -> str:
     return ""
 
 
-ADAPTER_LAYER = "peft:"
-"""Marks a saved layer that lies outside the transformers model, one a PEFT tuner adds beside it
-(ShadowPEFT's shadow backbone): its name in the PeftModel follows. No module name starts so."""
+ADAPTER_LAYER = "peft:"  # marks a saved layer a PEFT tuner adds outside the transformers model
 
 
 def relative_names(model: Any, names: Iterable[str]) -> list[str]:
-    """Layer names of `model` relative to its transformers model, whatever PEFT wrapper (if any)
-    holds it: what a save writes and what a load compares, so that a save from a PeftModel
-    (a LoRA one, `base_model.model.model.layers.0`, or a prompt-learning one,
-    `base_model.model.layers.0`) matches its base model (`model.layers.0`). A layer a tuner adds
-    outside the transformers model keeps its name in the PeftModel, marked `ADAPTER_LAYER`."""
+    """Layer names relative to `model`'s transformers model, so a save from a PeftModel matches
+    its base model; a layer a tuner adds outside it keeps its full name, marked `ADAPTER_LAYER`
+    (ShadowPEFT's shadow backbone)."""
     prefix = base_model_prefix(model)
     if not prefix:
         return list(names)
@@ -167,9 +145,7 @@ def relative_names(model: Any, names: Iterable[str]) -> list[str]:
 
 
 def _saved_readings(names: list[str]) -> list[list[str]]:
-    """The ways to read saved layer names: as written (relative, since this remat), and, for a
-    save from an older remat that wrote a PeftModel's full names, without each PEFT prefix
-    that all of them carry."""
+    """Saved layer names as written, and without each legacy PEFT prefix all of them carry."""
     readings = [names]
     for prefix in _LEGACY_PEFT_PREFIXES:
         if names and all(n.startswith(prefix) for n in names):
@@ -183,8 +159,7 @@ def _summary(names: list[str]) -> str:
 
 
 def architecture_of(model: Any, num_layers: int) -> dict[str, Any]:
-    """`model_type`, layer count and hidden size of a transformers model (or a PeftModel over
-    one); the text model's width for a model with several configs."""
+    """`model_type`, layer count and hidden size (the text model's, for several configs)."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = getattr(text, "hidden_size", None)
@@ -204,9 +179,8 @@ def _describe(architecture: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Expected:
-    """The model a load goes into: its layer names (relative to its transformers model, see
-    `relative_names`), its architecture, and whether PEFT is still to load adapters into it
-    (a base model): then layers an adapter adds come with the adapter."""
+    """The model a load goes into: its relative layer names, its architecture, and whether PEFT
+    is still to load adapters into it (then layers an adapter adds come with the adapter)."""
 
     layers: list[str]
     architecture: dict[str, Any] | None = None
@@ -214,11 +188,9 @@ class Expected:
 
     @classmethod
     def of(cls, model: Any, names: list[str]) -> Expected:
-        """What a save loaded into `model`, whose layers are `names`, must fit."""
         return cls(relative_names(model, names), architecture_of(model, len(names)), not is_peft_model(model))
 
     def check(self, saved: Saved) -> None:
-        """Refuse a save made for another model, naming both."""
         if saved.architecture is not None and self.architecture is not None:
             differs = [
                 k
@@ -247,8 +219,7 @@ class Expected:
 
 
 def check_saved_indices(config: CheckpointConfig, num_layers: int, file: str) -> None:
-    """Layer indices in a saved config that this model does not have: an error naming the
-    file, the field and the fix (plan's own error would name neither the file nor the fix)."""
+    """Refuse indices this model lacks, naming the file and the fix (plan's error would not)."""
     fields = {"layer_policies": sorted(config.layer_policies)}
     if isinstance(config.swap_layers, tuple):
         fields["swap_layers"] = list(config.swap_layers)
@@ -268,9 +239,7 @@ def check_saved_indices(config: CheckpointConfig, num_layers: int, file: str) ->
 
 
 def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
-    """The adapters this save holds, after checking each against its fingerprints in the
-    config. Raises (naming the file) for weights without their `adapter_config.json`, and
-    `FolderChanged` for files that are not the ones the config was saved with."""
+    """The adapters this save holds, each checked against its fingerprints."""
     root_weights = [w for w in ADAPTER_WEIGHTS if snapshot.has(w)]
     if root_weights and not snapshot.has(ADAPTER_CONFIG):
         raise ValueError(
@@ -315,12 +284,8 @@ def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
     return list(saved.adapters)
 
 
-# -- the one save and the one load of a model's pair ----------------------------------------------
-
-
 def fingerprints(model: Any, folder: str, selected: list[str] | None = None) -> dict[str, Any]:
-    """{adapter name: folder, weights file, sha256 of it and of its adapter_config.json} for the
-    adapters PEFT wrote into `folder`."""
+    """The `adapters` entry for the adapters PEFT wrote into `folder`."""
     if not is_peft_model(model):
         return {}
     out: dict[str, Any] = {}
@@ -338,15 +303,12 @@ def fingerprints(model: Any, folder: str, selected: list[str] | None = None) -> 
     return out
 
 
-def config_payload(owner: PairOwner, adapters: dict[str, Any] | None) -> str:
-    """The JSON of `owner.config` with the layer names of its map, the model's architecture and
-    the adapter fingerprints."""
+def config_payload(owner: PairOwner, adapters: dict[str, Any]) -> str:
     payload = json.loads(owner.config.to_json_string())
     names = [plan.name for plan in owner.checkpoint_map]
     payload["layers"] = relative_names(owner.model, names)
     payload["architecture"] = architecture_of(owner.model, len(names))
-    if adapters is not None:
-        payload["adapters"] = adapters
+    payload["adapters"] = adapters
     return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 
 
@@ -356,12 +318,9 @@ def save_model_pair(
     write: Any = None,
     *,
     selected: list[str] | None = None,
-    keep: Iterable[str] = ("README.md",),
 ) -> list[str]:
-    """Save `owner`'s pair into `target`: `write(staging)` writes PEFT's (or a Trainer's) files,
-    then the config naming their fingerprints; committed as one (`folder.save_pair`). A model
-    that is no PeftModel saves through transformers, whose clean-up of stale shards then
-    applies to `target` as it would unstaged (`stale_shards`)."""
+    """Save `owner`'s pair into `target` (`folder.save_pair`); a model that is no PeftModel gets
+    transformers' clean-up of stale shards applied to `target` (`stale_shards`)."""
     model = owner.model
     if write is None or is_peft_model(model):
         shards, staged_write = None, write
@@ -379,7 +338,7 @@ def save_model_pair(
         target,
         lambda staging: config_payload(owner, fingerprints(model, staging, selected)),
         staged_write,
-        keep=keep,
+        keep=("README.md",),
         remove=None if shards is None else lambda: shards.removed,
     )
 
@@ -395,14 +354,12 @@ class Loaded:
 
 
 def expected_for(owner: PairOwner) -> Expected:
-    """What a save loaded into `owner`'s model must fit."""
     return Expected.of(owner.model, [plan.name for plan in owner.checkpoint_map])
 
 
 @contextlib.contextmanager
 def read_model_pair(folder: str | os.PathLike, expected: Expected | None = None) -> Iterator[Loaded]:
-    """Read and check a save for `expected` (architecture, layers, indices, fingerprints); yields
-    it with the verified files (read in place under the folder's lock), valid inside the `with`."""
+    """Read and check a save for `expected`; the files stay verified inside the `with`."""
     found: dict[str, Any] = {}
 
     def verify(snapshot: Snapshot) -> None:

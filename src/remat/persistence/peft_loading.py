@@ -1,10 +1,5 @@
-"""Loading checked adapters through PEFT, and the checks that need PEFT: an adapter loaded into
-a PeftModel that already has one of the same name must have the same structure (config and
-tensor shapes), or it is refused before anything changes.
-
-PEFT reads the files a load verified, in place, while the load holds the folder's shared lock
-(`remat.saving.folder.read_pair`); messages name the folder.
-"""
+"""Loading checked adapters through PEFT, and the checks that need PEFT, made before anything
+changes."""
 
 from __future__ import annotations
 
@@ -17,7 +12,6 @@ from ..saving.files import read_json_object
 from .pair_format import Loaded
 from .peft_names import ADAPTER_CONFIG, is_peft_model, original_method
 
-# Fields of a PEFT config that say nothing about the adapter's structure.
 _PEFT_BOOKKEEPING = {"base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version"}
 
 
@@ -40,10 +34,7 @@ def load_adapters(model: nn.Module, loaded: Loaded, is_trainable: bool, kwargs: 
 
 
 def check_trainable_load(model: Any, loaded: Loaded, is_trainable: bool) -> None:
-    """PEFT refuses to add a prompt-learning adapter (prompt tuning, p-tuning, prefix tuning and
-    the like) as trainable: it saved the prompts, not the encoder that made them. Refused here,
-    before anything changes, naming the way that loads it. (Weights loaded into a PeftModel's
-    own adapter of that name are not refused: PEFT loads those.)"""
+    """Refuse a new prompt-learning adapter as trainable (PEFT would, halfway)."""
     if not is_trainable:
         return
     from peft.config import PromptLearningConfig
@@ -64,8 +55,7 @@ def check_trainable_load(model: Any, loaded: Loaded, is_trainable: bool) -> None
 
 
 def check_loadable_into(model: Any, loaded: Loaded) -> None:
-    """Loading into a PeftModel that already has an adapter of the same name replaces its weights:
-    refuse, before anything changes, unless the saved adapter has the same structure."""
+    """Refuse replacing a PeftModel's adapter by a saved one of another structure."""
     from peft import PeftConfig
     from peft.utils import get_peft_model_state_dict
 

@@ -15,10 +15,8 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_folder", "is_peft_model
 
 
 def adapter_folder(adapter_name: str) -> str:
-    """Where `PeftModel.save_pretrained` puts an adapter, relative to the save: PEFT computes it
-    inline (`os.path.join(save_directory, adapter_name) if adapter_name != "default" else
-    save_directory`) and exports no helper; `tests/test_folder_transaction.py` checks this
-    against what PEFT writes."""
+    """Where `PeftModel.save_pretrained` puts an adapter (PEFT computes it inline, exporting no
+    helper; `tests/test_folder_transaction.py` checks it against PEFT)."""
     return "" if adapter_name == "default" else adapter_name
 
 

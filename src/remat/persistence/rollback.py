@@ -1,11 +1,5 @@
-"""Putting a model back as it was when loading adapters into it fails halfway.
-
-PEFT's loading changes a model in place: it replaces target modules by its layers, registers
-adapters, sets requires_grad, copies weights into an existing adapter, and (through
-transformers) may add an input-gradient hook. A load that fails inside PEFT, or a wrapper that
-refuses the model after PEFT loaded, must leave the model as it went in: `ModelChanges`
-records what PEFT may touch before it runs and `revert()` puts it back.
-"""
+"""Putting a model back as it was when loading adapters into it fails halfway: `ModelChanges`
+records what PEFT's load may change in place before it runs, and `revert()` puts it back."""
 
 from __future__ import annotations
 
@@ -19,8 +13,7 @@ from .peft_names import is_peft_model
 
 
 class ModelChanges:
-    """Which module sits where, requires_grad, the adapters a PeftModel has and their weights,
-    and the instance attributes, as they were when this was made."""
+    """Modules, requires_grad, a PeftModel's adapters and their weights, instance attributes."""
 
     def __init__(self, model: nn.Module):
         self.model = model

@@ -1,10 +1,6 @@
 """Files that are whole or absent: atomic writes with the umask's permissions, strict JSON reads
-that name the file, fingerprints, fsync.
-
-Only regular files are ever opened for reading: a FIFO, a socket or a device in a folder (a shared
-or downloaded one) would make `open()` wait for a writer that never comes, or talk to hardware.
-`open_regular` checks the kind without blocking (stat, then an O_NONBLOCK open and fstat of what
-was opened) and raises `NotRegularFile` naming the file and what it is instead.
+that name the file, fingerprints, fsync. Only regular files are opened for reading, checked
+without blocking: a FIFO or a device in a shared folder would make `open()` wait forever.
 """
 
 from __future__ import annotations
@@ -21,9 +17,7 @@ from typing import Any
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-MAX_JSON_DEPTH = 64
-"""remat's own JSON files nest 4 levels at most; deeper is not a file remat wrote (and the json
-module raises RecursionError, not a ValueError, somewhere near 1000 levels)."""
+MAX_JSON_DEPTH = 64  # remat's own files nest 4 levels; json raises RecursionError near 1000
 
 
 class NotRegularFile(ValueError):
@@ -35,26 +29,17 @@ class NotRegularFile(ValueError):
         super().__init__(f"{path} is {_kind(mode)}, not a regular file; remat reads only regular files (remove it)")
 
 
+_KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket"}
+_KINDS |= {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symlink"}
+
+
 def _kind(mode: int | None) -> str:
-    if mode is None:
-        return "a symlink"
-    for test, name in (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISLNK, "a symlink"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
+    return "a symlink" if mode is None else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def open_regular(path: str, *, follow_links: bool = True) -> int:
-    """A read-only descriptor on the regular file at `path`, opened without ever blocking.
-    Raises FileNotFoundError if there is nothing there, `NotRegularFile` for anything else
-    (a symlink too, unless `follow_links`)."""
+    """A read-only descriptor on the regular file at `path`, opened without ever blocking;
+    `NotRegularFile` for anything else (a symlink too, unless `follow_links`)."""
     info = os.stat(path) if follow_links else os.lstat(path)
     if not stat.S_ISREG(info.st_mode):
         raise NotRegularFile(path, info.st_mode)
@@ -72,14 +57,12 @@ def open_regular(path: str, *, follow_links: bool = True) -> int:
 
 
 def read_regular(path: str, *, follow_links: bool = True) -> bytes:
-    """The bytes of the regular file at `path` (see `open_regular`)."""
     with os.fdopen(open_regular(path, follow_links=follow_links), "rb") as handle:
         return handle.read()
 
 
 def parse_json(data: bytes | str, name: str) -> Any:
-    """The JSON value in `data`, or a ValueError naming `name` for text that is not UTF-8, not
-    JSON, or nested deeper than `MAX_JSON_DEPTH` (never a RecursionError)."""
+    """The JSON value in `data`, or a ValueError naming `name` (never a RecursionError)."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
         value = json.loads(text)
@@ -95,7 +78,7 @@ def parse_json(data: bytes | str, name: str) -> Any:
 
 
 def _depth_beyond(value: Any, limit: int) -> bool:
-    """Whether `value` nests lists or objects more than `limit` deep (walked without recursion)."""
+    """Whether `value` nests more than `limit` deep (walked without recursion)."""
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
@@ -109,8 +92,7 @@ def _depth_beyond(value: Any, limit: int) -> bool:
 
 
 def write_file_atomically(path: str, text: str) -> None:
-    """Write `text` to `path` through a temporary file in the same folder and one rename. The
-    file gets the process umask's permissions (0644 under umask 022), as PEFT's files do."""
+    """Write `text` to `path` through a temporary file in the same folder and one rename."""
     folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".tmp-{secrets.token_hex(8)}.json")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC, 0o666)
@@ -128,8 +110,7 @@ def write_file_atomically(path: str, text: str) -> None:
 
 
 def read_json_object(path: str, name: str | None = None) -> dict[str, Any]:
-    """The JSON object in `path`, or a ValueError that names the file (as `name`, if given) and
-    what is wrong."""
+    """The JSON object in `path`, or an error naming the file (as `name`, if given)."""
     name = name or path
     try:
         data = read_regular(path)
@@ -139,7 +120,6 @@ def read_json_object(path: str, name: str | None = None) -> dict[str, Any]:
 
 
 def json_object(data: bytes, name: str) -> dict[str, Any]:
-    """The JSON object in `data` (a file's bytes), or a ValueError naming the file `name`."""
     if not data.strip():
         raise ValueError(f"{name}: the file is empty")
     data = parse_json(data, name)

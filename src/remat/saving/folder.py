@@ -75,17 +75,12 @@ _MANIFEST = "COMMIT"
 _STAGING_LOCK = "LOCK"
 _OURS = (_MANIFEST, _STAGING_LOCK, FOLDER_LOCK)
 _READ_ATTEMPTS = 50  # unlocked loads only: how often a load reads again after a commit came in between
-_UNLOCKED_STALE_SECONDS = 600.0
-"""Without native locks a live writer cannot be told from a crashed one: recovery then drops
-only staging folders of other processes that nothing has touched for this long."""
+_UNLOCKED_STALE_SECONDS = 600.0  # without native locks, recovery drops only staging folders this old
 
 
 class FolderChanged(ValueError):
     """The files a load read do not belong together: a commit came in between (an unlocked
     load reads again), or the folder mixes two saves."""
-
-
-# -- the folder's lock ------------------------------------------------------------------------------
 
 
 def _take_folder_lock(folder: str, *, shared: bool = False) -> Lock:
@@ -106,20 +101,9 @@ def _take_folder_lock(folder: str, *, shared: bool = False) -> Lock:
 
 
 @contextlib.contextmanager
-def _folder_lock(folder: str) -> Iterator[Lock]:
-    """The folder's exclusive lock, held for one commit (or one recovery)."""
-    lock = _take_folder_lock(folder)
-    try:
-        yield lock
-    finally:
-        lock.release()
-
-
-@contextlib.contextmanager
 def _reading_lock(folder: str) -> Iterator[Lock]:
-    """The folder's lock for one load: shared (loads read side by side; a commit waits for them,
-    and they for it), after finishing a crashed commit, which needs it exclusive (then the load
-    reads under that)."""
+    """The folder's shared lock for one load, or its exclusive lock if a crashed commit had to
+    be finished first (then the load reads under that)."""
     lock = _take_folder_lock(folder, shared=True)
     try:
         if lock.held and _recover(folder, exclusive=False):
@@ -132,15 +116,13 @@ def _reading_lock(folder: str) -> Iterator[Lock]:
         lock.release()
 
 
-# -- saving --------------------------------------------------------------------------------------
-
 _writing = threading.local()
 _live: set[str] = set()  # this process's staging folders, from creation to commit
 
 
 def is_staging(path: str | os.PathLike) -> bool:
-    """Whether `path` is a staging folder this thread is writing right now (a save inside a
-    save, e.g. the model's `save_pretrained` inside a Trainer checkpoint, writes in place)."""
+    """Whether this thread is writing the staging folder `path` (a save inside a save, e.g. the
+    model's `save_pretrained` inside a Trainer checkpoint, writes in place)."""
     return os.path.abspath(os.fspath(path)) in getattr(_writing, "folders", set())
 
 
@@ -152,48 +134,42 @@ def save_pair(
     keep: Iterable[str] = (),
     remove: Callable[[], Iterable[str]] | None = None,
 ) -> list[str]:
-    """The one save: `write(staging)` writes the save's other files (PEFT's adapters, a
-    Trainer's files), `config_text(staging)` returns `checkpoint_config.json` (it may
-    fingerprint what `write` wrote); then all of it is committed into `target` as the module
-    docstring says. `write` returns the files (relative paths) to commit in order, or None for
-    everything it wrote. Files named in `keep` are not committed if `target` already has them
-    (the user's own README.md). `remove()` names files of earlier saves in `target` that go
-    once this save is committed, under the same lock (the stale shards transformers' own save
-    removes: `remat.saving.stale_shards`); a crash before they go leaves them beside the whole
-    new save. Returns the relative paths committed."""
+    """The one save: `write(staging)` writes the save's files and returns those to commit in
+    order (None: all it wrote), `config_text(staging)` returns `checkpoint_config.json`; then all
+    is committed into `target`. Files in `keep` that `target` has are not replaced (the user's
+    README.md). `remove()` names earlier files to delete once committed, under the same lock
+    (`stale_shards`). Returns the relative paths committed."""
     target = os.path.abspath(os.fspath(target))
     os.makedirs(target, exist_ok=True)
     staging, staging_lock = _new_staging(target)
+    committing = False
     try:
-        committing = False
+        folders = _writing.__dict__.setdefault("folders", set())
+        folders.add(staging)
         try:
-            folders = _writing.__dict__.setdefault("folders", set())
-            folders.add(staging)
-            try:
-                order = write(staging) if write is not None else None
-                write_file_atomically(os.path.join(staging, CONFIG_NAME), config_text(staging))
-            finally:
-                folders.discard(staging)
-            files = [f for f in (order if order is not None else _files_under(staging)) if f != CONFIG_NAME]
-            files.append(CONFIG_NAME)
-            for relative in files:
-                fsync_file(os.path.join(staging, relative))
-            with _folder_lock(target):
-                _recover(target)
-                kept = set(keep)
-                files = [f for f in files if not (f in kept and os.path.lexists(os.path.join(target, f)))]
-                # Each file with the state of the one it replaces, taken under the lock: recovery
-                # finishes this commit only if nothing newer was written there since.
-                manifest = [{"path": f, "replaces": _state(os.path.join(target, f))} for f in files]
-                write_file_atomically(os.path.join(staging, _MANIFEST), json.dumps({"files": manifest}))
-                committing = True  # from here on an interruption is finished by recovery
-                _commit(staging, target, files)
-                if remove is not None:
-                    _remove_replaced(target, remove(), set(files))
-        except BaseException:
-            if not committing:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise
+            order = write(staging) if write is not None else None
+            write_file_atomically(os.path.join(staging, CONFIG_NAME), config_text(staging))
+        finally:
+            folders.discard(staging)
+        files = [f for f in (order if order is not None else _files_under(staging)) if f != CONFIG_NAME]
+        files.append(CONFIG_NAME)
+        for relative in files:
+            fsync_file(os.path.join(staging, relative))
+        with _take_folder_lock(target):
+            _recover(target)
+            kept = set(keep)
+            files = [f for f in files if not (f in kept and os.path.lexists(os.path.join(target, f)))]
+            # recovery finishes this commit only if nothing newer replaced those files since
+            manifest = [{"path": f, "replaces": _state(os.path.join(target, f))} for f in files]
+            write_file_atomically(os.path.join(staging, _MANIFEST), json.dumps({"files": manifest}))
+            committing = True  # from here on an interruption is finished by recovery
+            _commit(staging, target, files)
+            if remove is not None:
+                _remove_replaced(target, remove(), set(files))
+    except BaseException:
+        if not committing:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
     finally:
         _live.discard(staging)
         staging_lock.release()
@@ -213,9 +189,8 @@ def _commit(staging: str, target: str, files: list[str]) -> None:
 
 
 def _remove_replaced(target: str, names: Iterable[str], committed: set[str]) -> None:
-    """Remove files of earlier saves from the top of `target` (never one this save committed,
-    a folder, or remat's own); one that cannot be removed is left with a warning (the save is
-    committed)."""
+    """Remove files of earlier saves from the top of `target` (never one just committed, a
+    folder, or remat's own); one that cannot be removed stays, with a warning."""
     removed = False
     for name in names:
         path = os.path.join(target, name)
@@ -240,11 +215,9 @@ def _rename(source: str, destination: str) -> None:
 
 def _new_staging(target: str, attempts: int = 10) -> tuple[str, Lock]:
     """A new staging folder in `target` and its lock, made and locked under the folder's lock, so
-    that no recovery (which holds the folder's lock too) ever sees it unlocked: an unlocked
-    staging folder is one whose writer died. (Where the folder cannot be locked, a recovery may
-    remove it before it is locked; then another is made.)"""
+    that no recovery ever sees it unlocked (unlocked: its writer died)."""
     for _ in range(attempts):
-        with _folder_lock(target):
+        with _take_folder_lock(target):
             staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target)
             _live.add(staging)
             try:
@@ -267,33 +240,30 @@ def _files_under(folder: str) -> list[str]:
 
 
 def _state(path: str) -> list[int] | None:
-    """What a file is, to tell later whether it was rewritten: size and modification time."""
+    """Size and modification time, to tell later whether the file was rewritten."""
     try:
-        info = os.lstat(path)
+        return list(_version(os.lstat(path)))
     except FileNotFoundError:
         return None
-    return [info.st_size, info.st_mtime_ns]
 
 
-# -- recovery ------------------------------------------------------------------------------------
+def _version(info: os.stat_result) -> tuple[int, int]:
+    return info.st_size, info.st_mtime_ns
 
 
 def recover(target: str | os.PathLike) -> None:
-    """Finish or drop what crashed saves left in `target`, under the folder's lock (a folder
-    without staging folders is not touched: no lock is taken)."""
+    """Finish or drop what crashed saves left in `target` (no lock without staging folders)."""
     target = os.path.abspath(os.fspath(target))
     if not os.path.isdir(target) or not any(n.startswith(STAGING_PREFIX) for n in os.listdir(target)):
         return
-    with _folder_lock(target) as lock:
+    with _take_folder_lock(target) as lock:
         if lock.held:
             _recover(target)
 
 
 def _recover(target: str, *, exclusive: bool = True) -> bool:
-    """Called with the folder's lock held: no commit runs meanwhile, and no staging folder of a
-    live writer has a manifest (manifests are written under the exclusive lock). Under a shared
-    lock (`exclusive` False: loads recover side by side) only staging folders are dropped; a
-    crashed commit to finish returns True at once, and the caller recovers again exclusive."""
+    """Called with the folder's lock held. Under a shared lock (`exclusive` False) only staging
+    folders are dropped; a crashed commit to finish returns True, to recover again exclusive."""
     for name in sorted(os.listdir(target)):
         staging = os.path.join(target, name)
         if not name.startswith(STAGING_PREFIX) or os.path.islink(staging) or not os.path.isdir(staging):
@@ -305,8 +275,6 @@ def _recover(target: str, *, exclusive: bool = True) -> bool:
             age = time.time() - os.lstat(staging).st_mtime
         except OSError:
             continue  # removed meanwhile (another load's recovery), or not ours to read
-        # Nothing of a save in it: a writer that died before writing anything (staging folders
-        # are made and locked under the folder's lock, which this recovery holds).
         empty = not [n for n in inside if n != _STAGING_LOCK]
         try:
             lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=False, remove=False)
@@ -346,10 +314,9 @@ def _recover(target: str, *, exclusive: bool = True) -> bool:
 
 
 def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
-    """The manifest's entries, or None if there is none (the save never completed) or it is not
-    one remat wrote: a link, not JSON, a field missing or of another type, a path that leaves
-    the staging or the target folder or goes through a link."""
-    try:  # a FIFO, a device, a link or a file nested 200,000 deep: not one remat wrote
+    """The manifest's entries, or None if there is none or it is not one remat wrote (a link,
+    not JSON, a field missing or mistyped, a path leaving either folder or through a link)."""
+    try:
         data = parse_json(read_regular(os.path.join(staging, _MANIFEST), follow_links=False), _MANIFEST)
     except (OSError, ValueError):
         return None
@@ -385,8 +352,7 @@ def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
 
 
 def _can_land(target: str, path: str) -> bool:
-    """Whether a file can be renamed to `path` in `target`: every folder on the way is a folder
-    or absent, and the path itself is not a folder (else the commit would fail at every
+    """Whether a file can be renamed to `path` in `target` (else the commit would fail at every
     recovery, and the folder could never be loaded or saved again)."""
     parts = path.split(os.sep)
     for depth in range(1, len(parts) + 1):
@@ -399,15 +365,10 @@ def _can_land(target: str, path: str) -> bool:
     return True
 
 
-# -- loading -------------------------------------------------------------------------------------
-
-
 class Snapshot:
-    """What one load read, in place: `folder`, `config` (the parsed `checkpoint_config.json`, None
-    if absent), `locked` (read under the folder's lock), and the files it opened (each checked to
-    be a regular file, held open until the load ends). PEFT reads the same files, by path, while
-    the lock is held: no commit can replace them meanwhile. `unchanged()` checks that they were
-    not replaced or rewritten all the same (a commit without the lock, another program)."""
+    """What one load read, in place: `config` (the parsed `checkpoint_config.json`, None if
+    absent), `locked` (read under the folder's lock) and the regular files it opened, held open
+    until the load ends."""
 
     def __init__(self, folder: str, locked: bool):
         self.folder, self.locked = folder, locked
@@ -419,17 +380,14 @@ class Snapshot:
     def path(self, relative: str) -> str:
         return os.path.join(self.folder, relative)
 
+    name = path  # for messages
+
     def has(self, relative: str) -> bool:
         return relative in self._opened
 
-    def name(self, relative: str) -> str:
-        """The file's path in the folder, for messages."""
-        return os.path.join(self.folder, relative)
-
     def open(self, relative: str) -> int | None:
-        """Open `relative` if it is a regular file in the folder (following links, as PEFT
-        does): its descriptor, or None if there is none. Anything else there (a FIFO, a folder,
-        a device) is a ValueError naming it: PEFT's `open()` would wait on it forever."""
+        """A descriptor on `relative` if it is a regular file (links followed, as PEFT does), None
+        if absent; anything else is a ValueError naming it (PEFT's `open()` could block on it)."""
         if relative in self._opened:
             return self._opened[relative][0]
         if os.path.isabs(relative) or ".." in relative.split(os.sep) or relative in self._absent:
@@ -444,8 +402,7 @@ class Snapshot:
 
     def unchanged(self) -> None:
         """Raise `FolderChanged` if a file read was replaced or rewritten since it was opened, or
-        one that was absent appeared (so what PEFT read may not be what was checked). Nothing to
-        check once closed."""
+        one that was absent appeared (a commit without the lock, another program)."""
         if self._closed:
             return
         for relative, (fd, before) in self._opened.items():
@@ -470,23 +427,16 @@ class Snapshot:
             os.close(fd)
 
 
-def _version(info: os.stat_result) -> tuple[int, int]:
-    return info.st_size, info.st_mtime_ns
-
-
 @contextlib.contextmanager
 def read_pair(
     folder: str | os.PathLike,
     files: Callable[[dict[str, Any] | None], Iterable[str]] = lambda config: (),
     verify: Callable[[Snapshot], Any] = lambda snapshot: None,
 ) -> Iterator[Snapshot]:
-    """The one load, in place: under the folder's shared lock (recovering first), open
-    `checkpoint_config.json` and the files `files(config)` names, `verify(snapshot)` (which
-    raises `FolderChanged` for bytes that do not belong together), and yield the snapshot with
-    the lock still held, so what PEFT reads inside the `with` is what was verified; on leaving,
-    the files are checked to be unchanged (`Snapshot.unchanged`). Without the lock (a folder
-    this process cannot write), a `FolderChanged` before the yield reads again. Nothing is
-    copied, and nothing is written anywhere but the folder's lock file."""
+    """The one load, in place: open `checkpoint_config.json` and the files `files(config)` names,
+    `verify(snapshot)`, and yield the snapshot with the lock still held, so PEFT reads inside
+    the `with` what was verified; checked unchanged on leaving. Unlocked, a `FolderChanged`
+    before the yield reads again."""
     folder = os.path.abspath(os.fspath(folder))
     for attempt in range(1, _READ_ATTEMPTS + 1):
         with _reading_lock(folder) as lock:

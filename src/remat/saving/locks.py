@@ -1,16 +1,9 @@
 """Locks on files, from `filelock` (flock on Unix, LockFileEx on Windows), on a descriptor remat
-opens itself: a lock file that is not a regular file (a symlink, a FIFO, a folder, ...) is never
-opened (`NotOurs`), nor is anything opened in a way that could block, and a lock file can be
-removed by its holder on release without two processes ever holding "the" lock at once (a
-waiter that gets the lock on a removed file notices it and takes the one at the path).
-
-A lock is exclusive, or shared (loads: any number read at once while no commit runs). Shared
-locks are `flock(LOCK_SH)` on Unix; where there is no `fcntl` (Windows) a shared lock is taken
-exclusive, which orders loads among themselves too. A shared holder removes the lock file on
-release only when it is the last holder (it can turn its lock exclusive without waiting).
-
-Where no lock can be taken (no write access to the folder, a system without native locks), the
-lock comes back not held and the caller decides what that means (see `remat.saving.folder`).
+opens itself, never blocking: a lock file that is not a regular file is never opened
+(`NotOurs`). A holder may remove the lock file on release (a shared holder only when it is the
+last): a waiter that then gets the lock on the removed file takes the one at the path. Shared
+locks are `flock(LOCK_SH)`; without `fcntl` (Windows) they are taken exclusive. Where no lock
+can be taken (no write access, no native locks) the lock comes back not held.
 """
 
 from __future__ import annotations
@@ -40,20 +33,14 @@ class NotOurs(OSError):
 
 
 _POLL_SECONDS = 0.005
-
-
 _warned_no_locks = False
-
-# What flock answers where the file system has no locks of its own: no locking at all (ENOSYS),
-# NFSv3 without lockd (ENOLCK), and file systems that refuse the operation (EOPNOTSUPP / ENOTSUP,
-# EINVAL on some FUSE mounts). All mean the same here: go ahead unlocked, with one warning.
+# flock's answers where the file system has no locks (ENOLCK: NFSv3 without lockd; EINVAL: FUSE)
 _NO_NATIVE_LOCKS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
 
 
 def _open_lock_file(path: str) -> int:
-    """A descriptor on the lock file, made if missing. A lock file another account made (0644
-    under umask 022) cannot be opened for writing: it is opened read-only instead, which flock
-    locks all the same, so two accounts sharing a group-writable folder still take turns."""
+    """A descriptor on the lock file, made if missing; read-only if another account made it
+    (flock locks it all the same, so two accounts sharing a folder still take turns)."""
     flags = NOFOLLOW | CLOEXEC | NONBLOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o666)
@@ -86,8 +73,7 @@ def _lock_descriptor(fd: int, *, shared: bool, wait: bool) -> bool:
 
 
 def _last_holder(fd: int) -> bool:
-    """Turn a shared lock exclusive without waiting: whether no one else holds the file (if
-    someone does, the lock is given up, which is what releasing it does anyway)."""
+    """Whether a shared lock turns exclusive without waiting (no one else holds the file)."""
     try:
         return filelock.lock_descriptor(fd, blocking=False)
     except OSError:
@@ -95,9 +81,8 @@ def _last_holder(fd: int) -> bool:
 
 
 class Lock:
-    """A held lock on a file (or, `fd` None, the absence of one where none can be taken).
-    `remove`: the holder deletes the file before letting go, so no lock file stays behind
-    (a waiter that then gets the lock on the deleted file notices and takes the new one)."""
+    """A held lock on a file (`fd` None: none could be taken). `remove`: the holder deletes the
+    file before letting go."""
 
     def __init__(self, fd: int | None, path: str, remove: bool, shared: bool = False):
         self.fd, self.path, self.remove, self.shared = fd, path, remove, shared
@@ -105,6 +90,12 @@ class Lock:
     @property
     def held(self) -> bool:
         return self.fd is not None
+
+    def __enter__(self) -> Lock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
     def release(self) -> None:
         if self.fd is None:
@@ -121,9 +112,7 @@ class Lock:
 
 
 def take_lock(path: str, *, wait: bool, remove: bool, shared: bool = False) -> Lock | None:
-    """The lock on `path` (made if missing), exclusive or `shared`, or None if `wait` is False
-    and another holds it. A lock that cannot be taken here (no write access, no native locks)
-    comes back not held. Raises `NotOurs` for anything there that is not a regular file."""
+    """The lock on `path` (made if missing), or None if `wait` is False and another holds it."""
     global _warned_no_locks
     while True:
         with contextlib.suppress(FileNotFoundError):

@@ -1,22 +1,10 @@
-"""Block swap: the frozen weights of chosen layers live in host memory between uses.
+"""Block swap: the frozen weights of chosen layers live in host memory between uses, and are
+copied into a device slot (through `remat.transport`, shared with offload) before the layer
+runs, in forward or in its recompute (swapped layers are always checkpointed, `remat.plan`).
 
-A swapped layer's parameters keep their identity; at rest they hold placeholders, and before
-the layer runs (forward, or its recompute in backward) its weights are copied from a host copy
-into a device slot. Swapped layers are always checkpointed (`remat.plan`), so forward never
-keeps their weights. Trainable parameters (adapters) and weights shared with modules outside
-the layer stay resident.
-
-One job per file:
-
-| file | job |
-| --- | --- |
-| `checks.py` | which layers and weights may be swapped (sharding and adapters recognised by type) |
-| `slots.py` | the slot pool: placeholders, slots by layout, resident bytes |
-| `schedule.py` | when weights are fetched and given back over forward and backward; recovery from faults |
-| `guards.py` | what else touches a swapped layer: state_dict, load, `.to()`, copies, merges, compile |
-| `swapper.py` | `WeightSwapper`: the swapped set, moving layers out and home |
-
-Copies go through the device's transport (`remat.transport`), shared with offload.
+`checks` (which layers and weights may be swapped), `slots` (placeholders and the slot pool),
+`schedule` (when weights are fetched and given back), `guards` (everything else that touches a
+swapped layer), `swapper` (`WeightSwapper`: the swapped set, moving layers out and home).
 """
 
 from ..transport import WeightMover

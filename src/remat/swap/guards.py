@@ -1,53 +1,33 @@
-"""Guards: everything else that touches a swapped layer's weights, handled on that layer's
-instance (and on the model while anything is swapped), undone when the layer leaves the set.
+"""Guards on a swapped layer's instance (and on the model while anything is swapped), undone
+when the layer leaves the set: forward hooks fetch and give back its weights; `state_dict()`
+reads and `load_state_dict()` writes the host copies; `.to()` and friends convert them too;
+copies, pickling, DataParallel replication, `assign=True` loads and PEFT merges are refused
+(each would read or replace the placeholders as if they were the weights).
 
-- Forward: the layer's pre-hook fetches its weights (the schedule), its post-hook gives them
-  back. A layer running in eval mode with gradients enabled is refused before anything runs
-  (not checkpointed, so autograd would keep views of a slot the next fetch overwrites).
-- `torch.compile` never traces these two hooks (`torch.compiler.disable`): traced, pointing
-  `p.data` at a slot is a `set_` on a graph input, which inductor cannot compile. Run eagerly,
-  they split the graph around them: the compiled code before the layer, the hook, then the
-  compiled layer reading its parameters as they now are. Before transformers 5.23 the hooks
-  run inside the checkpoint call, which dynamo runs eagerly anyway.
-- `state_dict()` reads the host copies (the true values); `load_state_dict()` writes into them
-  (`assign=True` is refused: it would replace the parameters the swap keeps).
-- `.to()`, `.half()`, `.cuda()` and friends convert the host copies and placeholders too, so
-  weights never end up in two dtypes.
-- `copy.deepcopy`, pickling and `nn.DataParallel` replication are refused: each would read the
-  placeholders as if they were the weights.
-- PEFT's merge (`merge_and_unload`, `merge_adapter`) is refused before any layer merges.
+The forward hooks run eagerly under `torch.compile` (`torch.compiler.disable`): traced,
+pointing `p.data` at a slot is a `set_` on a graph input, which inductor cannot compile.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..patches import InstancePatches
 from ..refs import Ref
-from .schedule import Schedule
-from .slots import SlotPool, SwappedLayer
+from .slots import SwappedLayer
 
-
-class SwapperView(Protocol):
-    """What the guards use of the swapper (`swapper.WeightSwapper`), which installs them."""
-
-    layers: dict[int, SwappedLayer]
-    pool: SlotPool
-    schedule: Schedule
-    swapped_names: list[str]
-
-    def apply_to_layer(self, index: int, original_apply: Any, fn: Any, recurse: bool) -> Any: ...
+SwapperView = Any  # `swapper.WeightSwapper`, which installs the guards
 
 
 def guard_layer(swapper: SwapperView, layer: SwappedLayer, module: nn.Module) -> None:
-    """Hooks and instance patches on one swapped layer (kept on `layer`, removed by `unguard_layer`)."""
     index = layer.index
+    before, after = _forward_hooks(swapper.schedule, index)
     layer.handles += [
-        module.register_forward_pre_hook(torch.compiler.disable(_before_forward(swapper, index))),
-        module.register_forward_hook(torch.compiler.disable(_after_forward(swapper, index)), always_call=True),
+        module.register_forward_pre_hook(torch.compiler.disable(before)),
+        module.register_forward_hook(torch.compiler.disable(after), always_call=True),
         module.register_state_dict_post_hook(_state_dict_reads_host_copies(swapper, index)),
         module.register_load_state_dict_pre_hook(_load_writes_host_copies(swapper, index)),
         module.register_load_state_dict_post_hook(_load_done(swapper, index)),
@@ -66,10 +46,8 @@ def unguard_layer(layer: SwappedLayer) -> None:
     layer.patches.undo()
 
 
-def _before_forward(swapper: SwapperView, index: int):
-    schedule = swapper.schedule
-
-    def hook(module: nn.Module, args: Any) -> None:
+def _forward_hooks(schedule: Any, index: int) -> tuple[Any, Any]:
+    def before(module: nn.Module, args: Any) -> None:
         if schedule.in_recompute:
             return
         if torch.is_grad_enabled() and not module.training:
@@ -80,22 +58,15 @@ def _before_forward(swapper: SwapperView, index: int):
             )
         schedule.before_forward(index)
 
-    return hook
-
-
-def _after_forward(swapper: SwapperView, index: int):
-    schedule = swapper.schedule
-
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
+    def after(module: nn.Module, args: Any, output: Any) -> None:
         if not schedule.in_recompute:
             schedule.after_forward(index)
 
-    return hook
+    return before, after
 
 
 def _state_dict_reads_host_copies(swapper: SwapperView, index: int):
     def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        # state_dict() must read the true values, not the placeholder at rest.
         layer = swapper.layers[index]
         hosts = {id(p): host for p, host in zip(layer.params, layer.host, strict=True)}
         for name, param in module.named_parameters(remove_duplicate=False):
@@ -132,19 +103,15 @@ def _load_done(swapper: SwapperView, index: int):
 
 
 class _ConvertingApply:
-    """`module._apply` of a swapped layer (what `.to()`, `.half()`, `.cuda()` call)."""
-
     def __init__(self, swapper: SwapperView, index: int, module: nn.Module):
         self.swapper, self.index, self.module = swapper, index, Ref(module)
 
-    def __call__(self, fn: Any, recurse: bool = True) -> Any:
+    def __call__(self, fn: Any, recurse: bool = True) -> Any:  # what `.to()`, `.half()`, `.cuda()` call
         module = self.module()
         return self.swapper.apply_to_layer(self.index, type(module)._apply.__get__(module), fn, recurse)
 
 
 class _Refusal:
-    """What a swapped layer answers to copying, pickling and DataParallel replication."""
-
     def __init__(self, index: int, name: str):
         self.index, self.name = index, name
 
@@ -169,7 +136,6 @@ class _Refusal:
 
 
 def copy_refusal(index: int, name: str) -> str:
-    """Why a swapper that swaps (or a wrapper around it) cannot be copied."""
     return _Refusal(index, name).message("copy")
 
 
@@ -182,13 +148,9 @@ def assign_refusal(indices: list[int]) -> str:
 
 
 class ModelGuards:
-    """Guards on the whole model while anything is swapped: `load_state_dict(assign=True)` is
-    refused before any module loads (the layers' own hooks would refuse halfway through), and
-    PEFT's merge is refused before any layer merges."""
+    """Refusals on the whole model, made before any module loads (`assign=True`) or merges."""
 
     def __init__(self, swapper: SwapperView):
-        # Weakly: the swapper owns these guards, and a cycle between the two would keep a dropped
-        # wrapper's swapped weights in host memory until a GC pass.
         self._swapper = Ref(swapper)
         self._handles: list[Any] = []
         self._patches = InstancePatches()

@@ -1,15 +1,11 @@
 """The schedule: when each swapped layer's weights are fetched and given back over a step.
 
-Forward runs the layers in ascending order, backward recomputes them in descending order
-(swapped layers are always checkpointed, `remat.plan`, so backward runs each again). Before a
-layer runs, its weights are fetched (waited for only then) and the next `prefetch_depth` layers
-in that order start fetching; layers the pass has gone past give their slots back.
-
-Faults: an exception in a forward or inside a recompute abandons a step halfway, with slots
-still held. Nothing relies on a step finishing: a layer that does not continue the current pass
-(a new forward, a new backward, or the first step after one that failed) starts a new pass and
-gives back every slot the last one left; a layer that finds every slot of its layout held by
-prefetches takes the slot of the one farthest away. So a failed step is followed by a normal one.
+Forward runs the layers ascending, backward recomputes them descending. Before a layer runs its
+weights are fetched (waited for only then) and the next `prefetch_depth` start fetching; layers
+passed give their slots back. Nothing relies on a step finishing (an exception abandons it
+with slots held): a layer that does not continue the current pass starts a new one and gives
+back every slot, and a layer finding every slot of its layout held by prefetches takes the
+farthest one's. So a failed step is followed by a normal one.
 """
 
 from __future__ import annotations
@@ -23,14 +19,8 @@ from .slots import SlotPool, SwappedLayer
 
 
 class Schedule:
-    """Drives the slot pool from the layer calls of forward and of backward's recomputes.
-
-    `layers` is the swapper's own dict (index -> layer, ascending), read at every call: the
-    swapped set may change between steps, or between a forward and its backward.
-    """
-
     def __init__(self, layers: dict[int, SwappedLayer], pool: SlotPool):
-        self.layers = layers
+        self.layers = layers  # the swapper's own dict, read at every call: the set may change mid-step
         self.pool = pool
         self.in_recompute = False  # the layers' own forward hooks stand aside
         self._phase: tuple[str, int] | None = None  # ("forward" | "backward", last layer index)
@@ -44,14 +34,11 @@ class Schedule:
             self.pool.release(layer)
 
     def _enter(self, direction: str, index: int) -> None:
-        """Note where the schedule is; a layer that does not continue the pass starts a new one."""
         phase = self._phase
         continues = phase is not None and phase[0] == direction
-        if continues and (index > phase[1] if direction == "forward" else index < phase[1]):
-            self._phase = (direction, index)
-            return
-        self.release_all()
-        self._callback_queued = False  # a backward that failed never ran its end callback
+        if not (continues and (index > phase[1] if direction == "forward" else index < phase[1])):
+            self.release_all()
+            self._callback_queued = False  # a backward that failed never ran its end callback
         self._phase = (direction, index)
 
     def before_forward(self, index: int) -> None:
@@ -67,9 +54,8 @@ class Schedule:
 
     @contextlib.contextmanager
     def recomputing(self, index: int) -> Iterator[None]:
-        """Backward recomputes layer `index`: fetch its weights; the layer's own hooks stand aside.
-        A layer swapped no more (disable() or a new map between forward and backward) has its
-        weights home already and needs nothing."""
+        """Backward recomputes layer `index`: fetch its weights; the layer's own hooks stand aside
+        (a layer swapped no more since the forward needs nothing)."""
         if index not in self.layers:
             yield
             return

@@ -1,12 +1,8 @@
 """`WeightSwapper`: which layers are swapped, and moving them out and home.
 
-One per wrapper, for its whole life: `update()` changes which layers are swapped, and the
-recompute shims of a step already in flight keep finding the layers they need. Changes move
-only the layers that join or leave; a layer joining takes its host copy first (the step that
-can fail), so a refusal changes nothing. The slots live in `slots`, the order of fetches in
-`schedule`, the refusals and redirections on swapped layers in `guards`, the eligibility
-checks in `checks`; host copies and copies to the device go through the device's transport
-(`remat.transport`, shared with offload).
+One per wrapper, for its whole life, so the recompute shims of a step in flight keep finding
+their layers. Changes move only the layers that join or leave; a joining layer takes its host
+copy first (the step that can fail), so a refusal changes nothing.
 """
 
 from __future__ import annotations
@@ -25,8 +21,6 @@ from .slots import SlotPool, SwappedLayer, placeholder
 
 
 class WeightSwapper:
-    """Keeps the frozen weights of the swapped layers in host memory and fetches them just in time."""
-
     def __init__(self, mover: WeightMover | None = None, prefetch_depth: int = 2):
         self._fixed_mover = mover
         self.layers: dict[int, SwappedLayer] = {}  # ascending index; the schedule reads this dict
@@ -36,15 +30,10 @@ class WeightSwapper:
         self.swapped_names: list[str] = []  # the swapped parameters' names in the model, in its order
 
     def __reduce__(self) -> Any:
-        """A copy of a wrapper that swaps nothing gets a swapper of its own, with the same mover
-        if one was given. One that swaps is refused (the swapped layers refuse copies too)."""
+        """A copy of a wrapper that swaps nothing gets a fresh swapper; one that swaps is refused."""
         if self.layers:
             raise TypeError(copy_refusal(*next((e.index, e.name) for e in self.layers.values())))
-        return (type(self), (self._fixed_mover, self.prefetch_depth))
-
-    @property
-    def prefetch_depth(self) -> int:
-        return self.pool.prefetch_depth
+        return (type(self), (self._fixed_mover, self.pool.prefetch_depth))
 
     @property
     def resident_bytes(self) -> int:
@@ -60,28 +49,13 @@ class WeightSwapper:
 
     @property
     def pool_bytes(self) -> int:
-        """The most swapped-weight bytes that can be resident at once."""
         return self.pool.size_bytes(list(self.layers.values()))
 
-    @property
-    def in_recompute(self) -> bool:
-        return self.schedule.in_recompute
-
     def recomputing(self, index: int) -> contextlib.AbstractContextManager[None]:
-        """The context around backward's recompute of layer `index` (see `Schedule.recomputing`)."""
         return self.schedule.recomputing(index)
 
-    def release_all(self) -> None:
-        self.schedule.release_all()
-
-    # -- which layers are swapped -------------------------------------------------------------------
-
     def update(self, model: nn.Module, targets: list[tuple[int, str, nn.Module]]) -> tuple[list[int], list[int]]:
-        """Swap exactly `targets` (index, name, module): layers that leave the set come home,
-        layers that join move out, the others stay as they are. Returns (joined, left).
-
-        Everything that can fail (checks, host copies) happens before anything moves.
-        """
+        """Swap exactly `targets` (index, name, module); returns (joined, left) indices."""
         wanted = {index: (name, module) for index, name, module in targets}
         joining = sorted((i, name, module) for i, (name, module) in wanted.items() if i not in self.layers)
         leaving = [i for i in self.layers if i not in wanted]
@@ -91,7 +65,8 @@ class WeightSwapper:
         for index in leaving:
             self._bring_home(self.layers.pop(index))
         for layer, module in entries:
-            self._move_out(layer, module)
+            layer.rest()
+            guard_layer(self, layer, module)
             self.layers[layer.index] = layer
         ordered = sorted(self.layers.items())
         self.layers.clear()
@@ -106,7 +81,7 @@ class WeightSwapper:
         return [i for i, _, _ in joining], leaving
 
     def restore(self) -> None:
-        """Bring every weight home (the swapper stays usable: `update()` swaps again)."""
+        """Bring every weight home (`update()` swaps again)."""
         for index in list(self.layers):
             self._bring_home(self.layers.pop(index))
         self._keep_used_slots()
@@ -123,10 +98,6 @@ class WeightSwapper:
     def _mover_for(self, device: torch.device) -> WeightMover:
         return self._fixed_mover if self._fixed_mover is not None else transport_for(device)
 
-    def _move_out(self, layer: SwappedLayer, module: nn.Module) -> None:
-        layer.rest()
-        guard_layer(self, layer, module)
-
     def _bring_home(self, layer: SwappedLayer) -> None:
         """The true values back in place, on the device, as plain tensors; hooks and patches off."""
         for event in layer.ready or ():  # copies still writing into the slot must finish first
@@ -141,11 +112,8 @@ class WeightSwapper:
     def _keep_used_slots(self) -> None:
         self.pool.keep_only({layer.layout for layer in self.layers.values()})
 
-    # -- `.to()` and friends on a swapped layer (called by its guard) ---------------------------
-
     def apply_to_layer(self, index: int, original_apply: Any, fn: Any, recurse: bool) -> Any:
-        """`module.to(...)` and friends on a swapped layer: torch converts everything else, the
-        swapped weights take the same dtype and device in their host copies and placeholders."""
+        """`module.to(...)` and friends on a swapped layer: the host copies and placeholders follow."""
         layer = self.layers[index]
         self.pool.release(layer)
         # What `fn` does to each weight is read off an empty tensor of its dtype and device:
