@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import add_lora, tiny_model
 
+import remat
 from remat import CheckpointConfig, CheckpointedModel, RematTrainer
 from remat.saving import STAGING_PREFIX
 from remat.saving import folder as transaction
@@ -551,7 +552,11 @@ def _run(script, tmp_path):
         text=True,
         timeout=300,
         cwd=os.path.dirname(__file__),
-        env={**os.environ, "PYTHONPATH": os.path.dirname(__file__)},
+        # the remat under test (this checkout's, whatever is installed), then the tests' helpers
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([os.path.dirname(remat.__path__[0]), os.path.dirname(__file__)]),
+        },
     )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
     return done.stdout
