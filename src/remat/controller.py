@@ -198,17 +198,15 @@ class Controller:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
         self._routes.install(self, model)
         self._save_load.install(self, model)
-        self._hooks = [
-            model.register_forward_pre_hook(self._before_forward),
-        ]
-        for owned in (model, *(ref() for ref in self._adopted_from)):
-            if owned is not None:  # the model keeps its controller alive; a model adopted around it is owned too
-                object.__setattr__(owned, "_remat_owner", self)
+        self._hooks = [model.register_forward_pre_hook(self._before_forward)]
+        # the model keeps its controller alive; a model adopted around it is owned too
+        owned = [m for m in (model, *(ref() for ref in self._adopted_from)) if m is not None]
+        for m in owned:
+            object.__setattr__(m, "_remat_owner", self)
         self._exclude_swapped_from_ddp_sync()
         self.apply_map()
-        for owned in (model, *(ref() for ref in self._adopted_from)):
-            if owned is not None:
-                _LAST_CLAIM[owned] = self._claim
+        for m in owned:
+            _LAST_CLAIM[m] = self._claim
         self._has_installed = True
 
     # -- adopting a model built around this one -------------------------------------------------

@@ -542,8 +542,7 @@ class CheckpointedModel(nn.Module):
         adapter files that are not the ones the config was saved with, an adapter of another
         structure) is refused before anything changes. `is_trainable=False` loads for inference
         (`for_inference()`); the map is applied whenever the model trains. Keyword arguments go
-        to PEFT, except the wrapper's own (`offload_transport`, `swap_mover`, `layer_class`,
-        `offload_host_budget`)."""
+        to PEFT, except the constructor's own (`remat.arguments.WrapperOptions`)."""
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     def extra_repr(self) -> str:
