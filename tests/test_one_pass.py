@@ -87,3 +87,15 @@ def test_enable_and_routes_plan_once_and_discover_nothing(monkeypatch):
         cm.model.gradient_checkpointing_enable()
     assert calls == {"plan_layers": 1}
     assert cm.checkpoint_map.checkpointed == [0, 1, 2, 3]
+
+
+def test_a_load_takes_the_constructors_own_keywords_and_checks_them_before_anything_changes(tmp_path):
+    CheckpointedModel(tiny_model(), CheckpointConfig(every_n_layers=2)).save_pretrained(tmp_path)
+    target = tiny_model()
+    with pytest.raises(ValueError, match="offload_host_budget"):
+        CheckpointedModel.from_pretrained(target, tmp_path, offload_host_budget="lots")
+    with pytest.raises(ValueError, match="layer_class names \\['NoSuchBlock'\\]"):
+        CheckpointedModel.from_pretrained(target, tmp_path, layer_class="NoSuchBlock")
+    assert "_remat_owner" not in target.__dict__, "refused: nothing installed"
+    cm = CheckpointedModel.from_pretrained(target, tmp_path, layer_class="LlamaDecoderLayer", offload_host_budget="1G")
+    assert cm.checkpoint_map.checkpointed == [0, 2]

@@ -116,9 +116,6 @@ class WrapperOptions:
         """The options popped out of `kwargs`."""
         return cls(**{name: kwargs.pop(name) for name in cls.names() if name in kwargs})
 
-    def as_kwargs(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in self.names()}
-
     def host_budget(self) -> int | None:
         """Checks each option, naming the one that is wrong; returns the host budget in bytes."""
         if self.offload_transport is not None:

@@ -105,7 +105,7 @@ def load_checkpointed_model(
                     found = cls._discover(model, options)
                     Expected.of(model, found.names).check(loaded.saved)
                     checkpoint_map = cls._plan(model, found, loaded.saved.config)
-                cm = cls(model, loaded.saved.config, **options.as_kwargs(), _prepared=(found, checkpoint_map))
+                cm = cls(model, loaded.saved.config, **vars(options), _prepared=(found, checkpoint_map))
             except FolderChanged:
                 undo.revert()
                 if loaded.snapshot.locked or attempt == _READ_AGAIN:
