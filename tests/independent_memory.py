@@ -1,10 +1,17 @@
-"""Memory counts for the tests that share no code with remat (`remat.measure`, `remat.report`,
-`remat.planner`): what the planner and the report claim is checked against these.
+"""Memory counts for the tests that share neither code nor method with remat's own: what the
+planner and the report claim is checked against these.
 
-- `held_bytes(model, batch)`: the bytes of activations held for backward after forward. A
-  TorchDispatchMode written here keeps a weak reference to every tensor an op returns during
-  forward; after forward, the storages still alive (each counted once, parameters' and buffers'
-  excluded) are what the autograd graph and the loss keep.
+- `held_bytes(model, batch)`: the bytes of activations held for backward after forward, as the
+  allocator counts them. remat counts with a dispatch mode (`remat.measure.LiveStorages`: op
+  outputs still alive after forward, each storage once); this asks the memory allocator itself,
+  through torch's profiler (`profile_memory=True`), which records every allocation and free of
+  the CPU allocator with its address: the blocks allocated during forward and not freed when it
+  returns are what forward left behind, whoever made them (torch 2.13 has no CPU allocator
+  statistics to read instead; on CUDA, `torch.cuda.memory_allocated` would be the same count).
+  It sees what a dispatch mode cannot: tensors made outside the dispatcher. Two such are known
+  and named by `remat_blind_spots`: the CPU RNG state torch's checkpoint keeps per checkpointed
+  layer (`torch.get_rng_state()`, to replay dropout) and each Python scalar autograd saves as a
+  0-dim tensor (eager attention's `* scaling`: 8 bytes per layer).
 - `step_peak_bytes(model, batch, optimizer)`: the peak of one whole training step (forward,
   backward, optimizer step) as torch's own `MemTracker` counts it.
 """
@@ -12,49 +19,60 @@
 from __future__ import annotations
 
 import gc
-import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.profiler import ProfilerActivity, profile
 
+from remat.model import controller_of
 
-class _Outputs(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.refs = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.refs += [weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        return out
-
-
-def _storage(t):
-    try:
-        s = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return s.data_ptr(), s.nbytes()
+SAVED_SCALAR_BYTES = 8  # a Python float autograd saves for backward, as a 0-dim float64 tensor
 
 
 def held_bytes(model, batch, loss_of=lambda out, batch: out.loss) -> int:
-    """One training step; the activation bytes alive after forward (see the module docstring).
-    Gradients are cleared afterwards."""
-    weights = {_storage(t)[0] for t in (*model.parameters(), *model.buffers())}
-    mode = _Outputs()
-    with mode:
+    """One training step; the bytes the CPU allocator handed out during forward and has not got
+    back when forward returns (see the module docstring). Gradients are cleared afterwards."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         loss = loss_of(model(**batch), batch)
-    gc.collect()
-    seen = {}
-    for ref in mode.refs:
-        t = ref()
-        key = None if t is None else _storage(t)
-        if key is not None and key[0] not in weights and key[0] != 0:
-            seen[key[0]] = max(seen.get(key[0], 0), key[1])
+        gc.collect()
+    live = {}
+    for event in sorted(_allocations(prof.profiler.kineto_results.experimental_event_tree()), key=_start):
+        fields = event.extra_fields
+        if fields.alloc_size > 0:
+            live[fields.ptr] = fields.alloc_size
+        else:
+            live.pop(fields.ptr, None)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(seen.values())
+    return sum(live.values())
+
+
+def _allocations(events):
+    for event in events:
+        if event.tag == torch._C._profiler._EventType.Allocation:
+            yield event
+        yield from _allocations(event.children)
+
+
+def _start(event):
+    return event.start_time_ns
+
+
+def remat_blind_spots(cm, saved_scalars_per_layer: int = 1) -> int:
+    """What forward leaves on a CPU model that remat's count does not see (made outside the
+    dispatcher): the CPU RNG state each checkpointed layer keeps, and the Python scalars autograd
+    saves (one per layer in eager attention)."""
+    controller = controller_of(cm)
+    checkpointed = len(controller.checkpoint_map.checkpointed) if controller.is_enabled else 0
+    rng = torch.get_rng_state().nbytes if controller.config.preserve_rng_state else 0
+    layers = len(controller.checkpoint_map)
+    return checkpointed * rng + layers * saved_scalars_per_layer * SAVED_SCALAR_BYTES
+
+
+def activation_bytes(cm, batch, loss_of=lambda out, batch: out.loss) -> int:
+    """`held_bytes` less the CPU RNG states of the checkpointed layers: the activations the
+    planner predicts (it leaves out the RNG states, which live in host memory on an accelerator;
+    the few bytes of saved scalars are within every test's tolerance)."""
+    return held_bytes(cm, batch, loss_of) - remat_blind_spots(cm, saved_scalars_per_layer=0)
 
 
 class _NoHook:

@@ -1,7 +1,7 @@
 """`cm.profile(batch)` / `profile.plan(budget)` / `cm.plan_for_budget(batch, budget)` on real
 models: the planned map fits the budget and holds what it predicted, checked against counts
-that share no code with remat (`independent_memory`: a dispatch-mode count of held storages,
-torch's MemTracker for the step's peak); planning runs the model a bounded number of times and
+that share no code with remat (`independent_memory`: the allocator's count of what forward
+left, torch's MemTracker for the step's peak); planning runs the model a bounded number of times and
 choosing runs it not at all (a forward counter); measuring leaves the model and everything
 outside it as it was. The choosing itself is tested without a model in test_chooser.py."""
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import transformers
 from conftest import add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
-from independent_memory import held_bytes, step_peak_bytes
+from independent_memory import activation_bytes, step_peak_bytes
 from test_discovery import tiny_llava
 from test_remote_code import _llava_batch
 
@@ -53,8 +53,8 @@ def _span(cm, data):
     """Held bytes of the smallest and the largest plan (all recompute, all none), counted
     independently; the wrapper is left as it was made."""
     n = len(cm.checkpoint_map)
-    low = held_bytes(cm.enable(CheckpointConfig(layer_policies=dict.fromkeys(range(n), "recompute"))), data)
-    high = held_bytes(cm.enable(CheckpointConfig(layer_policies=dict.fromkeys(range(n), "none"))), data)
+    low = activation_bytes(cm.enable(CheckpointConfig(layer_policies=dict.fromkeys(range(n), "recompute"))), data)
+    high = activation_bytes(cm.enable(CheckpointConfig(layer_policies=dict.fromkeys(range(n), "none"))), data)
     cm.enable(CheckpointConfig())
     return low, high
 
@@ -77,7 +77,7 @@ def test_the_planned_map_fits_the_budget_and_holds_what_was_predicted(profiled, 
     assert isinstance(planned, PlannedConfig) and planned.predicted_device_bytes <= budget
     cm.enable(planned)
     assert [p.policy for p in cm.checkpoint_map] == [c.policy for c in planned.choices]
-    measured = held_bytes(cm, data)
+    measured = activation_bytes(cm, data)
     cm.enable(CheckpointConfig())
     assert measured <= budget
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
@@ -256,7 +256,7 @@ def test_a_batch_without_labels_or_loss_fn_is_refused_before_any_work_and_loss_f
     profile = headless.profile(unlabelled, loss_fn=loss_fn, repeats=1, progress=False)
     planned = profile.plan(profile.frontier()[0].predicted_device_bytes)
     headless.enable(planned)
-    measured = held_bytes(headless, unlabelled, loss_of=loss_fn)
+    measured = activation_bytes(headless, unlabelled, loss_of=loss_fn)
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
     report = headless.memory_report(unlabelled, loss_fn=loss_fn)
     assert report.loss == pytest.approx(loss_fn(base(**unlabelled), None).item(), rel=1e-4)
@@ -282,7 +282,7 @@ def test_measuring_a_map_that_runs_out_of_memory_falls_back_to_groups_of_layers(
     # whole, so that map is not offered: the fastest one left checkpoints one layer
     assert policies.count("none") == len(policies) - 1, policies
     cm.enable(planned)
-    measured = held_bytes(cm, data)
+    measured = activation_bytes(cm, data)
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
 
 
@@ -355,10 +355,10 @@ def test_tokens_a_plan_for_twice_the_tokens_holds_its_prediction_at_that_length(
         )
         planned = profile.plan(budget, tokens=double)
         cm.enable(planned)
-        measured = held_bytes(cm, batch(size=2, seq=64))
+        measured = activation_bytes(cm, batch(size=2, seq=64))
         assert measured <= budget
         assert abs(measured - planned.predicted_device_bytes) <= 0.10 * planned.predicted_device_bytes
-        assert held_bytes(cm, batch(size=4, seq=32)) <= budget  # twice the batch instead: within the budget too
+        assert activation_bytes(cm, batch(size=4, seq=32)) <= budget  # twice the batch instead: within the budget
 
 
 def test_a_profile_is_its_own_object_copyable_and_printable():

@@ -9,7 +9,7 @@ number given to the planner or a config is a ValueError."""
 import pytest
 import torch
 from conftest import add_lora, batch, decoder_layers, tiny_model
-from independent_memory import held_bytes
+from independent_memory import activation_bytes
 from peft import LoraConfig
 
 from remat import CheckpointConfig, CheckpointedModel
@@ -46,7 +46,7 @@ def test_planning_a_model_cast_since_the_profile_is_refused_naming_the_dtype():
     fresh = cm.profile(data, repeats=1, progress=False)  # what the refusal asks for works
     planned = fresh.plan("1GiB")
     cm.enable(planned)
-    measured = held_bytes(cm, data)
+    measured = activation_bytes(cm, data)
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
 
 
@@ -98,7 +98,9 @@ def test_a_swap_set_enabled_since_the_profile_is_refused_and_a_profile_under_it_
     assert [p.index for p in cm.checkpoint_map if p.swapped] == swapped
     assert all(_frozen_weights_resident(cm, i) < full / 100 for i in swapped), "the swapped weights stay on the host"
     assert _frozen_weights_resident(cm, 0) == full
-    measured = held_bytes(cm, data)
+    # the slots the swapped layers' weights are fetched into were allocated before forward: the
+    # allocator's count of what forward left does not see them; remat holds them in the plan
+    measured = activation_bytes(cm, data) + len(swapped) * full
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
 
 

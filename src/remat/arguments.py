@@ -6,6 +6,7 @@ an unrelated error from deep inside a hook.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -94,3 +95,32 @@ def check_implements(value: Any, methods: tuple[str, ...], name: str) -> None:
     missing = [m for m in methods if not callable(getattr(value, m, None))]
     if missing:
         raise TypeError(f"{name} must provide {', '.join(methods)}; {type(value).__name__} lacks {', '.join(missing)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class WrapperOptions:
+    """The wrapper's own arguments besides the model and its config, named once: the constructor
+    takes them, `from_pretrained` picks them out of its keywords (the rest go to PEFT)."""
+
+    offload_transport: Any = None  # remat.offload.Transport
+    swap_mover: Any = None  # remat.swap.WeightMover
+    layer_class: Any = None  # a class, a class name, or several (checked by remat.layers)
+    offload_host_budget: int | str | None = None
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def taken_from(cls, kwargs: dict[str, Any]) -> WrapperOptions:
+        """The options popped out of `kwargs`."""
+        return cls(**{name: kwargs.pop(name) for name in cls.names() if name in kwargs})
+
+    def host_budget(self) -> int | None:
+        """Checks each option, naming the one that is wrong; returns the host budget in bytes."""
+        if self.offload_transport is not None:
+            check_implements(self.offload_transport, TRANSPORT_METHODS, "offload_transport")
+        if self.swap_mover is not None:
+            check_implements(self.swap_mover, MOVER_METHODS, "swap_mover")
+        budget = self.offload_host_budget
+        return None if budget is None else parse_bytes(budget, "offload_host_budget")

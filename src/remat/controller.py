@@ -150,20 +150,19 @@ class Controller:
 
     # -- enable / disable ----------------------------------------------------------------------
 
-    def enable(self, config: CheckpointConfig) -> None:
-        if self.is_enabled:
-            self.replan(config, off_by=None, cause="enable()")
-            return
-        self.check_not_replaced("enable()")
-        # Everything that can refuse (plan, swap checks, weights in use, host memory) comes
-        # before anything is patched.
-        new_map = plan_layers(config, self.discovery.names)
-        self._check_swap_change(new_map)
-        self._log_changes(config, new_map, "enable()")
-        self._swap_to(new_map)
-        self.config, self.off_by, self.checkpoint_map = config, None, new_map
-        self.offloader.min_bytes = config.offload_min_bytes
-        self._install()
+    def enable(
+        self,
+        config: CheckpointConfig,
+        *,
+        off_by: str | None = None,
+        cause: str = "enable()",
+        planned: CheckpointMap | None = None,
+    ) -> None:
+        """Install with `config` (re-plan, if installed already). `planned`: its map, when the
+        caller planned it already (the constructor, a load); `off_by` keeps a route's "off"."""
+        if not self.is_enabled:
+            self.check_not_replaced("enable()")
+        self._apply(config, off_by, cause, install=True, planned=planned)
 
     def disable(self, cause: str = "cm.disable()", *, say: bool = True) -> None:
         if not self.is_enabled:
@@ -196,17 +195,15 @@ class Controller:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
         self._routes.install(self, model)
         self._save_load.install(self, model)
-        self._hooks = [
-            model.register_forward_pre_hook(self._before_forward),
-        ]
-        for owned in (model, *(ref() for ref in self._adopted_from)):
-            if owned is not None:  # the model keeps its controller alive; a model adopted around it is owned too
-                object.__setattr__(owned, "_remat_owner", self)
+        self._hooks = [model.register_forward_pre_hook(self._before_forward)]
+        # the model keeps its controller alive; a model adopted around it is owned too
+        owned = [m for m in (model, *(ref() for ref in self._adopted_from)) if m is not None]
+        for m in owned:
+            object.__setattr__(m, "_remat_owner", self)
         self._exclude_swapped_from_ddp_sync()
         self.apply_map()
-        for owned in (model, *(ref() for ref in self._adopted_from)):
-            if owned is not None:
-                _LAST_CLAIM[owned] = self._claim
+        for m in owned:
+            _LAST_CLAIM[m] = self._claim
         self._has_installed = True
 
     # -- adopting a model built around this one -------------------------------------------------
@@ -241,14 +238,10 @@ class Controller:
         self._adopted_from.append(self._model)
         self._model = Ref(model)
         self.discovery = discovery
-        self.checkpoint_map = plan_layers(config, discovery.names)
         wrapper = self.wrapper() if self.wrapper is not None else None
         if wrapper is not None:
             wrapper.model = model
-        if was_enabled:
-            self.enable(config)
-            if off_by is not None:
-                self.replan(config, off_by=off_by, cause=cause, said=True)
+        self._apply(config, off_by, cause, said=True, install=was_enabled)  # the same map, under the new names
         logger.info(
             "%s: the CheckpointedModel now wraps the %s built around its model; its layers are %s ... and the map "
             "is kept: %r",
@@ -261,18 +254,39 @@ class Controller:
     # -- planning ------------------------------------------------------------------------------
 
     def replan(self, config: CheckpointConfig, off_by: str | None, cause: str, said: bool = False) -> None:
-        """Plan first (errors leave everything as it was), then apply. `said`: the caller has
-        logged the change already."""
-        new_map = plan_layers(config, self.discovery.names, checkpointing_off_by=off_by)
-        if self.is_enabled:
+        """A new config (or a route's on/off) for the map, applied if installed. `said`: the
+        caller has logged the change already."""
+        self._apply(config, off_by, cause, said=said)
+
+    def _apply(
+        self,
+        config: CheckpointConfig,
+        off_by: str | None,
+        cause: str,
+        *,
+        said: bool = False,
+        install: bool = False,
+        planned: CheckpointMap | None = None,
+    ) -> None:
+        """The one path of `enable` and re-planning: plan once, then everything that can refuse
+        (the plan, swap checks, weights in use, host memory) before anything is patched; then
+        swap, record, and install (`install` on a disabled wrapper) or re-apply the map."""
+        new_map = planned
+        if new_map is None:
+            new_map = plan_layers(config, self.discovery.names, checkpointing_off_by=off_by)
+        installing = install and not self.is_enabled
+        live = installing or self.is_enabled
+        if live:
             self._check_swap_change(new_map)
         if not said:
             self._log_changes(config, new_map, cause)
-        if self.is_enabled:
+        if live:
             self._swap_to(new_map)
         self.config, self.off_by, self.checkpoint_map = config, off_by, new_map
         self.offloader.min_bytes = config.offload_min_bytes
-        if self.is_enabled:
+        if installing:
+            self._install()
+        elif live:
             self._exclude_swapped_from_ddp_sync()
             self.apply_map()
         if off_by is None and not any(plan.offloaded for plan in new_map):
@@ -443,7 +457,7 @@ class Controller:
         if not self.is_enabled:
             logger.warning("%s: checkpointing is disabled, the saved checkpoint config is not applied", cause)
             return
-        own_config = self.config
+        own_config, own_map = self.config, self.checkpoint_map
         self.replan(config, off_by=self.off_by, cause=cause, said=True)
         logger.warning(
             "%s: the saved checkpoint config replaced this wrapper's own (%s): the map was %r, it is now %r. To keep "
@@ -451,8 +465,8 @@ class Controller:
             "on_train_begin, see the README's 'Resuming')",
             cause,
             describe_changes(own_config, config),
-            plan_layers(own_config, self.discovery.names),
-            plan_layers(config, self.discovery.names),
+            own_map,
+            self.checkpoint_map,
         )
 
 

@@ -1,14 +1,18 @@
 """Measure what backward holds: the bytes of activations alive after forward.
 
-On CPU there is no allocator to ask, so the forward runs under a dispatch mode that keeps a weak
-reference to every tensor an op produces. After forward, the ones still alive are exactly what
-the autograd graph (and the loss) keep for backward: everything else was freed when the layer
-returned. torch keeps a tensor's Python object alive as long as its C++ tensor lives, so a weak
-reference dies only when the memory is really released. Storages are counted once each, and
-storages of parameters and buffers are excluded (they are weights, not activations).
+`LiveStorages` is remat's one tracker of live tensors (the memory report, the planner's step
+peak, `measure_step` and `remat.testing` all use it). On CPU there is no allocator to ask, so the
+forward runs under a dispatch mode that keeps a weak reference to every tensor an op produces.
+After forward, the ones still alive are what the autograd graph (and the loss) keep for
+backward: everything else was freed when the layer returned. torch keeps a tensor's Python
+object alive as long as its C++ tensor lives, so a weak reference dies only when the memory is
+really released. Storages are counted once each; those of parameters and buffers are weights.
 
 Tensors saved by a checkpoint are its inputs, produced by the previous layer's ops, so they are
-counted; the activations inside a checkpointed layer die with the layer and are not.
+counted; the activations inside a checkpointed layer die with the layer and are not. Not seen:
+tensors made outside the dispatcher, the CPU RNG state a checkpoint keeps to replay dropout (5 KB
+per layer, host memory on an accelerator) and Python scalars autograd saves as 0-dim tensors
+(the suite's allocator count, tests/independent_memory.py, finds exactly these).
 """
 
 from __future__ import annotations
@@ -16,8 +20,7 @@ from __future__ import annotations
 import gc
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,20 +30,42 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
-class OutputTracker(TorchDispatchMode):
-    """Records a weak reference to every tensor an op produces, with the scope it ran in."""
+class LiveStorages(TorchDispatchMode):
+    """remat's one tracker of live tensors: a dispatch mode that sees every tensor an op returns.
 
-    def __init__(self, scope: Callable[[], Any] | None = None) -> None:
+    Two readings, one per use. Without `peak_on`: a weak reference to each output, with the
+    `scope` it ran in (the layer running, for the memory report); `alive()` and `held_bytes()`
+    after the body are what is still alive. With `peak_on` (a device): a running count of the
+    bytes of storages alive there, each counted once from the moment it is known (`known`, or
+    returned by an op) until it is freed, and `peak`, the most at any moment (a step's peak as
+    torch's `MemTracker` counts it, see `remat.planner.peak`)."""
+
+    def __init__(
+        self,
+        scope: Callable[[], Any] | None = None,
+        *,
+        peak_on: torch.device | None = None,
+        known: Iterable[torch.Tensor] = (),
+    ) -> None:
         super().__init__()
         self._scope = scope or (lambda: None)
         self.outputs: list[tuple[weakref.ref[torch.Tensor], Any]] = []
+        self._device_type = None if peak_on is None else peak_on.type
+        self.current = self.peak = 0
+        self._counted: dict[int, weakref.ref[Any]] = {}
+        for tensor in known:
+            self._count(tensor)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        scope = self._scope()
+        scope = None if self._device_type is not None else self._scope()
         for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if self._device_type is None:
                 self.outputs.append((weakref.ref(value), scope))
+            else:
+                self._count(value)
         return out
 
     def alive(self) -> Iterator[tuple[torch.Tensor, Any]]:
@@ -50,12 +75,40 @@ class OutputTracker(TorchDispatchMode):
             if tensor is not None:
                 yield tensor, scope
 
+    def held_bytes(self, exclude: Container[int] = (), device: torch.device | str | None = None) -> int:
+        """The bytes of recorded outputs still alive, one count per storage, leaving out storages
+        whose data pointer is in `exclude`; with `device`, only storages there."""
+        where = torch.device(device) if device is not None else None
+        gc.collect()
+        seen: dict[int, int] = {}
+        for tensor, _ in self.alive():
+            key = storage_key(tensor)
+            if key is None or key[0] in exclude or key[0] == 0 or not _on(tensor.device, where):
+                continue
+            seen[key[0]] = max(seen.get(key[0], 0), key[1])
+        return sum(seen.values())
 
-@contextmanager
-def track_outputs(scope: Callable[[], Any] | None = None) -> Iterator[OutputTracker]:
-    tracker = OutputTracker(scope)
-    with tracker:
-        yield tracker
+    def _count(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != self._device_type:
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # meta tensors, some wrapper subclasses
+            return
+        key = id(storage)
+        ref = self._counted.get(key)
+        if ref is not None and ref() is storage:
+            return
+        nbytes = storage.nbytes()
+        self._counted[key] = weakref.ref(storage, lambda _, key=key, nbytes=nbytes: self._freed(key, nbytes))
+        self.current += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.current -= nbytes
+        ref = self._counted.get(key)
+        if ref is not None and ref() is None:
+            del self._counted[key]
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
@@ -67,32 +120,26 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
     return storage.data_ptr(), storage.nbytes()
 
 
-def weight_storages(model: nn.Module) -> set[int]:
-    keys = set()
-    for tensor in (*model.parameters(), *model.buffers()):
+def weight_storages(module: nn.Module, device: torch.device | None = None) -> dict[int, int]:
+    """{data pointer: bytes} of the storages of the module's parameters and buffers, each once
+    (with `device`, only those there: a swapped weight waits on the host)."""
+    seen: dict[int, int] = {}
+    for tensor in (*module.parameters(), *module.buffers()):
         key = storage_key(tensor)
-        if key is not None:
-            keys.add(key[0])
-    return keys
+        if key is not None and key[0] != 0 and _on(tensor.device, device):
+            seen[key[0]] = key[1]
+    return seen
 
 
 def held_bytes_after(
-    forward: Callable[[], Any], exclude: set[int], device: torch.device | str | None = None
+    forward: Callable[[], Any], exclude: Container[int], device: torch.device | str | None = None
 ) -> tuple[Any, int]:
-    """Run `forward()`, return its result and the bytes of op outputs still alive afterwards,
-    one count per storage, ignoring storages whose data pointer is in `exclude`; with `device`,
-    only storages there (an offloaded input waits in host memory, which holds no device bytes)."""
-    where = torch.device(device) if device is not None else None
-    with track_outputs() as tracker:
+    """Run `forward()`, return its result and the bytes of op outputs still alive afterwards
+    (`LiveStorages.held_bytes`; with `device`, only there: an offloaded input waits in host
+    memory, which holds no device bytes)."""
+    with LiveStorages() as tracker:
         result = forward()
-    gc.collect()
-    seen: dict[int, int] = {}
-    for tensor, _ in tracker.alive():
-        key = storage_key(tensor)
-        if key is None or key[0] in exclude or key[0] == 0 or not _on(tensor.device, where):
-            continue
-        seen[key[0]] = max(seen.get(key[0], 0), key[1])
-    return result, sum(seen.values())
+    return result, tracker.held_bytes(exclude, device)
 
 
 def _on(device: torch.device, where: torch.device | None) -> bool:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .arguments import MOVER_METHODS, TRANSPORT_METHODS, check_implements, parse_bytes
+from .arguments import WrapperOptions
 from .compat.tested_versions import warn_if_untested
 from .compat.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .config import CheckpointConfig
@@ -131,9 +131,7 @@ def _with_fields(config: CheckpointConfig, fields: dict[str, Any], call: str) ->
     if unknown:
         close = difflib.get_close_matches(unknown[0], names, n=1)
         hint = f" (did you mean {close[0]}=?)" if close else ""
-        extra = (
-            ", offload_transport, swap_mover, layer_class, offload_host_budget" if call == "CheckpointedModel" else ""
-        )
+        extra = "".join(f", {name}" for name in WrapperOptions.names()) if call == "CheckpointedModel" else ""
         raise TypeError(
             f"{call}() got an unexpected keyword argument {unknown[0]!r}{hint}; it takes the fields of "
             f"CheckpointConfig ({', '.join(names)}){extra}"
@@ -223,21 +221,19 @@ class CheckpointedModel(nn.Module):
         swap_mover: WeightMover | None = None,
         layer_class: str | type | Sequence[str | type] | None = None,
         offload_host_budget: int | str | None = None,
+        _prepared: tuple[Discovery, CheckpointMap] | None = None,
         **fields: Any,
     ):
         warn_if_untested()  # once per process: torch or transformers outside the tested range
         config = CheckpointConfig() if config is None else config
         if isinstance(config, CheckpointConfig):  # anything else is refused below, naming the type
             config = _with_fields(config, fields, "CheckpointedModel")
-        discovery = self.check_wrappable(
-            model,
-            config,
-            offload_transport=offload_transport,
-            swap_mover=swap_mover,
-            layer_class=layer_class,
-            offload_host_budget=offload_host_budget,
-        )
-        budget = None if offload_host_budget is None else parse_bytes(offload_host_budget, "offload_host_budget")
+        options = WrapperOptions(offload_transport, swap_mover, layer_class, offload_host_budget)
+        if _prepared is None:  # every check before anything changes
+            discovery = self._discover(model, options, config)
+            checkpoint_map = self._plan(model, discovery, config)
+        else:
+            discovery, checkpoint_map = _prepared
         orphan = model.__dict__.get("_remat_owner")
         if orphan is not None:
             logger.warning(
@@ -248,49 +244,32 @@ class CheckpointedModel(nn.Module):
             orphan.disable()  # its swapped weights come home before the new map checks and swaps them
         super().__init__()
         self.model = model
-        offloader = Offloader(config.offload_min_bytes, offload_transport, budget)
-        checkpoint_map = plan_layers(config, discovery.names)
+        offloader = Offloader(config.offload_min_bytes, offload_transport, options.host_budget())
         # A plain attribute (not a submodule): the controller holds the model weakly.
         self._controller = Controller(model, config, discovery, checkpoint_map, offloader, WeightSwapper(swap_mover))
         self._controller.wrapper = LocalRef(self)
         try:
-            self._controller.enable(config)
+            self._controller.enable(config, planned=checkpoint_map)
         except BaseException:
             if orphan is not None:  # refused: the model keeps the checkpointing it had
-                orphan.enable(orphan_config)
-                if orphan_off_by is not None:
-                    orphan.replan(orphan_config, off_by=orphan_off_by, cause="a refused takeover (restoring)")
+                orphan.enable(orphan_config, off_by=orphan_off_by, cause="a refused takeover (restoring)")
             raise
 
-    @classmethod
-    def check_wrappable(
-        cls,
-        model: nn.Module,
-        config: CheckpointConfig,
-        *,
-        offload_transport: Transport | None = None,
-        swap_mover: WeightMover | None = None,
-        layer_class: str | type | Sequence[str | type] | None = None,
-        offload_host_budget: int | str | None = None,
-        check_swap: bool = True,
-    ) -> Discovery:
-        """Every check the constructor makes, with nothing changed: raises what it would raise
-        and returns the discovered layers. `check_swap=False` skips the swap checks (used when
-        PEFT is about to freeze the base weights)."""
+    @staticmethod
+    def _discover(model: nn.Module, options: WrapperOptions, config: Any = None) -> Discovery:
+        """Every check of the arguments that needs no plan, with nothing changed; then the layers."""
         _check_model(model)
-        if not isinstance(config, CheckpointConfig):
+        if config is not None and not isinstance(config, CheckpointConfig):
             raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
-        if offload_transport is not None:
-            check_implements(offload_transport, TRANSPORT_METHODS, "offload_transport")
-        if swap_mover is not None:
-            check_implements(swap_mover, MOVER_METHODS, "swap_mover")
-        if offload_host_budget is not None:
-            parse_bytes(offload_host_budget, "offload_host_budget")
-        discovery = discover_layers(model, layer_class)
+        options.host_budget()
+        return discover_layers(model, options.layer_class)
+
+    @staticmethod
+    def _plan(model: nn.Module, discovery: Discovery, config: CheckpointConfig) -> CheckpointMap:
+        """The map, with the swap it asks for checked (a plan the constructor is handed ready)."""
         checkpoint_map = plan_layers(config, discovery.names)
-        if check_swap:
-            check_swappable(swap_targets(discovery, checkpoint_map), model)
-        return discovery
+        check_swappable(swap_targets(discovery, checkpoint_map), model)
+        return checkpoint_map
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A deep copy or an unpickled wrapper owns the copy of the controller it carries."""
@@ -563,8 +542,7 @@ class CheckpointedModel(nn.Module):
         adapter files that are not the ones the config was saved with, an adapter of another
         structure) is refused before anything changes. `is_trainable=False` loads for inference
         (`for_inference()`); the map is applied whenever the model trains. Keyword arguments go
-        to PEFT, except the wrapper's own (`offload_transport`, `swap_mover`, `layer_class`,
-        `offload_host_budget`)."""
+        to PEFT, except the constructor's own (`remat.arguments.WrapperOptions`)."""
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     def extra_repr(self) -> str:

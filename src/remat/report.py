@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_flatten
 
 from .display import mib, render_table
 from .loss import LossFn, check_loss_source, own_inputs, step_loss
-from .measure import storage_key, track_outputs, weight_storages
+from .measure import LiveStorages, storage_key, weight_storages
 from .snapshot import model_left_as_it_was
 
 BUFFER_COPY_LIMIT = 64 * 2**20  # larger buffers are weights (quantized models), not counters: not copied
@@ -234,20 +234,6 @@ class _LayerScopes:
         return self._storages(self._outputs)
 
 
-def _weight_storages(module: nn.Module) -> dict[int, int]:
-    """{data pointer: bytes} of the storages of the module's parameters and buffers."""
-    seen: dict[int, int] = {}
-    for tensor in (*module.parameters(), *module.buffers()):
-        key = storage_key(tensor)
-        if key is not None and key[0] != 0:
-            seen[key[0]] = key[1]
-    return seen
-
-
-def _weight_bytes(module: nn.Module) -> int:
-    return sum(_weight_storages(module).values())
-
-
 def memory_report_leaving_state(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
     """`memory_report`, with everything the step changed put back, whatever happens (what
     `cm.memory_report` runs): the parameters' gradients (accumulated ones included: a report
@@ -300,13 +286,13 @@ def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None
     state.offloader.reset_stats()
     scopes = _LayerScopes(layers)
     counter = _RunCounter(layers)
-    exclude = weight_storages(model)
+    exclude = set(weight_storages(model))
     on_cuda = device.type == "cuda"
     try:
         if on_cuda:
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
-        with track_outputs(scope=scopes.current) as tracker:
+        with LiveStorages(scopes.current) as tracker:
             loss = step_loss(model, batch, loss_fn)
         allocator = None
         if on_cuda:
@@ -354,17 +340,17 @@ def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None
             plan.swapped,
             device_by_layer[i],
             host_by_layer[i],
-            _weight_bytes(layers[i]),
+            sum(weight_storages(layers[i]).values()),
             counter.runs[i],
             *_fetched_since(swapper, i, before_fetches),
             _offload_note(state.offloader.stats.get(i)),
         )
         for i, plan in enumerate(plans)
     )
-    every_weight = _weight_storages(model)
+    every_weight = weight_storages(model)
     in_layers: set[int] = set()
     for layer in layers:
-        in_layers |= _weight_storages(layer).keys()
+        in_layers |= weight_storages(layer).keys()
     outside_weights = sum(size for ptr, size in every_weight.items() if ptr not in in_layers)
     notes = []
     if device.type == "cpu" and not offloaded:

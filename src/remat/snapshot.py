@@ -78,19 +78,15 @@ class Watched:
         return Snapshot(self, tensors, versions, copies, values)
 
 
+@dataclass(frozen=True)
 class Snapshot:
     """What `Watched.snapshot` recorded: put back with `restore()`, compared with `changed()`."""
 
-    def __init__(
-        self,
-        watched: Watched,
-        tensors: list[torch.Tensor | None],
-        versions: list[int],
-        copies: list[torch.Tensor | None],
-        values: list[int | float | None],
-    ):
-        self.watched, self.tensors, self.versions = watched, tensors, versions
-        self.copies, self.values = copies, values
+    watched: Watched
+    tensors: list[torch.Tensor | None]
+    versions: list[int]
+    copies: list[torch.Tensor | None]
+    values: list[int | float | None]
 
     def changed(self) -> Watched:
         """The entries that changed since the snapshot: a buffer replaced or written to, a number

@@ -7,10 +7,10 @@ imports this module.
 order; pinning can be made to fail; and the buffers it allocated can be counted while alive,
 so a test can check that host memory really is given back.
 
-`measure_held_activations` and `measure_step_peak` check a plan's bytes with counts that share
-no code with remat's own (`remat.report`, `remat.planner.peak`): the activations a forward
-leaves for backward, counted by a dispatch mode written here; the peak of a whole training step
-as torch's own `MemTracker` counts it. `MemTracker` alone fails on any model with frozen
+`measure_held_activations` and `measure_step_peak` check a plan's bytes on a real step of the
+map enabled now: the activations a forward leaves for backward, as remat counts them
+(`remat.measure`, the count the planner's profile steps were measured with); the peak of a whole
+training step as torch's own `MemTracker` counts it. `MemTracker` alone fails on any model with frozen
 parameters (a LoRA model: it hooks every parameter's gradient, and torch refuses a hook on a
 tensor that does not require grad); `measure_step_peak` gives it no-op handles for those,
 which changes nothing it counts (a frozen parameter never gets a gradient). Checked against
@@ -19,16 +19,14 @@ torch 2.13.
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from .compat.transformers_compat import has_activation_checkpointing_names
+from .measure import held_bytes_after, weight_storages
 from .transport import DoneEvent, Event, TensorMeta, as_bytes, from_bytes
 
 
@@ -52,27 +50,6 @@ def _batch_device(batch: Mapping[str, Any]) -> torch.device:
     return tensors[0].device
 
 
-class _Outputs(TorchDispatchMode):
-    """Keeps a weak reference to every tensor an op returns."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.refs: list[weakref.ref[torch.Tensor]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        self.refs += [weakref.ref(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        return out
-
-
-def _storage(tensor: torch.Tensor) -> tuple[int, int] | None:
-    try:
-        storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return None
-    return storage.data_ptr(), storage.nbytes()
-
-
 def measure_held_activations(
     model: torch.nn.Module,
     batch: Mapping[str, Any],
@@ -90,21 +67,10 @@ def measure_held_activations(
         assert measure_held_activations(cm, batch) <= planned.budget
     """
     device = _batch_device(batch)
-    weights = {_storage(t) for t in (*model.parameters(), *model.buffers())}
-    weights = {key[0] for key in weights if key is not None}
-    mode = _Outputs()
-    with mode:
-        loss = loss_fn(model(**batch), batch)
-    gc.collect()
-    held: dict[int, int] = {}
-    for ref in mode.refs:
-        tensor = ref()
-        key = None if tensor is None or tensor.device != device else _storage(tensor)
-        if key is not None and key[0] not in weights and key[0] != 0:
-            held[key[0]] = max(held.get(key[0], 0), key[1])
+    loss, held = held_bytes_after(lambda: loss_fn(model(**batch), batch), weight_storages(model), device)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return sum(held.values())
+    return held
 
 
 class _NoHook:

@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import nn
 
+from ..arguments import WrapperOptions
 from ..config import CheckpointConfig
 from ..saving.folder import FolderChanged
 from .overrides import SaveLoadOverrides
@@ -37,7 +38,6 @@ from .rollback import ModelChanges
 logger = logging.getLogger("remat")
 
 _READ_AGAIN = 10  # loads of a folder this process cannot lock: how often a commit during PEFT's read is retried
-WRAPPER_ARGUMENTS = ("offload_transport", "swap_mover", "layer_class", "offload_host_budget")
 
 __all__ = ["SaveLoadOverrides", "apply_saved_config", "load_checkpointed_model", "save_checkpointed_model"]
 
@@ -83,16 +83,16 @@ def load_checkpointed_model(
     folder = os.path.abspath(os.fspath(path))
     if not os.path.isdir(folder):
         raise FileNotFoundError(f"no saved CheckpointedModel at {folder}")
-    wrapper_kwargs = {k: kwargs.pop(k) for k in WRAPPER_ARGUMENTS if k in kwargs}
-    # Every check that needs no change comes first: PEFT's loading changes the model. (Swapping
-    # is checked after it: PEFT freezes the base weights that block swap needs frozen.)
-    names = cls.check_wrappable(model, CheckpointConfig(), check_swap=False, **wrapper_kwargs).names
+    options = WrapperOptions.taken_from(kwargs)
+    # Every check that needs no change comes first: PEFT's loading changes the model. The layers
+    # are found once, planned once; again only in the PeftModel PEFT builds around a base model
+    # (its layers, with any its tuner adds), whose swap is checked after PEFT froze the weights.
+    discovery = cls._discover(model, options)
     base = model
     for attempt in range(1, _READ_AGAIN + 1):
-        with read_model_pair(folder, Expected.of(base, names)) as loaded:
+        with read_model_pair(folder, Expected.of(base, discovery.names)) as loaded:
             fresh = bool(loaded.adapters) and not is_peft_model(base)
-            if not (fresh and loaded.saved.adapter_layers):  # else the map needs the layers the adapter adds
-                cls.check_wrappable(base, loaded.saved.config, check_swap=not fresh, **wrapper_kwargs)
+            checkpoint_map = None if fresh else cls._plan(base, discovery, loaded.saved.config)
             if is_peft_model(base):
                 check_loadable_into(base, loaded)
             check_trainable_load(base, loaded, is_trainable)
@@ -102,10 +102,12 @@ def load_checkpointed_model(
                 if loaded.adapters:
                     model = load_adapters(base, loaded, is_trainable, kwargs)
                     loaded.snapshot.unchanged()  # PEFT read the files checked (FolderChanged: undone)
-                if fresh:  # the layers of the PeftModel PEFT built, with any a tuner added
-                    discovery = cls.check_wrappable(model, loaded.saved.config, check_swap=False, **wrapper_kwargs)
-                    Expected.of(model, discovery.names).check(loaded.saved)
-                cm = cls(model, loaded.saved.config, **wrapper_kwargs)
+                found = discovery
+                if fresh:
+                    found = cls._discover(model, options)
+                    Expected.of(model, found.names).check(loaded.saved)
+                    checkpoint_map = cls._plan(model, found, loaded.saved.config)
+                cm = cls(model, loaded.saved.config, **vars(options), _prepared=(found, checkpoint_map))
             except FolderChanged:
                 undo.revert()
                 if loaded.snapshot.locked or attempt == _READ_AGAIN:

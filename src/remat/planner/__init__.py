@@ -50,6 +50,7 @@ import torch
 
 from ..arguments import parse_bytes, parse_count
 from ..loss import LossFn
+from ..measure import weight_storages
 from .chooser import SCOPES, LayerChoice, Measurements, Outside, Plan, StepMemory
 from .measuring import Controlled, check_measurable, measure
 from .profile import PlannedConfig, Profile
@@ -136,13 +137,7 @@ def plan_for_budget(
 
 def _device_weight_bytes(state: Controlled) -> int:
     """Parameters and buffers resident on the model's device (swapped weights wait on the host)."""
-    device = next(state.model.parameters()).device
-    seen: dict[int, int] = {}
-    for tensor in (*state.model.parameters(), *state.model.buffers()):
-        if tensor.device == device and tensor.numel():
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    return sum(weight_storages(state.model, next(state.model.parameters()).device).values())
 
 
 __all__ = [

@@ -13,24 +13,14 @@ What is measured, on the batch given (`measure`):
    checkpointed layer is the last layer (whose input stays on the device). One step with
    nothing checkpointed prices that map on its own (offered only if it fit, and no layer is
    swapped). Each of these is one `remat.report.memory_report`.
-2. The step's peak, with `optimizer`: each of those steps runs under a count of live storages
-   as torch's `MemTracker` counts them (weights, gradients, optimizer state, activations and
-   temporaries) and takes an optimizer step too, with the optimizer's state already made (as
-   in every step after the first). What the peak holds beyond the held activations depends,
-   measured on Llama and Qwen3, only on the last layer's policy (the peak comes early in
-   backward, at the head and the last layer) and on whether anything is checkpointed: it is
-   kept per (last layer's policy, checkpointing) (`chooser.StepMemory`; the tracker in `remat.planner.peak`).
+2. The step's peak, with `optimizer`: each of those steps also takes an optimizer step under a
+   count of live storages (`remat.planner.peak`), kept per (last layer's policy, checkpointing).
 3. A second length, for `tokens`: when the batch is plain text (every tensor of two or more
    dimensions is (batch, sequence, ...)), the steps of 1. and 2. run again on its first half
    (`shorter_batch`), at about half the cost, so that bytes that grow with the square of the
    sequence length (eager attention's scores, SDPA's mask) are modelled (`Measurements.scaled`).
-4. Time (`remat.planner.timing`). One step with every layer recomputed counts FLOPs (torch's
-   formulas): each layer's forward, which a recompute repeats, and the part "selective"
-   repeats. Then `repeats` x 3 timed steps of mixed maps (every policy in every step, against
-   the same load) give one rate, seconds per FLOP of a layer's forward (the median of every
-   timed layer call), selective's share of a recompute, and the step with nothing recomputed,
-   each with its quartiles. A price is a count times the rate, so maps rank the same however
-   busy the machine was; the quartiles are the spread shown with each prediction.
+4. Time (`remat.planner.timing`): FLOPs counted per layer, priced by a rate from `repeats` x 3
+   timed steps of mixed maps, with its quartiles as the spread shown with each prediction.
 
 Everything is put back afterwards (`remat.snapshot.model_left_as_it_was` for gradients, buffers,
 counters and RNG; here the config and on/off state, the offload and swap counters, and the
@@ -44,7 +34,7 @@ import contextlib
 import dataclasses
 import gc
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -140,12 +130,23 @@ class _Steps:
     def use(self, policies: Mapping[int, str]) -> None:
         self.state.enable(self.base.replace(layer_policies={**self.base.layer_policies, **policies}))
 
-    def held(self, policies: Mapping[int, str]) -> Any:
-        """One step under `policies` (the other layers recomputing), measured by the memory
-        report (under `peak.LiveBytes`, with the optimizer's step, when there is an optimizer); None
-        if it ran out of memory."""
+    def _run(self, policies: Mapping[int, str], step: Callable[[], Any]) -> Any:
+        """`step()` under `policies` (the other layers recomputing); None if it ran out of memory."""
         self.use(policies)
         try:
+            found = step()
+        except OUT_OF_MEMORY:
+            found = None
+            _give_back_memory()
+        self.model.zero_grad(set_to_none=True)
+        self.bar.update(1)
+        return found
+
+    def held(self, policies: Mapping[int, str]) -> Any:
+        """The memory report of one step (with an optimizer, under `StepPeak`'s live count and
+        with the optimizer's step, whose peak beyond the held bytes goes into `extras`)."""
+
+        def step() -> Any:
             with self.peak() as optimizer:
                 report = memory_report(self.state, self.batch, self.loss_fn)
                 if optimizer is not None:
@@ -155,46 +156,33 @@ class _Steps:
                 plans = list(self.state.checkpoint_map)
                 key = (plans[-1].policy, any(plan.checkpointed for plan in plans))
                 self.extras[key] = max(self.extras.get(key, extra), extra)
-        except OUT_OF_MEMORY:
-            report = None
-            _give_back_memory()
-        self.model.zero_grad(set_to_none=True)
-        self.bar.update(1)
-        return report
+            return report
+
+        return self._run(policies, step)
 
     def counted(self, policies: Mapping[int, str], tally: FlopTally) -> tuple[list[Work], list[Work]] | None:
-        """One step under `policies` (the other layers recomputing), counted by `tally`: per
-        layer, the work of its forward and of backward's recompute of it (`Work`). None if it ran out of
-        memory."""
-        self.use(policies)
-        try:
-            with tally:
-                step_loss(self.model, self.batch, self.loss_fn).backward()
-            found = tally.work()
-        except OUT_OF_MEMORY:
-            found = None
-            _give_back_memory()
-        finally:
-            tally.remove()
-        self.model.zero_grad(set_to_none=True)
-        self.bar.update(1)
-        return found
+        """Per layer, the work of its forward and of backward's recompute of it, counted by `tally`."""
+
+        def step() -> tuple[list[Work], list[Work]]:
+            try:
+                with tally:
+                    step_loss(self.model, self.batch, self.loss_fn).backward()
+                return tally.work()
+            finally:
+                tally.remove()
+
+        return self._run(policies, step)
 
     def timed(self, policies: Mapping[int, str], clock: LayerClock) -> float | None:
-        self.use(policies)
-        try:
+        def step() -> float:
             synchronize(self.device)
             start = time.perf_counter()
             with clock.step():
                 step_loss(self.model, self.batch, self.loss_fn).backward()
             synchronize(self.device)
-            seconds = time.perf_counter() - start
-        except OUT_OF_MEMORY:
-            seconds = None
-            _give_back_memory()
-        self.model.zero_grad(set_to_none=True)
-        self.bar.update(1)
-        return seconds
+            return time.perf_counter() - start
+
+        return self._run(policies, step)
 
 
 def measure(

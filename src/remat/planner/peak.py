@@ -1,15 +1,15 @@
 """The peak of a whole training step, counted as torch's `MemTracker` counts it (`scope="step"`).
 
-Each memory step of a profile, when an optimizer is given, runs under `LiveBytes` and takes the
+Each memory step of a profile, when an optimizer is given, runs under a live count and takes the
 optimizer's step, with the optimizer's state already made (as in every step after the first).
 Then the parameters and the optimizer's state are put back at once: later steps run on the same
 weights (an MoE router's choices depend on them). What the peak holds beyond the held
 activations is the step's "extra" (`chooser.StepMemory`).
 
-`LiveBytes` counts what `MemTracker` counts (every storage alive on the device: parameters,
-buffers, gradients, optimizer state, the batch, and every op's output until it is freed), and
-nothing else: `MemTracker` also attributes memory to modules and states, which made a step of
-the benchmark's small preset about 15 times slower; this count adds little to a step. The suite
+The count (`remat.measure.LiveStorages` with `peak_on`) is what `MemTracker` counts (every
+storage alive on the device: parameters, buffers, gradients, optimizer state, the batch, and
+every op's output until it is freed), and nothing else: `MemTracker` also attributes memory to
+modules and states, which made a step of the benchmark's small preset about 15 times slower. The suite
 checks the planner's predictions against `MemTracker` itself (tests/independent_memory.py).
 """
 
@@ -17,18 +17,17 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+
+from ..measure import LiveStorages
 
 
 class StepPeak:
-    """With an optimizer: a context for one measured step under `LiveBytes` that also
+    """With an optimizer: a context for one measured step under a live count that also
     takes the optimizer step, then puts the parameters and the optimizer's state back at once
     (later steps run on the same weights: an MoE router's choices depend on them);
     `extra(report)` is then the peak beyond the held activations."""
@@ -52,7 +51,7 @@ class StepPeak:
         known += [p.grad for p in self.model.parameters() if p.grad is not None]
         known += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
         known += [v for v in self.batch.values() if isinstance(v, torch.Tensor)]
-        tracker = LiveBytes(self.device, known)
+        tracker = LiveStorages(peak_on=self.device, known=known)
         self.tracker = tracker
         try:
             with tracker:
@@ -83,45 +82,3 @@ def _make_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) ->
     finally:
         for p, grad in grads:
             p.grad = grad
-
-
-class LiveBytes(TorchDispatchMode):
-    """The bytes of every storage alive on `device`, each counted once from the moment it is
-    known (given, or returned by an op) until it is freed; `peak` is the most at any moment."""
-
-    def __init__(self, device: torch.device, known: Iterable[torch.Tensor]):
-        super().__init__()
-        self.device_type = device.type
-        self.current = self.peak = 0
-        self._alive: dict[int, weakref.ref[Any]] = {}
-        for tensor in known:
-            self._add(tensor)
-
-    def _add(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type != self.device_type:
-            return
-        try:
-            storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # meta tensors, some wrapper subclasses
-            return
-        key = id(storage)
-        ref = self._alive.get(key)
-        if ref is not None and ref() is storage:
-            return
-        nbytes = storage.nbytes()
-        self._alive[key] = weakref.ref(storage, lambda _, key=key, nbytes=nbytes: self._free(key, nbytes))
-        self.current += nbytes
-        self.peak = max(self.peak, self.current)
-
-    def _free(self, key: int, nbytes: int) -> None:
-        self.current -= nbytes
-        ref = self._alive.get(key)
-        if ref is not None and ref() is None:
-            del self._alive[key]
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
-                self._add(value)
-        return out
