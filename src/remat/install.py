@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import StateError
 from .integrations.transformers_compat import CACHE_ARGUMENTS, LAYER_FLAG, LAYER_FUNCTION
 from .layers import DiscoveredLayer, calls_checkpoint_directly
 from .patches import MISSING, restore_attributes
@@ -47,7 +48,7 @@ class _Installed:
     def module(self) -> nn.Module:
         module = self._module()
         if module is None:
-            raise RuntimeError("remat: a layer of the wrapped model no longer exists")
+            raise StateError("remat: a layer of the wrapped model no longer exists; wrap the model you train")
         return module
 
 
@@ -153,7 +154,9 @@ class _OnTheModule(_Installed):
     def install(self) -> ForwardInstall:
         install = self._install()
         if install is None:
-            raise RuntimeError("remat: this layer's checkpointing was removed while it was still called")
+            raise StateError(
+                "remat: this layer's checkpointing was removed while it was still called; call the model again"
+            )
         return install
 
 

@@ -37,6 +37,7 @@ from .arguments import MOVER_METHODS, TRANSPORT_METHODS, check_implements, parse
 from .config import CheckpointConfig
 from .controller import Controller, swap_targets
 from .display import describe_map
+from .errors import ConfigError, ConfigTypeError, StateError
 from .integrations.tested_versions import warn_if_untested
 from .integrations.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .layers import Discovery, discover_layers
@@ -107,18 +108,20 @@ def _has_adapter_layers(model: nn.Module) -> bool:
 
 def _check_model(model: Any) -> None:
     if isinstance(model, CheckpointedModel):
-        raise TypeError("this model is already a CheckpointedModel; wrap the original model once")
+        raise ConfigTypeError("this model is already a CheckpointedModel; wrap the original model once")
     if not isinstance(model, nn.Module):
-        raise TypeError(f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}")
+        raise ConfigTypeError(
+            f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}: pass the loaded model"
+        )
     pretrained = pretrained_model_class()
     if not any(isinstance(m, pretrained) for m in model.modules()):
-        raise TypeError(
+        raise ConfigTypeError(
             f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
             f"{type(model).__name__} contains no PreTrainedModel"
         )
     owner = model.__dict__.get("_remat_owner")
     if owner is not None and not owner.orphaned:
-        raise ValueError("this model is already wrapped by another CheckpointedModel; call its disable() first")
+        raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
 
 
 def _with_fields(config: CheckpointConfig, fields: dict[str, Any], call: str) -> CheckpointConfig:
@@ -134,7 +137,7 @@ def _with_fields(config: CheckpointConfig, fields: dict[str, Any], call: str) ->
         extra = (
             ", offload_transport, swap_mover, layer_class, offload_host_budget" if call == "CheckpointedModel" else ""
         )
-        raise TypeError(
+        raise ConfigTypeError(
             f"{call}() got an unexpected keyword argument {unknown[0]!r}{hint}; it takes the fields of "
             f"CheckpointConfig ({', '.join(names)}){extra}"
         )
@@ -279,7 +282,9 @@ class CheckpointedModel(nn.Module):
         PEFT is about to freeze the base weights)."""
         _check_model(model)
         if not isinstance(config, CheckpointConfig):
-            raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
+            raise ConfigTypeError(
+                f"config must be a CheckpointConfig, got {type(config).__name__}: pass CheckpointConfig(...)"
+            )
         if offload_transport is not None:
             check_implements(offload_transport, TRANSPORT_METHODS, "offload_transport")
         if swap_mover is not None:
@@ -300,7 +305,7 @@ class CheckpointedModel(nn.Module):
     def __copy__(self) -> CheckpointedModel:
         """Refused: a shallow copy would share this wrapper's model and controller, so two
         wrappers would claim one map (and ownership would follow whichever was made last)."""
-        raise TypeError(
+        raise ConfigTypeError(
             "copy.copy(cm) would make a second wrapper sharing cm's model and map; a model has one wrapper. Use cm "
             "itself, or copy.deepcopy(cm) for an independent wrapper over a copy of the model"
         )
@@ -314,7 +319,7 @@ class CheckpointedModel(nn.Module):
             if name in ("model", "_controller"):  # not set yet: no recursion through self.model
                 raise
             if name == TRAINER_PROBE:
-                raise TypeError(_plain_trainer_refusal(self.model)) from None
+                raise ConfigTypeError(_plain_trainer_refusal(self.model)) from None
             return getattr(self.model, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -373,7 +378,7 @@ class CheckpointedModel(nn.Module):
         included, stay as they are)."""
         config = self._controller.config if config is None else config
         if not isinstance(config, CheckpointConfig):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"config must be a CheckpointConfig, got {type(config).__name__}: "
                 "cm.enable(CheckpointConfig(...)), or fields as keywords, cm.enable(every_n_layers=3)"
             )
@@ -484,7 +489,7 @@ class CheckpointedModel(nn.Module):
         from .report import memory_report_leaving_state
 
         if self._controller.inference or not self.model.training:
-            raise RuntimeError("memory_report measures a training step: call cm.for_training() first")
+            raise StateError("memory_report measures a training step: call cm.for_training() first")
         return memory_report_leaving_state(self._controller, dict(batch), loss_fn)
 
     def profile(

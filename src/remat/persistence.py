@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from .config import CheckpointConfig
-from .saving.folder import FolderChanged
+from .errors import ConfigError, FolderChangedError, NotSavedError
 from .saving.overrides import SaveLoadOverrides
 from .saving.pair_format import Expected, PairOwner, expected_for, read_model_pair, save_model_pair
 from .saving.peft_loading import check_loadable_into, check_trainable_load, load_adapters
@@ -49,21 +49,21 @@ def _adapter_layers(model: nn.Module) -> list[str]:
 
 def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike, **kwargs: Any) -> None:
     if os.fspath(save_directory) == "":
-        raise ValueError("save_pretrained needs a folder, got an empty path; pass '.' for the current directory")
+        raise ConfigError("save_pretrained needs a folder, got an empty path; pass '.' for the current directory")
     if not kwargs.get("is_main_process", True):
         return  # the main process writes the save; the others write nothing
     model = owner.model
     peft = is_peft_model(model)
     stray = [] if peft else _adapter_layers(model)
     if stray:
-        raise ValueError(
+        raise ConfigError(
             f"cm.model has PEFT adapter layers ({stray[0]}, ...) but is not a PeftModel, so there is no PEFT "
             "model to save them with and they would be lost. Wrap the PeftModel instead: "
             "peft_model = get_peft_model(model, lora_config); cm = CheckpointedModel(peft_model). Nothing was saved."
         )
     target = os.path.abspath(os.fspath(save_directory))
     if os.path.isfile(target):
-        raise ValueError(f"save_pretrained needs a folder, but {target} is a file")
+        raise ConfigError(f"save_pretrained needs a folder, but {target} is a file: pass a folder")
 
     def write(staging: str) -> None:
         if peft:
@@ -80,7 +80,7 @@ def load_checkpointed_model(
     """`cls.from_pretrained`: `cls` is the wrapper class (handed in, so nothing here imports it)."""
     folder = os.path.abspath(os.fspath(path))
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"no saved CheckpointedModel at {folder}")
+        raise NotSavedError(f"no saved CheckpointedModel at {folder}; save one with cm.save_pretrained(folder)")
     wrapper_kwargs = {k: kwargs.pop(k) for k in WRAPPER_ARGUMENTS if k in kwargs}
     # Every check that needs no change comes first: PEFT's loading changes the model. (Swapping
     # is checked after it: PEFT freezes the base weights that block swap needs frozen.)
@@ -99,12 +99,12 @@ def load_checkpointed_model(
                 model = base
                 if loaded.adapters:
                     model = load_adapters(base, loaded, is_trainable, kwargs)
-                    loaded.snapshot.unchanged()  # PEFT read the files checked (FolderChanged: undone)
+                    loaded.snapshot.unchanged()  # PEFT read the files checked (FolderChangedError: undone)
                 if fresh:  # the layers of the PeftModel PEFT built, with any a tuner added
                     discovery = cls.check_wrappable(model, loaded.saved.config, check_swap=False, **wrapper_kwargs)
                     Expected.of(model, discovery.names).check(loaded.saved)
                 cm = cls(model, loaded.saved.config, **wrapper_kwargs)
-            except FolderChanged:
+            except FolderChangedError:
                 undo.revert()
                 if loaded.snapshot.locked or attempt == _READ_AGAIN:
                     raise

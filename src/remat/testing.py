@@ -28,6 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .errors import ConfigError
 from .integrations.transformers_compat import has_activation_checkpointing_names
 from .transport import DoneEvent, Event, TensorMeta, as_bytes, from_bytes
 
@@ -48,7 +49,7 @@ def _default_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
 def _batch_device(batch: Mapping[str, Any]) -> torch.device:
     tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
     if not tensors:
-        raise ValueError("the batch holds no tensor: pass the dict of tensors the model is called with")
+        raise ConfigError("the batch holds no tensor: pass the dict of tensors the model is called with")
     return tensors[0].device
 
 

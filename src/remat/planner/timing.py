@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..errors import StateError
 from .chooser import TimePrices
 
 CALLS = 2  # timed per layer and step: the forward, and backward's recompute
@@ -152,7 +153,9 @@ def price_time(
     modules = [layer.module for layer in steps.state.discovery.layers]
     found = steps.counted(dict.fromkeys(range(n), "recompute"), FlopTally(modules))
     if found is None:
-        raise RuntimeError("profiling: the step with every layer recomputed ran out of memory while counted")
+        raise StateError(
+            "profiling: the step with every layer recomputed ran out of memory while counted; profile a smaller batch"
+        )
     forward, recompute = found
     selective = [0] * n
     if "selective" in names:
@@ -181,7 +184,7 @@ def price_time(
     finally:
         clock.remove()
     if not runs:
-        raise RuntimeError("profiling: every timed step ran out of memory")
+        raise StateError("profiling: every timed step ran out of memory; profile with a smaller batch")
     return _prices(n, names, held, counts, kinds(modules), runs, offloaded)
 
 
@@ -215,7 +218,9 @@ def _prices(
                 step_selective.append((i, first, second))
         timed_selective.append((len(rates), step_selective))
     if not rates:
-        raise RuntimeError("profiling: no layer's forward was timed (is every layer skipped by the model?)")
+        raise StateError(
+            "profiling: no layer's forward was timed (does the model skip every layer?); profile a batch that runs them"
+        )
     low, rate, high = quartiles(rates)
     rate = max(rate, 1e-18)
     recompute = {i: rate * repeated[i] for i in range(n)}

@@ -54,7 +54,7 @@ fingerprints it checked, and a folder that two machines' commits mixed is refuse
 ("the folder mixes two saves") until one of them saves again. Where the folder cannot be
 written (another account's folder, a read-only mount) a load takes no lock: it reads, checks,
 and reads again if a commit came in between; a file replaced while PEFT read it is a
-`FolderChanged` error, never a silent mix. Where the system has no native locks at all,
+`FolderChangedError` error, never a silent mix. Where the system has no native locks at all,
 saves and loads go on unlocked (one warning says so).
 """
 
@@ -72,8 +72,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from ..errors import FolderChangedError, LockFileError
 from .files import fsync_file, fsync_folder, json_object, open_regular, parse_json, read_regular, write_file_atomically
-from .locks import Lock, NotOurs
+from .locks import Lock
 from .locks import take_lock as _take_lock
 
 logger = logging.getLogger("remat")
@@ -90,11 +91,6 @@ _UNLOCKED_STALE_SECONDS = 600.0
 only staging folders of other processes that nothing has touched for this long."""
 
 
-class FolderChanged(ValueError):
-    """The files a load read do not belong together: a commit came in between (an unlocked
-    load reads again), or the folder mixes two saves."""
-
-
 # -- the folder's lock ------------------------------------------------------------------------------
 
 
@@ -103,7 +99,7 @@ def _take_folder_lock(folder: str, *, shared: bool = False) -> Lock:
     path = os.path.join(folder, FOLDER_LOCK)
     try:
         lock = _take_lock(path, wait=True, remove=True, shared=shared)
-    except NotOurs:
+    except LockFileError:
         logger.warning("%s: %s is not a regular file, not remat's lock file; removing it", folder, FOLDER_LOCK)
         with contextlib.suppress(FileNotFoundError):  # another process removed it first
             if os.path.isdir(path) and not os.path.islink(path):
@@ -320,7 +316,7 @@ def _recover(target: str, *, exclusive: bool = True) -> bool:
         empty = not [n for n in inside if n != _STAGING_LOCK]
         try:
             lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=False, remove=False)
-        except NotOurs:
+        except LockFileError:
             logger.warning("%s: dropping %s, which remat did not write (its LOCK is not a regular file)", target, name)
             shutil.rmtree(staging, ignore_errors=True)
             continue
@@ -459,7 +455,7 @@ class Snapshot:
         return fd
 
     def unchanged(self) -> None:
-        """Raise `FolderChanged` if a file read was replaced or rewritten since it was opened, or
+        """Raise `FolderChangedError` if a file read was replaced or rewritten since it was opened, or
         one that was absent appeared (so what PEFT read may not be what was checked). Nothing to
         check once closed."""
         if self._closed:
@@ -471,13 +467,15 @@ class Snapshot:
                 now = None
             after = os.fstat(fd)
             if now is None or not os.path.samestat(now, before) or _version(after) != _version(before):
-                raise FolderChanged(
+                raise FolderChangedError(
                     f"{self.name(relative)} was replaced or rewritten while it was being loaded (a save without "
                     "the folder's lock, or another program); load again"
                 )
         for relative in self._absent:
             if os.path.lexists(self.path(relative)):
-                raise FolderChanged(f"{self.name(relative)} appeared while the folder was being loaded; load again")
+                raise FolderChangedError(
+                    f"{self.name(relative)} appeared while the folder was being loaded; load again"
+                )
 
     def close(self) -> None:
         self._closed = True
@@ -498,10 +496,10 @@ def read_pair(
 ) -> Iterator[Snapshot]:
     """The one load, in place: under the folder's shared lock (recovering first), open
     `checkpoint_config.json` and the files `files(config)` names, `verify(snapshot)` (which
-    raises `FolderChanged` for bytes that do not belong together), and yield the snapshot with
+    raises `FolderChangedError` for bytes that do not belong together), and yield the snapshot with
     the lock still held, so what PEFT reads inside the `with` is what was verified; on leaving,
     the files are checked to be unchanged (`Snapshot.unchanged`). Without the lock (a folder
-    this process cannot write), a `FolderChanged` before the yield reads again. Nothing is
+    this process cannot write), a `FolderChangedError` before the yield reads again. Nothing is
     copied, and nothing is written anywhere but the folder's lock file."""
     folder = os.path.abspath(os.fspath(folder))
     for attempt in range(1, _READ_ATTEMPTS + 1):
@@ -514,7 +512,7 @@ def read_pair(
                 for relative in files(snapshot.config):
                     snapshot.open(relative)
                 verify(snapshot)
-            except FolderChanged:
+            except FolderChangedError:
                 snapshot.close()
                 if lock.held or attempt == _READ_ATTEMPTS:
                     raise

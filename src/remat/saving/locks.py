@@ -1,6 +1,6 @@
 """Locks on files, from `filelock` (flock on Unix, LockFileEx on Windows), on a descriptor remat
 opens itself: a lock file that is not a regular file (a symlink, a FIFO, a folder, ...) is never
-opened (`NotOurs`), nor is anything opened in a way that could block, and a lock file can be
+opened (`LockFileError`), nor is anything opened in a way that could block, and a lock file can be
 removed by its holder on release without two processes ever holding "the" lock at once (a
 waiter that gets the lock on a removed file notices it and takes the one at the path).
 
@@ -24,6 +24,7 @@ import time
 
 import filelock
 
+from ..errors import LockFileError
 from .files import CLOEXEC, NOFOLLOW, NONBLOCK
 
 try:
@@ -32,11 +33,6 @@ except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger("remat")
-
-
-class NotOurs(OSError):
-    """A lock file that is not a regular file (a symlink, a FIFO, a socket, a device, a folder):
-    remat did not make it and will not open it."""
 
 
 _POLL_SECONDS = 0.005
@@ -66,7 +62,7 @@ def _open_lock_file(path: str) -> int:
             raise err from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced by something else since the lstat
         os.close(fd)
-        raise NotOurs(errno.EINVAL, "not a regular file where remat's lock file goes", path)
+        raise LockFileError(errno.EINVAL, "not a regular file where remat's lock file goes", path)
     return fd
 
 
@@ -123,19 +119,19 @@ class Lock:
 def take_lock(path: str, *, wait: bool, remove: bool, shared: bool = False) -> Lock | None:
     """The lock on `path` (made if missing), exclusive or `shared`, or None if `wait` is False
     and another holds it. A lock that cannot be taken here (no write access, no native locks)
-    comes back not held. Raises `NotOurs` for anything there that is not a regular file."""
+    comes back not held. Raises `LockFileError` for anything there that is not a regular file."""
     global _warned_no_locks
     while True:
         with contextlib.suppress(FileNotFoundError):
             mode = os.lstat(path).st_mode
             if not stat.S_ISREG(mode):
                 kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
-                raise NotOurs(errno.ELOOP, f"{kind} where remat's lock file goes", path)
+                raise LockFileError(errno.ELOOP, f"{kind} where remat's lock file goes", path)
         try:
             fd = _open_lock_file(path)
         except OSError as err:
             if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # replaced since the lstat
-                raise NotOurs(err.errno, "not a regular file where remat's lock file goes", path) from None
+                raise LockFileError(err.errno, "not a regular file where remat's lock file goes", path) from None
             if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                 return Lock(None, path, remove, shared)
             raise

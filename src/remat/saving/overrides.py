@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..errors import ConfigError
 from ..patches import InstancePatches
 from .folder import CONFIG_NAME, is_staging, recover
 from .pair_format import expected_for, read_model_pair, save_model_pair
@@ -64,7 +65,7 @@ class _LoadAdapterWithConfig:
             wanted = os.path.normpath(kwargs.get("subfolder") or "")
             wanted = "" if wanted == "." else wanted
             if loaded.saved.adapters is not None and wanted not in {a.folder for a in loaded.adapters}:
-                raise ValueError(
+                raise ConfigError(
                     f"{loaded.saved.file} names no adapter in {os.path.join(folder, wanted)}; load one of "
                     f"{sorted(a.name for a in loaded.adapters)} from the folder they were saved in. Nothing was loaded"
                 )
@@ -76,7 +77,7 @@ class _LoadAdapterWithConfig:
 
 def _load_checked(loaded: Any, load: Any, args: tuple, kwargs: dict) -> Any:
     """PEFT's load of the verified files, then a check that none was replaced while PEFT read
-    them (possible only in a folder this process cannot lock): a `FolderChanged` raised here is
+    them (possible only in a folder this process cannot lock): a `FolderChangedError` raised here is
     inside `_undone_if_it_fails`, so what PEFT did is undone."""
     result = load(loaded.snapshot.copy, *args, **kwargs)
     loaded.snapshot.unchanged()

@@ -22,9 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-class BlockSwapError(ValueError):
-    """A layer cannot be swapped."""
+from ..errors import BlockSwapError
 
 
 def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module | None = None) -> None:

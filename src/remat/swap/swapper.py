@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ConfigTypeError
 from ..transport import WeightMover, transport_for
 from .checks import check_swappable, own_frozen_params, parameter_owners
 from .guards import ModelGuards, copy_refusal, guard_layer, unguard_layer
@@ -39,7 +40,7 @@ class WeightSwapper:
         """A copy of a wrapper that swaps nothing gets a swapper of its own, with the same mover
         if one was given. One that swaps is refused (the swapped layers refuse copies too)."""
         if self.layers:
-            raise TypeError(copy_refusal(*next((e.index, e.name) for e in self.layers.values())))
+            raise ConfigTypeError(copy_refusal(*next((e.index, e.name) for e in self.layers.values())))
         return (type(self), (self._fixed_mover, self.prefetch_depth))
 
     @property
