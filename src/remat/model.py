@@ -428,8 +428,12 @@ class CheckpointedModel(nn.Module):
 
     @property
     def swap_stats(self) -> dict[int, LayerSwapStats]:
-        """Per swapped layer: how many times its weights were fetched, and the bytes."""
+        """Per swapped layer: how many times its weights were fetched, and the bytes, summed since
+        the layer was swapped (or `reset_swap_stats()`)."""
         return {i: e.stats for i, e in self._controller.swapper.layers.items()}
+
+    def reset_swap_stats(self) -> None:
+        self._controller.swapper.reset_stats()
 
     def summary(self) -> str:
         """The map's table with what offload and block swap did per layer (headed by a line

@@ -22,7 +22,7 @@ from ..transport import WeightMover, transport_for
 from .checks import check_swappable, own_frozen_params, parameter_owners
 from .guards import ModelGuards, copy_refusal, guard_layer, unguard_layer
 from .schedule import Schedule
-from .slots import SlotPool, SwappedLayer, placeholder
+from .slots import LayerSwapStats, SlotPool, SwappedLayer, placeholder
 
 
 class WeightSwapper:
@@ -58,6 +58,12 @@ class WeightSwapper:
     @peak_resident_bytes.setter
     def peak_resident_bytes(self, value: int) -> None:  # the report and the planner reset it
         self.pool.peak_resident_bytes = value
+
+    def reset_stats(self) -> None:
+        """Every swapped layer's fetch counts back to zero, the resident peak to what is resident now."""
+        for layer in self.layers.values():
+            layer.stats = LayerSwapStats()
+        self.pool.peak_resident_bytes = self.pool.resident_bytes
 
     @property
     def pool_bytes(self) -> int:
