@@ -197,7 +197,7 @@ class CheckpointConfig:
         if isinstance(value, (list, tuple)):
             indices = tuple(_layer_index("swap_layers", v) for v in value)
             if len(set(indices)) != len(indices):
-                raise ConfigError(f"CheckpointConfig.swap_layers lists a layer twice: {list(value)}")
+                raise ConfigError(f"CheckpointConfig.swap_layers lists a layer twice: {list(value)}; list each once")
             return tuple(sorted(indices))
         _check_int("swap_layers", value, 0)
         return value
@@ -214,7 +214,7 @@ class CheckpointConfig:
             if policy not in POLICIES:
                 raise ConfigError(f"CheckpointConfig.layer_policies[{index}] must be one of {POLICIES}, got {policy!r}")
             if index in checked:
-                raise ConfigError(f"CheckpointConfig.layer_policies names layer {index} twice")
+                raise ConfigError(f"CheckpointConfig.layer_policies names layer {index} twice; name it once")
             checked[index] = policy
         return FrozenPolicies(checked)
 
@@ -279,10 +279,12 @@ class CheckpointConfig:
         """Build a config from `to_dict()` output. Keys this version does not know are ignored
         with one warning (a newer remat may have written them); bad values raise."""
         if not isinstance(data, Mapping):
-            raise SavedFileError(f"{source}: expected a JSON object, got {type(data).__name__}")
+            raise SavedFileError(f"{source}: expected a JSON object, got {type(data).__name__}; save the config again")
         version = data.get("format_version", FORMAT_VERSION)
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise SavedFileError(f"{source}: format_version must be a positive int, got {version!r}")
+            raise SavedFileError(
+                f"{source}: format_version must be a positive int, got {version!r}; save the config again"
+            )
         if version > FORMAT_VERSION:
             raise SavedFileError(
                 f"{source} has format_version {version}, but this remat ({_remat_version()}) reads format_version "
@@ -318,7 +320,7 @@ class CheckpointConfig:
             with read_pair(path) as snapshot:
                 file = snapshot.name(CONFIG_NAME)
                 if snapshot.config is None:
-                    raise NotSavedError(f"no checkpoint config at {file}")
+                    raise NotSavedError(f"no checkpoint config at {file}; save one with save_pretrained")
                 return cls.from_dict(snapshot.config, source=file)
         file = os.fspath(path)
         return cls.from_dict(read_json_object(file), source=file)

@@ -65,20 +65,3 @@ class ReplacedWrapperError(StateError):
 class StaleProfileError(RematError, ValueError):
     """The model changed since it was profiled (layers, trainable weights, swap, measured fields):
     profile again."""
-
-
-__all__ = [
-    "BlockSwapError",
-    "ConfigError",
-    "ConfigTypeError",
-    "FolderChangedError",
-    "LockFileError",
-    "NoCheckpointableLayersError",
-    "NotSavedError",
-    "PolicyError",
-    "RematError",
-    "ReplacedWrapperError",
-    "SavedFileError",
-    "StaleProfileError",
-    "StateError",
-]

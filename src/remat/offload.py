@@ -1,37 +1,26 @@
 """Host offload of checkpoint inputs: the "offload" policy.
 
-What moves: torch's non-reentrant checkpoint saves a layer's positional inputs (the hidden
-states) as saved tensors before it enters its own hooks, so a `saved_tensors_hooks` context
-around the checkpoint call sees exactly those inputs and nothing from inside the layer: the
-recompute's internals never move. Keyword inputs (masks, position embeddings) are shared by all
-layers and stay where they are.
+What moves: torch's non-reentrant checkpoint saves a layer's positional inputs as saved tensors
+before it enters its own hooks, so a `saved_tensors_hooks` context around the checkpoint call
+sees exactly those inputs: the recompute's internals never move. Rules, each for a reason:
+- Only the first positional input (the hidden states) moves; other inputs (masks, position
+  embeddings, positional or not) are shared by every layer: one copy per layer costs more than it saves.
+- Inputs under `offload_min_bytes` stay on the device: the copy costs more than it saves.
+- The input of the last checkpointed layer forward runs stays, because backward needs it first.
+  Which one that is is decided while forward runs: each input is held back until the next
+  checkpointed layer starts, then copied out (overlapping that layer's compute); whatever is
+  held back when forward ends stays. A map changed between steps cannot leave a stale index.
+- Copies are exact byte copies: no dtype change. When backward brings an input back for its
+  recompute, the next one it needs is fetched ahead, overlapping this recompute.
+- Host buffers come from the transport: on CUDA torch's caching pinned allocator, which reuses
+  freed blocks once the copies that used them are done, so steps after the first pin nothing
+  new. A buffer goes with the autograd graph that holds it, an abandoned step's too.
+- A model on the CPU has no device memory to free: inputs stay, and the counters say why.
 
-Rules, each for a reason:
-- Only a layer's first positional input (the hidden states) moves. Other positional inputs
-  (an attention mask passed positionally by a remote-code loop) are shared by every layer:
-  copying them once per layer would cost more than it saves.
-- Inputs smaller than `offload_min_bytes` stay on the device: the copy costs more than it saves.
-- The input of the last checkpointed layer that forward runs stays on the device, because
-  backward needs it first. Which layer that is is decided while forward runs, not from an index
-  planned in advance: each input is held back until the next checkpointed layer packs its own,
-  and only then copied out. The copy of layer i's input therefore overlaps layer i+1's compute,
-  and whatever input is still held back when forward ends stays on the device. A map that
-  changes between steps cannot leave a stale "last layer".
-- Copies are exact byte copies: no dtype change.
-- When a layer's input is brought back for its recompute, the input of the layer that backward
-  reaches next is fetched ahead, so its copy overlaps this layer's recompute.
-- Host buffers come from the transport: torch's pinned allocator on CUDA, which caches freed
-  blocks and reuses them once the copies that used them are done, so steps after the first pin
-  nothing new. A buffer is freed with the autograd graph that holds it, which also covers an
-  abandoned step (an exception in forward, or a forward without backward).
-- On a model that runs on the CPU there is no device memory to free: inputs stay where they are
-  and the counters say why.
-
-Bytes cross through the device's transport (`remat.transport`, shared with block swap): a
-side stream, events and pinned memory on CUDA. What stays here is offload's own bookkeeping:
-which input moves, when, the per-layer counters, and the host budget (`HostBuffers`).
-`remat.testing.SimulatedTransport` plays a device and a host on the CPU, so the ordering, budget,
-fallback and abandonment logic run in CI without a GPU.
+Bytes cross through the device's transport (`remat.transport`, shared with block swap); what
+stays here is offload's bookkeeping: which input moves and when, the per-layer counters, the host
+budget (`HostBuffers`). `remat.testing.SimulatedTransport` plays a device and a host on the CPU,
+so the ordering, budget, fallback and abandonment logic run in CI without a GPU.
 """
 
 from __future__ import annotations

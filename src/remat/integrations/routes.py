@@ -92,7 +92,9 @@ def config_from_route(
     options = dict(kwargs_dict or {})
     for key, value in keywords.items():
         if key in options and not _is_default(key, value) and options[key] != value:
-            raise ConfigError(f"{route}: {key} is given twice with different values ({options[key]!r} and {value!r})")
+            raise ConfigError(
+                f"{route}: {key} is given twice with different values ({options[key]!r} and {value!r}); give one"
+            )
         if key not in options or not _is_default(key, value):
             options[key] = value
     _selective_from_context(route, options, from_trl)
@@ -199,7 +201,7 @@ class EnableRoute(_Route):
         if len(args) > 1:
             raise ConfigTypeError(f"{route}() takes at most one positional argument ({kwargs_name}), got {len(args)}")
         if args and kwargs_name in kwargs:
-            raise ConfigTypeError(f"{route}() got {kwargs_name} twice")
+            raise ConfigTypeError(f"{route}() got {kwargs_name} twice; pass it once")
         kwargs_dict = args[0] if args else kwargs.pop(kwargs_name, None)
         if kwargs:
             raise ConfigTypeError(

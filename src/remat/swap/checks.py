@@ -38,7 +38,9 @@ def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module |
         else:
             _check_layer(index, name, layer, units)
         if owners is not None and not own_frozen_params(layer, name, owners):
-            raise BlockSwapError(f"layer {index} ({name}) has no frozen weights of its own to swap")
+            raise BlockSwapError(
+                f"layer {index} ({name}) has no frozen weights of its own to swap; leave it out of swap_layers"
+            )
 
 
 def weights_in_use(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -> list[str]:
