@@ -277,7 +277,7 @@ class Controller:
             self.apply_map()
         if off_by is None and not any(plan.offloaded for plan in new_map):
             # The new plan offloads nothing (a route turning checkpointing off for a while does
-            # not count: it comes back, and re-pinning costs more than keeping the pool).
+            # not count: it comes back, and re-pinning costs more than keeping torch's pinned cache).
             self.offloader.release_host_memory()
 
     def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> None:

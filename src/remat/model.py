@@ -192,14 +192,14 @@ class CheckpointedModel(nn.Module):
             `cm.model`, unchanged in type, parameter names and parameter objects.
         config: the `CheckpointConfig`; the default checkpoints every layer.
         offload_transport: how the "offload" policy moves bytes between device and host. The
-            default picks one per device (CUDA: side stream and pinned pool; CPU: nothing to
-            move). A `remat.offload.SimulatedTransport` plays a device/host pair on the CPU.
+            default picks one per device (CUDA: side stream and pinned memory; CPU: nothing to
+            move). A `remat.testing.SimulatedTransport` plays a device/host pair on the CPU.
         swap_mover: how block swap copies weights host to device; the default picks one from the
             weights' device (CUDA: pinned host copies and a side stream; CPU: plain copies).
         layer_class: the class (or class name, or several) of the model's repeated block, for
             models where discovery cannot decide (see `remat.layers`). A name that matches no
             module of the model is an error.
-        offload_host_budget: pinned host memory the offload pool may take in this process, in
+        offload_host_budget: pinned host memory offload may hold at once in this process, in
             bytes or as a size like "8GiB"; default: half the host's memory divided among the
             processes on the host (`LOCAL_WORLD_SIZE`). Past it, buffers are pageable (one warning).
         **fields: fields of `CheckpointConfig`, as a shorthand: `CheckpointedModel(model,

@@ -3,7 +3,7 @@
 remat's state (the plan, the installers, the offloader and the swapper) refers to the model
 weakly, and only the model's patches and hooks refer to remat's state. So no reference cycle
 joins the two: a wrapper dropped with its model is freed at once by reference counting, host
-memory (pinned pools, swapped weights) included, without waiting for a GC pass; and a model
+memory (swapped weights' pinned copies) included, without waiting for a GC pass; and a model
 whose wrapper was dropped keeps working, because its patches keep remat's state alive.
 
 A `Ref` copies and pickles as a reference to the copy of its target, so `copy.deepcopy(cm)`
