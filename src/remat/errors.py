@@ -13,28 +13,23 @@ class RematError(Exception):
 
 
 class ConfigError(RematError, ValueError):
-    """A value remat cannot use: a CheckpointConfig field, a wrapper or planning argument, a size
-    or budget, a map the model cannot take."""
+    """A value remat cannot use: a config field, an argument, a size or budget, a map the model cannot take."""
 
 
 class ConfigTypeError(RematError, TypeError):
-    """A value of the wrong type where remat takes a setting or an argument, or a call on the wrong
-    kind of object (a model that is not a torch module, a Trainer remat cannot train)."""
+    """A value of the wrong type for a setting or argument, or a call on an object remat refuses it for."""
 
 
 class StateError(RematError, RuntimeError):
-    """A call the wrapper or its model cannot take in their present state; the message names what
-    to call first."""
+    """A call the wrapper or its model cannot take in their present state; the message names what to call first."""
 
 
 class PolicyError(RematError, RuntimeError):
-    """A layer does what its checkpoint policy cannot run (with "selective": an in-place change of
-    an output the policy keeps); the message names the layer and the policy to give it instead."""
+    """A layer does what its checkpoint policy cannot run ("selective": an in-place change of a kept output)."""
 
 
 class SavedFileError(RematError, ValueError):
-    """A saved file or folder remat cannot read or that does not fit the model: not JSON, a field
-    of the wrong form, a FIFO where a file belongs, another architecture."""
+    """A saved file or folder remat cannot read, or that does not fit the model."""
 
 
 class NotSavedError(RematError, FileNotFoundError):
@@ -42,12 +37,11 @@ class NotSavedError(RematError, FileNotFoundError):
 
 
 class FolderChangedError(SavedFileError):
-    """A file of the folder changed while it was being loaded: load again."""
+    """A file of the folder changed while it was being loaded (or the folder mixes two saves)."""
 
 
 class LockFileError(RematError, OSError):
-    """Something that is not a regular file (a symlink, a FIFO, a folder) where remat's lock file
-    goes: remat did not make it and does not open it."""
+    """Something that is not a regular file where remat's lock file goes: remat does not open it."""
 
 
 class NoCheckpointableLayersError(RematError, ValueError):
@@ -59,9 +53,8 @@ class BlockSwapError(RematError, ValueError):
 
 
 class ReplacedWrapperError(StateError):
-    """Another wrapper has taken this wrapper's model since; use that one or re-wrap."""
+    """Another wrapper has taken this wrapper's model since; use that one or wrap again."""
 
 
 class StaleProfileError(RematError, ValueError):
-    """The model changed since it was profiled (layers, trainable weights, swap, measured fields):
-    profile again."""
+    """The model changed since it was profiled: profile again."""

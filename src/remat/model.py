@@ -110,9 +110,7 @@ def _check_model(model: Any) -> None:
     if isinstance(model, CheckpointedModel):
         raise ConfigTypeError("this model is already a CheckpointedModel; wrap the original model once")
     if not isinstance(model, nn.Module):
-        raise ConfigTypeError(
-            f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}: pass the loaded model"
-        )
+        raise ConfigTypeError(f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}: pass the model")
     pretrained = pretrained_model_class()
     if not any(isinstance(m, pretrained) for m in model.modules()):
         raise ConfigTypeError(
@@ -282,9 +280,7 @@ class CheckpointedModel(nn.Module):
         PEFT is about to freeze the base weights)."""
         _check_model(model)
         if not isinstance(config, CheckpointConfig):
-            raise ConfigTypeError(
-                f"config must be a CheckpointConfig, got {type(config).__name__}: pass CheckpointConfig(...)"
-            )
+            raise ConfigTypeError(f"config must be a CheckpointConfig, got {type(config).__name__}: pass one")
         if offload_transport is not None:
             check_implements(offload_transport, TRANSPORT_METHODS, "offload_transport")
         if swap_mover is not None:
