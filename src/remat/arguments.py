@@ -46,9 +46,6 @@ MAX_COUNT = 2**63 - 1
 """The largest byte count or token count accepted (torch's and every allocator's int64): a
 larger one is no size any machine has, and would overflow float arithmetic downstream."""
 
-TRANSPORT_METHODS = ("handles", "allocate_host", "return_freed_host_memory", "to_host", "to_device")
-MOVER_METHODS = ("host_copy", "fetch")
-
 
 def parse_bytes(value: Any, name: str) -> int:
     """A byte count from an int (bytes) or a string with a unit: "6G", "6GiB", "6144M", "1.5 GiB", "2GB".
@@ -91,8 +88,9 @@ def _at_most(value: int, name: str, what: str) -> int:
     return value
 
 
-def check_implements(value: Any, methods: tuple[str, ...], name: str) -> None:
-    """`value` must have each of `methods` (the protocol remat calls it through)."""
+def check_implements(value: Any, protocol: type, name: str) -> None:
+    """`value` must have each public method of `protocol` (what remat calls it through)."""
+    methods = [m for m, v in vars(protocol).items() if callable(v) and not m.startswith("_")]
     missing = [m for m in methods if not callable(getattr(value, m, None))]
     if missing:
         raise ConfigTypeError(

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .arguments import MOVER_METHODS, TRANSPORT_METHODS, check_implements, parse_bytes
+from .arguments import check_implements, parse_bytes
 from .config import CheckpointConfig
 from .controller import Controller, swap_targets
 from .display import describe_map
@@ -46,6 +46,7 @@ from .persistence import load_checkpointed_model, save_checkpointed_model
 from .plan import CheckpointMap, plan_layers
 from .refs import LocalRef
 from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
+from .transport import OffloadTransport
 
 if TYPE_CHECKING:
     import torch
@@ -282,9 +283,9 @@ class CheckpointedModel(nn.Module):
         if not isinstance(config, CheckpointConfig):
             raise ConfigTypeError(f"config must be a CheckpointConfig, got {type(config).__name__}: pass one")
         if offload_transport is not None:
-            check_implements(offload_transport, TRANSPORT_METHODS, "offload_transport")
+            check_implements(offload_transport, OffloadTransport, "offload_transport")
         if swap_mover is not None:
-            check_implements(swap_mover, MOVER_METHODS, "swap_mover")
+            check_implements(swap_mover, WeightMover, "swap_mover")
         if offload_host_budget is not None:
             parse_bytes(offload_host_budget, "offload_host_budget")
         discovery = discover_layers(model, layer_class)
