@@ -204,8 +204,8 @@ def _rss_bytes():
 
 def test_three_hundred_steps_with_offload_and_swap_keep_host_memory_flat():
     """A trend, not a timing: resident memory and live Python objects after warm-up stay level
-    (a leak of one layer input per step would add 16 MiB over the measured window, one pooled
-    host buffer per step 250 MiB, one object per step 250 objects)."""
+    (a leak of one layer input or its host buffer per step would add 16 MiB over the measured
+    window, one object per step 250 objects)."""
     model = add_lora(tiny_model(hidden_size=64, intermediate_size=96, attention_dropout=0.0))
     config = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], offload=True, offload_min_bytes=0)
     cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())

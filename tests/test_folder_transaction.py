@@ -348,10 +348,10 @@ def test_a_load_that_cannot_lock_the_folder_reads_again_when_a_commit_came_in_wh
 def test_load_adapter_without_the_folder_lock_undoes_peft_when_a_commit_came_in_while_peft_read(tmp_path, monkeypatch):
     """Trainer's resume calls the wrapped PeftModel's `load_adapter`. In a folder this process
     cannot lock, a commit landing while PEFT reads is found after PEFT's read: the load is
-    refused with FolderChanged and what PEFT did to the model is undone, not left half new."""
+    refused with FolderChangedError and what PEFT did to the model is undone, not left half new."""
     from peft import PeftModel
 
-    from remat.saving.folder import FolderChanged
+    from remat import FolderChangedError
 
     folder = tmp_path / "out"
     a, b = _lora_cm(alpha=8), _lora_cm(alpha=8, seed=1)
@@ -374,7 +374,7 @@ def test_load_adapter_without_the_folder_lock_undoes_peft_when_a_commit_came_in_
     resumed = _lora_cm(alpha=8)
     _mark(resumed, 5)
     state["reading"] = True
-    with pytest.raises(FolderChanged, match="load again"):
+    with pytest.raises(FolderChangedError, match="load again"):
         resumed.model.load_adapter(str(folder), "default", is_trainable=True)
     state["reading"] = False
     assert state["raced"] == 1

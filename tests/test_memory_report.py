@@ -14,6 +14,7 @@ from transformers import TrainerCallback, TrainingArguments
 from remat import CheckpointConfig, CheckpointedModel, RematTrainer
 from remat.model import controller_of
 from remat.report import memory_report
+from remat.swap import LayerSwapStats
 from remat.testing import SimulatedTransport
 
 B, S, H = 2, 16, 32
@@ -140,6 +141,23 @@ def test_a_report_leaves_offload_and_swap_counters_rng_buffers_and_modes_as_they
     assert mlp.calls == 0 and mlp.seen.item() == 0
     assert [m.training for m in cm.model.modules()] == modes
     assert all(p.grad is None for p in cm.parameters())
+
+
+def test_the_offload_and_swap_counters_each_have_a_reset():
+    """On the CPU, with the devices' own transports: swap fetches, offload says why it kept each
+    input; each reset starts its counts from zero and leaves the other's."""
+    config = CheckpointConfig(offload=True, offload_min_bytes=0, swap_layers=[1])
+    cm = CheckpointedModel(add_lora(tiny_model()), config)
+    cm(**batch()).loss.backward()
+    assert cm.swap_stats[1].fetches == 2 and all(cm.offload_stats[i].kept_bytes > 0 for i in range(4))
+    offload = copy.deepcopy(cm.offload_stats)
+    cm.reset_swap_stats()
+    assert cm.swap_stats[1] == LayerSwapStats() and cm.offload_stats == offload
+    cm(**batch()).loss.backward()
+    assert cm.swap_stats[1].fetches == 2 and cm.swap_stats[1].bytes_fetched > 0
+    swap = copy.deepcopy(cm.swap_stats)
+    cm.reset_offload_stats()
+    assert cm.offload_stats == {} and cm.swap_stats == swap
 
 
 class _ReportEveryStep(TrainerCallback):

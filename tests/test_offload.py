@@ -1,9 +1,9 @@
 """The "offload" policy: exact, only the checkpoint inputs move, keep-last and the floor decided
-while forward runs, pooled host buffers, fallbacks, and abandoned steps.
+while forward runs, the host budget, fallbacks, and abandoned steps.
 
 The ordering and bookkeeping run through `remat.testing.SimulatedTransport`, which plays a device/host pair on
 the CPU with real (so exact) copies and logs every copy in order. CUDA tests at the end run the
-real streams and pinned memory where a GPU exists.
+real streams and torch's pinned allocator where a GPU exists.
 """
 
 import logging
@@ -20,6 +20,7 @@ from conftest import (
     tiny_model,
 )
 
+import remat.transport as transport_module
 from remat import CheckpointConfig, CheckpointedModel
 from remat.model import controller_of
 from remat.offload import KEPT_LAST, KEPT_ON_CPU, KEPT_SMALL, Offloader
@@ -127,42 +128,39 @@ def test_inputs_under_the_floor_stay_on_the_device():
     assert all(cm.offload_stats[i].kept_because == {KEPT_SMALL: LAYER_INPUT} for i in range(4))
 
 
-def test_host_buffers_are_allocated_once_and_reused_every_step():
+def test_each_steps_host_buffers_are_freed_with_its_graph():
+    """Reusing pinned blocks from step to step is torch's caching allocator's job (see the CUDA
+    test below): offload holds a host buffer only while the graph that needs it lives."""
     transport = SimulatedTransport()
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
-    step_grads(cm, named, batch())
-    assert transport.allocations == 3
-    for _ in range(3):
+    for steps in (1, 2):
         step_grads(cm, named, batch())
-    assert transport.allocations == 3
-    pool = controller_of(cm).offloader.pools[0]
-    assert len(pool.pooled()) == 3 and pool.allocated_bytes == 3 * 2**20  # whole MiB each
+        assert transport.allocations == 3 * steps and transport.live_buffers() == 0
+    assert controller_of(cm).offloader.host_buffers[0].pinned_bytes == 0
 
 
-def test_host_buffers_go_back_to_the_transport_when_nothing_offloads_any_more(caplog):
-    """Checked through the transport that allocated them (`live_buffers()` counts the buffers it
-    gave out that are still referenced anywhere), not through the pool's own counters; real
-    pinned memory is checked by the CUDA test below."""
+def test_host_memory_goes_back_to_the_system_when_nothing_offloads_any_more(caplog):
+    """Checked through the transport that allocated the buffers (`live_buffers()` counts those
+    still referenced anywhere, `live_when_emptied` how many were alive each time its cache was
+    emptied); real pinned memory is checked by the CUDA test below."""
     transport = SimulatedTransport()
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
     step_grads(cm, named, batch())
-    pool = controller_of(cm).offloader.pools[0]
-    cm.model.gradient_checkpointing_disable()  # a toggle (generation): the pool stays for its return
+    cm.model.gradient_checkpointing_disable()  # a toggle (generation): the cache stays for its return
     cm.model.gradient_checkpointing_enable()
-    assert transport.live_buffers() == 3 and pool.allocated_bytes == 3 * 2**20
+    assert transport.cache_emptied == 0
     with caplog.at_level(logging.INFO, logger="remat"):
         cm.disable()
-    assert transport.live_buffers() == 0 and pool.allocated_bytes == 0
-    assert transport.live_when_emptied == [0], "the host cache is emptied once, after the last buffer died"
-    assert "released 3.0 MiB of pinned host memory" in caplog.text
+        cm.disable()
+    assert transport.live_when_emptied == [0], "emptied once, with no buffer alive"
+    assert "gave its pinned host memory back" in caplog.text
     cm.enable()
-    _, got = step_grads(cm, named, batch())  # refilled on demand, and exact
-    assert transport.allocations == 6 and transport.live_buffers() == 3 and pool.allocated_bytes == 3 * 2**20
+    _, got = step_grads(cm, named, batch())  # pins again on demand, and exact
     reference = tiny_model()
     _, expected = step_grads(reference, list(reference.named_parameters()), batch())
     assert_same_grads(expected, got)
     cm.enable(CheckpointConfig())  # still checkpointing, but nothing offloads
-    assert transport.live_buffers() == 0 and pool.allocated_bytes == 0 and transport.live_when_emptied == [0, 0]
+    assert transport.live_when_emptied == [0, 0]
 
 
 def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done():
@@ -172,13 +170,13 @@ def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done()
     _, expected = step_grads(reference, list(reference.named_parameters()), batch())
     torch.manual_seed(123)
     loss = cm(**batch()).loss
-    pool = controller_of(cm).offloader.pools[0]
+    buffers = controller_of(cm).offloader.host_buffers[0]
     cm.disable()  # three inputs are in host buffers, held by the graph
-    assert pool.allocated_bytes == 3 * 2**20 and transport.cache_emptied == 0
+    assert buffers.pinned_bytes == 3 * LAYER_INPUT and transport.cache_emptied == 0
     loss.backward()
     assert_same_grads(expected, {n: p.grad for n, p in named})
     del loss
-    assert len(pool.pooled()) == 0 and pool.allocated_bytes == 0 and transport.cache_emptied == 1  # once, at the last
+    assert buffers.pinned_bytes == 0 and transport.cache_emptied == 1  # once, at the last
     assert transport.live_buffers() == 0 and transport.live_when_emptied == [0]
 
 
@@ -193,28 +191,26 @@ def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):
     assert_same_grads(ref, got)
     warnings = [r for r in caplog.records if "pageable" in r.getMessage()]
     assert len(warnings) == 1 and "pinning host memory failed" in warnings[0].getMessage()
-    assert controller_of(cm).offloader.pools[0].pageable_fallbacks == 3  # the pageable buffers are pooled too
+    assert controller_of(cm).offloader.host_buffers[0].pageable_fallbacks == 6  # every input of both steps
 
 
-def test_host_budget_falls_back_with_a_warning(caplog):
-    offloader = Offloader(0, SimulatedTransport(), max_host_bytes=2**20)
-    pool = offloader.pools[0]
-    with caplog.at_level(logging.WARNING, logger="remat"):
-        first = pool.acquire(LAYER_INPUT)
-        second = pool.acquire(LAYER_INPUT)
-    assert first.numel() == 2**20 and second.numel() == LAYER_INPUT
-    assert pool.allocated_bytes == 2**20 and pool.pageable_fallbacks == 1
-    assert "budget" in caplog.text
-
-
-def test_buffers_are_reused_across_varying_sequence_lengths():
+def test_past_the_host_budget_inputs_go_to_pageable_memory_with_one_warning(caplog):
+    """The budget bounds the pinned bytes held at once: two inputs fit, the third of each step is
+    pageable, and the next step pins again what the last one freed."""
     transport = SimulatedTransport()
-    pool = Offloader(0, transport).pools[0]
-    buffer = pool.acquire(3000)
-    pool.release(buffer, None)
-    assert pool.acquire(3500) is buffer  # dynamic padding: a new length, the same pinned buffer
-    pool.release(buffer, None)
-    assert pool.acquire(3 * 2**20) is not buffer and transport.allocations == 2
+    reference = tiny_model()
+    _, expected = step_grads(reference, list(reference.named_parameters()), batch())
+    model = tiny_model()
+    config = CheckpointConfig(offload=True, offload_min_bytes=0)
+    cm = CheckpointedModel(model, config, offload_transport=transport, offload_host_budget=2 * LAYER_INPUT)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        for _ in range(2):
+            assert_same_grads(expected, step_grads(cm, list(model.named_parameters()), batch())[1])
+    assert transport.allocations == 4 and controller_of(cm).offloader.host_buffers[0].pageable_fallbacks == 2
+    assert [r.getMessage() for r in caplog.records if "budget" in r.getMessage()] == [
+        f"offload: the host budget of {2 * LAYER_INPUT} bytes would be exceeded; using pageable host memory, so "
+        "copies will not overlap compute"
+    ]
 
 
 def test_the_default_host_budget_is_shared_by_the_ranks_of_one_host(monkeypatch):
@@ -222,9 +218,9 @@ def test_the_default_host_budget_is_shared_by_the_ranks_of_one_host(monkeypatch)
     alone = default_host_budget()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert default_host_budget() == alone // 4
-    assert Offloader(0, SimulatedTransport()).pools[0].max_bytes == alone // 4
+    assert Offloader(0, SimulatedTransport()).host_buffers[0].max_bytes == alone // 4
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), SimulatedTransport())
-    assert controller_of(cm).offloader.pools[0].max_bytes == alone // 4
+    assert controller_of(cm).offloader.host_buffers[0].max_bytes == alone // 4
     cm2 = CheckpointedModel(tiny_model(), CheckpointConfig(offload=True), offload_host_budget=123)
     assert controller_of(cm2).offloader.max_host_bytes == 123
 
@@ -233,19 +229,15 @@ def test_a_forward_without_backward_returns_its_buffers():
     transport = SimulatedTransport()
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
     loss = cm(**batch()).loss
-    pool = controller_of(cm).offloader.pools[0]
-    assert len(pool.pooled()) == 0 and controller_of(cm).offloader.live_host_bytes() == {
-        0: LAYER_INPUT,
-        1: LAYER_INPUT,
-        2: LAYER_INPUT,
-    }
+    offloader = controller_of(cm).offloader
+    assert transport.live_buffers() == 3 and offloader.live_host_bytes() == dict.fromkeys(range(3), LAYER_INPUT)
     del loss
-    assert len(pool.pooled()) == 3 and controller_of(cm).offloader.live_host_bytes() == {}
+    assert transport.live_buffers() == 0 and offloader.live_host_bytes() == {}
+    assert offloader.host_buffers[0].pinned_bytes == 0
     _, got = step_grads(cm, named, batch())  # the next step is unaffected
     ref_model = tiny_model()
     _, ref = step_grads(ref_model, list(ref_model.named_parameters()), batch())
     assert_same_grads(ref, got)
-    assert transport.allocations == 3
 
 
 def test_an_exception_in_forward_returns_its_buffers():
@@ -263,9 +255,8 @@ def test_an_exception_in_forward_returns_its_buffers():
     import gc
 
     gc.collect()
-    assert (
-        len(controller_of(cm).offloader.pools[0].pooled()) == 3 and controller_of(cm).offloader.live_host_bytes() == {}
-    )
+    assert transport.live_buffers() == 0 and controller_of(cm).offloader.live_host_bytes() == {}
+    assert controller_of(cm).offloader.host_buffers[0].pinned_bytes == 0
 
 
 def test_native_offload_request_becomes_this_policy_and_moves_each_input_once():
@@ -295,17 +286,22 @@ class RecordingTransport(SimulatedTransport):
         return tensor, event
 
 
-def test_offloaded_inputs_are_the_layers_inputs_and_recomputes_run_on_what_the_transport_returned():
-    """Seen from the layers (hooks on their first norm, independent of remat): in forward, the
-    tensor each offloaded layer received is the one sent to the host; in backward, its recompute
-    runs on the tensor the transport brought back, with the same values. Without offload,
-    nothing crosses and the recomputes read the forward's own tensors."""
+def test_offload_is_exact_and_each_recompute_runs_on_the_input_that_crossed_the_transport(monkeypatch):
+    """The device's own transport (what a wrapper built without `offload_transport` uses) played
+    by a recording device/host pair on the CPU. Seen from the layers (hooks on their first norm,
+    independent of remat): in forward, the tensor each offloaded layer received is the one sent to
+    the host; in backward, its recompute runs on the tensor the transport brought back, with the
+    same values; the gradients equal a run without checkpointing. Without offload nothing would
+    cross and the recomputes would read the forward's own tensors."""
     transport = RecordingTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    monkeypatch.setitem(transport_module._TRANSPORTS, torch.device("cpu"), transport)
+    reference = tiny_model()
+    _, expected = step_grads(reference, list(reference.named_parameters()), batch())
+    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0))
     seen = {i: [] for i in range(4)}
     for i, layer in enumerate(decoder_layers(model)):
         layer.input_layernorm.register_forward_pre_hook(lambda m, args, i=i: seen[i].append(args[0]))
-    step_grads(cm, named, batch())
+    assert_same_grads(expected, step_grads(cm, named, batch())[1])
     assert sorted(transport.sent) == sorted(transport.returned) == [0, 1, 2]
     for layer in (0, 1, 2):
         forward_input, recompute_input = seen[layer]
@@ -315,12 +311,11 @@ def test_offloaded_inputs_are_the_layers_inputs_and_recomputes_run_on_what_the_t
     assert seen[3][0].data_ptr() == seen[3][1].data_ptr(), "keep-last: layer 3 recomputes from the device copy"
 
 
-def test_on_a_cpu_model_offload_is_exact_and_reports_that_it_saved_nothing():
+def test_on_a_cpu_model_offload_keeps_the_inputs_and_says_why():
+    """A model on the CPU has no device memory to free: the inputs stay, and the counters, the
+    report and the summary say why (exactness where inputs cross: the tests above)."""
     model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0))
-    ref_model = tiny_model()
-    _, ref = step_grads(ref_model, list(ref_model.named_parameters()), batch())
-    _, got = step_grads(cm, named, batch())
-    assert_same_grads(ref, got)
+    step_grads(cm, named, batch())
     assert all(cm.offload_stats[i].kept_because == {KEPT_ON_CPU: LAYER_INPUT} for i in range(4))
     assert all(cm.offload_stats[i].offloaded_bytes == 0 for i in range(4))
     report = cm.memory_report(batch())
@@ -352,10 +347,14 @@ def test_cuda_offload_is_exact(every_n):
     data = {k: v.cuda() for k, v in batch().items()}
     _, ref = step_grads(model, named, data)
     cm = CheckpointedModel(model, CheckpointConfig(offload=True, every_n_layers=every_n, offload_min_bytes=0))
-    for _ in range(2):  # the second step reuses the pinned pool
+    for step in range(3):
         _, got = step_grads(cm, named, data)
         assert_same_grads(ref, got)
-    assert controller_of(cm).offloader.pools[0].pageable_fallbacks == 0
+        if step == 0:
+            pinned_blocks = torch.cuda.host_memory_stats()["num_host_alloc"]
+    # torch's caching pinned allocator reuses the first step's blocks: the later steps pin nothing new
+    assert torch.cuda.host_memory_stats()["num_host_alloc"] == pinned_blocks
+    assert controller_of(cm).offloader.host_buffers[0].pageable_fallbacks == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -380,7 +379,7 @@ def test_cuda_offload_lowers_device_memory_held_after_forward():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_disable_gives_the_pinned_pool_back_to_the_system():
+def test_cuda_disable_gives_the_pinned_memory_back_to_the_system():
     model = tiny_model(attention_dropout=0.0).cuda()
     cm = CheckpointedModel(model, CheckpointConfig(offload=True, offload_min_bytes=0))
     data = {k: v.cuda() for k, v in batch().items()}
@@ -388,9 +387,8 @@ def test_cuda_disable_gives_the_pinned_pool_back_to_the_system():
     torch.accelerator.empty_host_cache()
     pinned_before = torch.cuda.host_memory_stats()["allocated_bytes.current"]
     step_grads(cm, list(model.named_parameters()), data)
-    pool = controller_of(cm).offloader.pools[0]
-    assert pool.allocated_bytes == 3 * 2**20
-    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] >= pinned_before + pool.allocated_bytes
+    assert controller_of(cm).offloader.host_buffers[0].pinned_bytes == 0  # freed with the step's graph
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] >= pinned_before + 3 * LAYER_INPUT  # cached
     cm.disable()
     # dropping the tensors alone would leave the blocks cached (and pinned) in torch's allocator
     assert torch.cuda.host_memory_stats()["allocated_bytes.current"] <= pinned_before

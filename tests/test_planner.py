@@ -22,6 +22,7 @@ from test_remote_code import _llava_batch
 from remat import CheckpointConfig, CheckpointedModel
 from remat.model import controller_of
 from remat.planner import PlannedConfig
+from remat.testing import SimulatedTransport
 
 
 def _llama():
@@ -288,11 +289,15 @@ def test_measuring_a_map_that_runs_out_of_memory_falls_back_to_groups_of_layers(
 
 def test_planning_leaves_the_offload_and_swap_counters_and_refuses_an_optimizer_in_backward():
     model = add_lora(tiny_model())
-    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))
+    config = CheckpointConfig(offload=True, offload_min_bytes=0, swap_layers=[1])
+    cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
     step_grads(cm, [(n, p) for n, p in model.named_parameters() if p.requires_grad], batch())
-    fetches, peak = cm.swap_stats[1].fetches, controller_of(cm).swapper.peak_resident_bytes
+    offload, swap = copy.deepcopy(cm.offload_stats), copy.deepcopy(cm.swap_stats)
+    assert sum(s.offloaded_bytes for s in offload.values()) > 0 and swap[1].fetches == 2
+    peak = controller_of(cm).swapper.peak_resident_bytes
     cm.plan_for_budget(batch(), "1GiB", repeats=1, progress=False)
-    assert cm.swap_stats[1].fetches == fetches and controller_of(cm).swapper.peak_resident_bytes == peak
+    assert cm.offload_stats == offload and cm.swap_stats == swap
+    assert controller_of(cm).swapper.peak_resident_bytes == peak
     lora = next(p for n, p in model.named_parameters() if "lora_A" in n)
     lora.register_post_accumulate_grad_hook(lambda p: None)
     with pytest.raises(RuntimeError, match="post-accumulate-grad hook"):

@@ -16,9 +16,8 @@ from conftest import (
     tiny_model,
 )
 
-from remat import CheckpointConfig, CheckpointedModel
+from remat import BlockSwapError, CheckpointConfig, CheckpointedModel
 from remat.model import controller_of
-from remat.swap import BlockSwapError
 from remat.testing import SimulatedTransport
 
 
@@ -261,7 +260,7 @@ def test_nothing_in_the_swapper_the_offloader_or_their_transports_grows_with_the
         step_grads(cm, named, batch())
     kinds = set()
     before = _container_sizes(roots, kinds=kinds)
-    assert {"CpuTransport", "SlotPool", "Schedule", "HostPool", "SwappedLayer"} <= kinds, "the walk reaches them all"
+    assert {"CpuTransport", "SlotPool", "Schedule", "HostBuffers", "SwappedLayer"} <= kinds, "the walk reaches them all"
     for seed in range(6):
         step_grads(cm, named, batch(seed=seed))
     assert _container_sizes(roots) == before

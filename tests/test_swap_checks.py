@@ -8,8 +8,7 @@ import torch.distributed as dist
 from conftest import add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
 from torch import nn
 
-from remat import CheckpointConfig, CheckpointedModel
-from remat.swap import BlockSwapError
+from remat import BlockSwapError, CheckpointConfig, CheckpointedModel
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,44 @@
 """remat: an authoritative per-layer activation checkpoint map for Hugging Face models."""
 
 from .config import CheckpointConfig
+from .errors import (
+    BlockSwapError,
+    ConfigError,
+    ConfigTypeError,
+    FolderChangedError,
+    LockFileError,
+    NoCheckpointableLayersError,
+    NotSavedError,
+    PolicyError,
+    RematError,
+    ReplacedWrapperError,
+    SavedFileError,
+    StaleProfileError,
+    StateError,
+)
 from .plan import CheckpointMap, LayerPlan
 from .version import __version__
 
 __all__ = [
+    "BlockSwapError",
     "CheckpointConfig",
     "CheckpointMap",
     "CheckpointedModel",
+    "ConfigError",
+    "ConfigTypeError",
+    "FolderChangedError",
     "LayerPlan",
+    "LockFileError",
     "NoCheckpointableLayersError",
+    "NotSavedError",
+    "PolicyError",
+    "RematError",
     "RematTrainer",
     "RematTrainerMixin",
+    "ReplacedWrapperError",
+    "SavedFileError",
+    "StaleProfileError",
+    "StateError",
     "__version__",
     "remat_trainer_class",
 ]
@@ -26,10 +53,6 @@ def __getattr__(name: str):
         from .model import CheckpointedModel
 
         return CheckpointedModel
-    if name == "NoCheckpointableLayersError":
-        from .layers import NoCheckpointableLayersError
-
-        return NoCheckpointableLayersError
     if name in _TRAINER_NAMES:
         from . import trainer
 

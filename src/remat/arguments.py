@@ -11,6 +11,9 @@ import math
 import re
 from typing import Any
 
+from .errors import ConfigError, ConfigTypeError
+from .transport import OffloadTransport, WeightMover
+
 # Decimal units with a B are powers of 1000 (the SI, as disk makers and `du --si` write them);
 # binary units are powers of 1024: with an "i" (KiB, MiB, GiB, TiB; Ki, Mi, Gi, Ti as Kubernetes
 # writes them), or a bare letter (K, M, G, T), as docker's `--memory` and Java's `-Xmx` read "6g".
@@ -45,9 +48,6 @@ MAX_COUNT = 2**63 - 1
 """The largest byte count or token count accepted (torch's and every allocator's int64): a
 larger one is no size any machine has, and would overflow float arithmetic downstream."""
 
-TRANSPORT_METHODS = ("handles", "allocate_host", "return_freed_host_memory", "to_host", "to_device")
-MOVER_METHODS = ("host_copy", "fetch")
-
 
 def parse_bytes(value: Any, name: str) -> int:
     """A byte count from an int (bytes) or a string with a unit: "6G", "6GiB", "6144M", "1.5 GiB", "2GB".
@@ -58,20 +58,20 @@ def parse_bytes(value: Any, name: str) -> int:
     not matter; a bare number is bytes.
     """
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number of bytes (int) or a size like '8GiB', got {value!r}")
+        raise ConfigError(f"{name} must be a finite number of bytes (int) or a size like '8GiB', got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise TypeError(f"{name} must be a number of bytes (int) or {_SIZE_HELP}; got {value!r}")
+        raise ConfigTypeError(f"{name} must be a number of bytes (int) or {_SIZE_HELP}; got {value!r}")
     if isinstance(value, int):
         if value < 0:
-            raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+            raise ConfigError(f"{name} must be >= 0 bytes, got {value}")
         return _at_most(value, name, "bytes")
     match = _SIZE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
-        raise ValueError(f"{name} must be {_SIZE_HELP}; got {value!r}")
+        raise ConfigError(f"{name} must be {_SIZE_HELP}; got {value!r}")
     size = float(match.group(1)) * _UNITS[unit]
     if not size <= MAX_COUNT:  # hundreds of digits: no size a machine has (and no int a float can give)
-        raise ValueError(f"{name} must be at most {MAX_COUNT} bytes, got {value[:40]!r}{'...' * (len(value) > 40)}")
+        raise ConfigError(f"{name} must be at most {MAX_COUNT} bytes, got {value[:40]!r}{'...' * (len(value) > 40)}")
     return int(size)
 
 
@@ -79,22 +79,25 @@ def parse_count(value: Any, name: str, what: str) -> int:
     """A whole number of things (tokens), from 1 to `MAX_COUNT`; anything else is a ValueError
     naming `name` and `what` it counts."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1 ({what}), got {value!r}")
+        raise ConfigError(f"{name} must be an int >= 1 ({what}), got {value!r}")
     return _at_most(value, name, what)
 
 
 def _at_most(value: int, name: str, what: str) -> int:
     if value > MAX_COUNT:
         shown = str(value) if value < 10**30 else f"an int of {len(str(value))} digits"
-        raise ValueError(f"{name} must be at most {MAX_COUNT} ({what}), got {shown}")
+        raise ConfigError(f"{name} must be at most {MAX_COUNT} ({what}), got {shown}")
     return value
 
 
-def check_implements(value: Any, methods: tuple[str, ...], name: str) -> None:
-    """`value` must have each of `methods` (the protocol remat calls it through)."""
+def check_implements(value: Any, protocol: type, name: str) -> None:
+    """`value` must have each public method of `protocol` (what remat calls it through)."""
+    methods = [m for m, v in vars(protocol).items() if callable(v) and not m.startswith("_")]
     missing = [m for m in methods if not callable(getattr(value, m, None))]
     if missing:
-        raise TypeError(f"{name} must provide {', '.join(methods)}; {type(value).__name__} lacks {', '.join(missing)}")
+        raise ConfigTypeError(
+            f"{name} must provide {', '.join(methods)}; {type(value).__name__} lacks {', '.join(missing)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,8 +122,8 @@ class WrapperOptions:
     def host_budget(self) -> int | None:
         """Checks each option, naming the one that is wrong; returns the host budget in bytes."""
         if self.offload_transport is not None:
-            check_implements(self.offload_transport, TRANSPORT_METHODS, "offload_transport")
+            check_implements(self.offload_transport, OffloadTransport, "offload_transport")
         if self.swap_mover is not None:
-            check_implements(self.swap_mover, MOVER_METHODS, "swap_mover")
+            check_implements(self.swap_mover, WeightMover, "swap_mover")
         budget = self.offload_host_budget
         return None if budget is None else parse_bytes(budget, "offload_host_budget")

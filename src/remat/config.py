@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .arguments import MAX_COUNT
+from .errors import ConfigError, ConfigTypeError, NotSavedError, SavedFileError
 from .policies import CHECKPOINT_POLICIES
 from .policies import NAMES as POLICIES
 from .policies import policy as _policy
@@ -75,7 +76,7 @@ class FrozenPolicies(Mapping[int, str]):
         return isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
 
     def _refuse(self, *args: Any) -> None:
-        raise TypeError(
+        raise ConfigTypeError(
             "CheckpointConfig is immutable: build a new one with config.replace(layer_policies=...) "
             "and pass it to cm.enable(config)"
         )
@@ -97,18 +98,20 @@ def _remat_version() -> str:
 
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"CheckpointConfig.{name} must be True or False, got {value!r} ({type(value).__name__})")
+        raise ConfigTypeError(f"CheckpointConfig.{name} must be True or False, got {value!r} ({type(value).__name__})")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"CheckpointConfig.{name} must be a finite int, got {value!r}")
+        raise ConfigError(f"CheckpointConfig.{name} must be a finite int, got {value!r}")
     if isinstance(value, int) and not isinstance(value, bool) and value > MAX_COUNT:
-        raise ValueError(f"CheckpointConfig.{name} must be at most {MAX_COUNT}, got an int of {len(str(value))} digits")
+        raise ConfigError(
+            f"CheckpointConfig.{name} must be at most {MAX_COUNT}, got an int of {len(str(value))} digits"
+        )
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"CheckpointConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+        raise ConfigTypeError(f"CheckpointConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
-        raise ValueError(f"CheckpointConfig.{name} must be >= {minimum}, got {value}")
+        raise ConfigError(f"CheckpointConfig.{name} must be >= {minimum}, got {value}")
 
 
 def _layer_index(name: str, key: Any) -> int:
@@ -116,12 +119,12 @@ def _layer_index(name: str, key: Any) -> int:
     if isinstance(key, str) and re.fullmatch(r"\s*[+-]?\d+\s*", key):
         key = int(key)
     if isinstance(key, bool) or not isinstance(key, int):
-        raise TypeError(
+        raise ConfigTypeError(
             f"CheckpointConfig.{name}: layer indices must be ints (or their decimal strings), got {key!r} "
             f"({type(key).__name__}); use the layer's position in the map, 0 for the first"
         )
     if key < 0:
-        raise ValueError(
+        raise ConfigError(
             f"CheckpointConfig.{name}: layer index {key} is out of range (negative); indices count from 0, the first "
             "layer, and do not count from the end: use 0..(number of layers - 1)"
         )
@@ -170,13 +173,13 @@ class CheckpointConfig:
         _check_bool("use_reentrant", self.use_reentrant)
         _check_bool("preserve_rng_state", self.preserve_rng_state)
         if self.swap_placement not in SWAP_PLACEMENTS:
-            raise ValueError(
+            raise ConfigError(
                 f"CheckpointConfig.swap_placement must be one of {SWAP_PLACEMENTS}, got {self.swap_placement!r}"
             )
         object.__setattr__(self, "swap_layers", self._validated_swap_layers(self.swap_layers))
         object.__setattr__(self, "layer_policies", self._validated_layer_policies(self.layer_policies))
         if self.checkpoint_policy not in CHECKPOINT_POLICIES:
-            raise ValueError(
+            raise ConfigError(
                 f"CheckpointConfig.checkpoint_policy must be one of {CHECKPOINT_POLICIES}, "
                 f"got {self.checkpoint_policy!r}"
             )
@@ -184,7 +187,7 @@ class CheckpointConfig:
             chosen = {self.checkpoint_policy, *self.layer_policies.values()}
             picky = sorted(name for name in chosen if _policy(name).needs_non_reentrant)
             if picky:
-                raise ValueError(
+                raise ConfigError(
                     f"CheckpointConfig.use_reentrant=True cannot run the {picky} policy: torch supports it only in "
                     "non-reentrant checkpointing; use use_reentrant=False (the default)"
                 )
@@ -194,7 +197,7 @@ class CheckpointConfig:
         if isinstance(value, (list, tuple)):
             indices = tuple(_layer_index("swap_layers", v) for v in value)
             if len(set(indices)) != len(indices):
-                raise ValueError(f"CheckpointConfig.swap_layers lists a layer twice: {list(value)}")
+                raise ConfigError(f"CheckpointConfig.swap_layers lists a layer twice: {list(value)}; list each once")
             return tuple(sorted(indices))
         _check_int("swap_layers", value, 0)
         return value
@@ -202,16 +205,16 @@ class CheckpointConfig:
     @staticmethod
     def _validated_layer_policies(value: Any) -> Mapping[int, str]:
         if not isinstance(value, Mapping):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"CheckpointConfig.layer_policies must be a dict {{layer index: policy}}, got {type(value).__name__}"
             )
         checked: dict[int, str] = {}
         for key, policy in value.items():
             index = _layer_index("layer_policies", key)
             if policy not in POLICIES:
-                raise ValueError(f"CheckpointConfig.layer_policies[{index}] must be one of {POLICIES}, got {policy!r}")
+                raise ConfigError(f"CheckpointConfig.layer_policies[{index}] must be one of {POLICIES}, got {policy!r}")
             if index in checked:
-                raise ValueError(f"CheckpointConfig.layer_policies names layer {index} twice")
+                raise ConfigError(f"CheckpointConfig.layer_policies names layer {index} twice; name it once")
             checked[index] = policy
         return FrozenPolicies(checked)
 
@@ -244,7 +247,7 @@ class CheckpointConfig:
             first = sorted(unknown)[0]
             close = difflib.get_close_matches(first, names, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
-            raise TypeError(
+            raise ConfigTypeError(
                 f"CheckpointConfig has no field(s) {sorted(unknown)}{hint}; its fields are {', '.join(names)}"
             )
         return CheckpointConfig(**{**{name: getattr(self, name) for name in names}, **changes})
@@ -276,12 +279,14 @@ class CheckpointConfig:
         """Build a config from `to_dict()` output. Keys this version does not know are ignored
         with one warning (a newer remat may have written them); bad values raise."""
         if not isinstance(data, Mapping):
-            raise ValueError(f"{source}: expected a JSON object, got {type(data).__name__}")
+            raise SavedFileError(f"{source}: expected a JSON object, got {type(data).__name__}; save the config again")
         version = data.get("format_version", FORMAT_VERSION)
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise ValueError(f"{source}: format_version must be a positive int, got {version!r}")
+            raise SavedFileError(
+                f"{source}: format_version must be a positive int, got {version!r}; save the config again"
+            )
         if version > FORMAT_VERSION:
-            raise ValueError(
+            raise SavedFileError(
                 f"{source} has format_version {version}, but this remat ({_remat_version()}) reads format_version "
                 f"{FORMAT_VERSION} and older: it was written by a newer remat; upgrade remat to load it"
             )
@@ -292,7 +297,9 @@ class CheckpointConfig:
         try:
             return cls(**{k: v for k, v in data.items() if k in known})
         except (TypeError, ValueError) as err:
-            raise ValueError(f"{source}: {err} (correct that field in {source}, or save the config again)") from None
+            raise SavedFileError(
+                f"{source}: {err} (correct that field in {source}, or save the config again)"
+            ) from None
 
     def to_json_string(self) -> str:
         payload = {"format_version": FORMAT_VERSION, "remat_version": _remat_version(), **self.to_dict()}
@@ -313,7 +320,7 @@ class CheckpointConfig:
             with read_pair(path) as snapshot:
                 file = snapshot.name(CONFIG_NAME)
                 if snapshot.config is None:
-                    raise FileNotFoundError(f"no checkpoint config at {file}")
+                    raise NotSavedError(f"no checkpoint config at {file}; save one with save_pretrained")
                 return cls.from_dict(snapshot.config, source=file)
         file = os.fspath(path)
         return cls.from_dict(read_json_object(file), source=file)

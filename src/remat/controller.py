@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .config import CheckpointConfig
+from .errors import ConfigError, ReplacedWrapperError, StateError
 from .install import FlagInstall, ForwardInstall, installer_for
 from .layers import DiscoveredLayer, Discovery
 from .offload import Offloader
@@ -53,10 +54,6 @@ class _Claim:
 # disabled wrapper leaves nothing on it) and weakly keyed (it dies with the model). A controller
 # whose claim is no longer the model's was replaced by another wrapper and refuses to come back.
 _LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, _Claim] = weakref.WeakKeyDictionary()
-
-
-class ReplacedWrapperError(RuntimeError):
-    """This wrapper's model was taken over by another CheckpointedModel."""
 
 
 def controller_of_wrapper(obj: Any) -> Controller | None:
@@ -119,7 +116,7 @@ class Controller:
 
     @property
     def model(self) -> nn.Module:
-        return self._model.alive("the model this wrapper checkpoints no longer exists")
+        return self._model.alive("the model this wrapper checkpoints no longer exists; wrap the model you train")
 
     @property
     def is_enabled(self) -> bool:
@@ -222,7 +219,7 @@ class Controller:
         names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
         lost = [layer.name for layer in self.discovery.layers if id(layer.module) not in names]
         if id(old) not in names or lost:
-            raise ValueError(
+            raise ConfigError(
                 f"{cause}: the trainer's model ({type(model).__name__}) does not contain the model this "
                 f"CheckpointedModel wraps{f' (layers {lost[:3]} are missing)' if lost else ''}, so the map would not "
                 "be what trains. Apply PEFT before wrapping: peft_model = get_peft_model(model, lora_config); "
@@ -291,7 +288,7 @@ class Controller:
             self.apply_map()
         if off_by is None and not any(plan.offloaded for plan in new_map):
             # The new plan offloads nothing (a route turning checkpointing off for a while does
-            # not count: it comes back, and re-pinning costs more than keeping the pool).
+            # not count: it comes back, and re-pinning costs more than keeping torch's pinned cache).
             self.offloader.release_host_memory()
 
     def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> None:
@@ -315,7 +312,7 @@ class Controller:
         check_swappable(joining, self.model)
         held = weights_in_use(joining, self.model)
         if held:
-            raise RuntimeError(
+            raise StateError(
                 f"cannot start swapping layers {[t[0] for t in joining]} now: {held[0]} (and {len(held) - 1} more) is "
                 "held by an autograd graph whose backward has not run (a forward with gradients), and moving it out "
                 "would change those gradients. Call backward first, or drop that forward's outputs; nothing was changed"
@@ -388,7 +385,7 @@ class Controller:
 
     def exit(self) -> None:
         if not self._mode_stack:
-            raise RuntimeError(
+            raise StateError(
                 "cm.__exit__() without a matching cm.__enter__(): use the wrapper as a context manager with "
                 "`with cm.for_inference(): ...` (or `with cm: ...`), which enters and exits in pairs"
             )
@@ -481,7 +478,7 @@ class _InferenceGuard:
 
     def __call__(self, module: nn.Module, args: Any) -> None:
         if self.controller.inference and module.training and torch.is_grad_enabled():
-            raise RuntimeError(
+            raise StateError(
                 f"layer {self.index} ({self.name}) is in training mode with gradients enabled, but the wrapper is in "
                 "inference mode (checkpointing off), so it would train without its checkpoint. Call "
                 "cm.for_training() first, or run the whole model (cm(...) or cm.model(...)), which applies the map"

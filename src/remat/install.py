@@ -45,7 +45,7 @@ class _Installed:
 
     @property
     def module(self) -> nn.Module:
-        return self._module.alive("a layer of the wrapped model no longer exists")
+        return self._module.alive("a layer of the wrapped model no longer exists; wrap the model you train")
 
 
 class FlagInstall(_Installed):
@@ -148,7 +148,9 @@ class _OnTheModule(_Installed):
 
     @property
     def install(self) -> ForwardInstall:
-        return self._install.alive("this layer's checkpointing was removed while it was still called")
+        return self._install.alive(
+            "this layer's checkpointing was removed while it was still called; call the model again"
+        )
 
 
 class CheckpointingForward(_OnTheModule):

@@ -38,11 +38,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from .compat.transformers_compat import LAYER_FLAG, gradient_checkpointing_layer_class
+from .errors import ConfigTypeError, NoCheckpointableLayersError
 from .refs import Ref
-
-
-class NoCheckpointableLayersError(ValueError):
-    """The model has no layer remat knows how to checkpoint."""
 
 
 class DiscoveredLayer:
@@ -58,7 +55,7 @@ class DiscoveredLayer:
 
     @property
     def module(self) -> nn.Module:
-        return self._module.alive(f"layer {self.name} of the wrapped model no longer exists")
+        return self._module.alive(f"layer {self.name} of the wrapped model no longer exists; wrap the model you train")
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,7 @@ def _class_names(value: str | type | Sequence[str | type] | None) -> set[str]:
     elif isinstance(value, (list, tuple, set, frozenset)):
         items = list(value)
     else:
-        raise TypeError(f"layer_class must be a class, a class name, or a list of them; got {value!r}")
+        raise ConfigTypeError(f"layer_class must be a class, a class name, or a list of them; got {value!r}")
     names = set()
     for item in items:
         if isinstance(item, type):
@@ -87,7 +84,7 @@ def _class_names(value: str | type | Sequence[str | type] | None) -> set[str]:
         elif isinstance(item, str) and item:
             names.add(item)
         else:
-            raise TypeError(f"layer_class must name a class (a str or a type), got {item!r}")
+            raise ConfigTypeError(f"layer_class must name a class (a str or a type), got {item!r}")
     return names
 
 
@@ -147,7 +144,7 @@ def _check_classes_exist(model: nn.Module, explicit: set[str], named: list[tuple
         repeated = sorted(name for name, count in counts.items() if count >= 2)
         raise NoCheckpointableLayersError(
             f"layer_class names {missing}, but {type(model).__name__} has no module of that class. "
-            f"Classes that occur more than once in it: {repeated}"
+            f"Classes that occur more than once in it: {repeated}; name one of those"
         )
 
 

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .errors import ConfigError, ConfigTypeError
+
 LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
 
 
@@ -36,13 +38,13 @@ def check_loss_source(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossF
     """Refuse, before any work, a batch from which no loss can come."""
     if loss_fn is not None:
         if not callable(loss_fn):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"{what}: loss_fn must be a callable (outputs, batch) -> loss, got {type(loss_fn).__name__}"
             )
         return
     names = label_names(model)
     if not any(batch.get(name) is not None for name in names):
-        raise ValueError(
+        raise ConfigError(
             f"{what} runs training steps and needs a loss: this batch has no labels ({', '.join(sorted(names))}) "
             "and no loss_fn was given. Add labels to the batch, or pass loss_fn=lambda outputs, batch: ... "
             "returning a scalar tensor"
@@ -67,7 +69,7 @@ def step_loss(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         source = "loss_fn" if loss_fn is not None else "the model's output .loss"
-        raise ValueError(
+        raise ConfigError(
             f"{source} gave {type(loss).__name__ if not isinstance(loss, torch.Tensor) else tuple(loss.shape)}, "
             "not a scalar tensor: pass loss_fn=lambda outputs, batch: ... returning the scalar loss"
         )

@@ -39,6 +39,7 @@ from .compat.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .config import CheckpointConfig
 from .controller import Controller, swap_targets
 from .display import describe_map
+from .errors import ConfigError, ConfigTypeError, StateError
 from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
 from .persistence import load_checkpointed_model, save_checkpointed_model
@@ -107,18 +108,18 @@ def _has_adapter_layers(model: nn.Module) -> bool:
 
 def _check_model(model: Any) -> None:
     if isinstance(model, CheckpointedModel):
-        raise TypeError("this model is already a CheckpointedModel; wrap the original model once")
+        raise ConfigTypeError("this model is already a CheckpointedModel; wrap the original model once")
     if not isinstance(model, nn.Module):
-        raise TypeError(f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}")
+        raise ConfigTypeError(f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}: pass the model")
     pretrained = pretrained_model_class()
     if not any(isinstance(m, pretrained) for m in model.modules()):
-        raise TypeError(
+        raise ConfigTypeError(
             f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
             f"{type(model).__name__} contains no PreTrainedModel"
         )
     owner = model.__dict__.get("_remat_owner")
     if owner is not None and not owner.orphaned:
-        raise ValueError("this model is already wrapped by another CheckpointedModel; call its disable() first")
+        raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
 
 
 def _with_fields(config: CheckpointConfig, fields: dict[str, Any], call: str) -> CheckpointConfig:
@@ -132,7 +133,7 @@ def _with_fields(config: CheckpointConfig, fields: dict[str, Any], call: str) ->
         close = difflib.get_close_matches(unknown[0], names, n=1)
         hint = f" (did you mean {close[0]}=?)" if close else ""
         extra = "".join(f", {name}" for name in WrapperOptions.names()) if call == "CheckpointedModel" else ""
-        raise TypeError(
+        raise ConfigTypeError(
             f"{call}() got an unexpected keyword argument {unknown[0]!r}{hint}; it takes the fields of "
             f"CheckpointConfig ({', '.join(names)}){extra}"
         )
@@ -187,14 +188,14 @@ class CheckpointedModel(nn.Module):
             `cm.model`, unchanged in type, parameter names and parameter objects.
         config: the `CheckpointConfig`; the default checkpoints every layer.
         offload_transport: how the "offload" policy moves bytes between device and host. The
-            default picks one per device (CUDA: side stream and pinned pool; CPU: nothing to
-            move). A `remat.offload.SimulatedTransport` plays a device/host pair on the CPU.
+            default picks one per device (CUDA: side stream and pinned memory; CPU: nothing to
+            move). A `remat.testing.SimulatedTransport` plays a device/host pair on the CPU.
         swap_mover: how block swap copies weights host to device; the default picks one from the
             weights' device (CUDA: pinned host copies and a side stream; CPU: plain copies).
         layer_class: the class (or class name, or several) of the model's repeated block, for
             models where discovery cannot decide (see `remat.layers`). A name that matches no
             module of the model is an error.
-        offload_host_budget: pinned host memory the offload pool may take in this process, in
+        offload_host_budget: pinned host memory offload may hold at once in this process, in
             bytes or as a size like "8GiB"; default: half the host's memory divided among the
             processes on the host (`LOCAL_WORLD_SIZE`). Past it, buffers are pageable (one warning).
         **fields: fields of `CheckpointConfig`, as a shorthand: `CheckpointedModel(model,
@@ -260,7 +261,7 @@ class CheckpointedModel(nn.Module):
         """Every check of the arguments that needs no plan, with nothing changed; then the layers."""
         _check_model(model)
         if config is not None and not isinstance(config, CheckpointConfig):
-            raise TypeError(f"config must be a CheckpointConfig, got {type(config).__name__}")
+            raise ConfigTypeError(f"config must be a CheckpointConfig, got {type(config).__name__}: pass one")
         options.host_budget()
         return discover_layers(model, options.layer_class)
 
@@ -279,7 +280,7 @@ class CheckpointedModel(nn.Module):
     def __copy__(self) -> CheckpointedModel:
         """Refused: a shallow copy would share this wrapper's model and controller, so two
         wrappers would claim one map (and ownership would follow whichever was made last)."""
-        raise TypeError(
+        raise ConfigTypeError(
             "copy.copy(cm) would make a second wrapper sharing cm's model and map; a model has one wrapper. Use cm "
             "itself, or copy.deepcopy(cm) for an independent wrapper over a copy of the model"
         )
@@ -293,7 +294,7 @@ class CheckpointedModel(nn.Module):
             if name in ("model", "_controller"):  # not set yet: no recursion through self.model
                 raise
             if name == TRAINER_PROBE:
-                raise TypeError(_plain_trainer_refusal(self.model)) from None
+                raise ConfigTypeError(_plain_trainer_refusal(self.model)) from None
             return getattr(self.model, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -352,7 +353,7 @@ class CheckpointedModel(nn.Module):
         included, stay as they are)."""
         config = self._controller.config if config is None else config
         if not isinstance(config, CheckpointConfig):
-            raise TypeError(
+            raise ConfigTypeError(
                 f"config must be a CheckpointConfig, got {type(config).__name__}: "
                 "cm.enable(CheckpointConfig(...)), or fields as keywords, cm.enable(every_n_layers=3)"
             )
@@ -402,8 +403,12 @@ class CheckpointedModel(nn.Module):
 
     @property
     def swap_stats(self) -> dict[int, LayerSwapStats]:
-        """Per swapped layer: how many times its weights were fetched, and the bytes."""
+        """Per swapped layer: how many times its weights were fetched, and the bytes, summed since
+        the layer was swapped (or `reset_swap_stats()`)."""
         return {i: e.stats for i, e in self._controller.swapper.layers.items()}
+
+    def reset_swap_stats(self) -> None:
+        self._controller.swapper.reset_stats()
 
     def summary(self) -> str:
         """The map's table with what offload and block swap did per layer (headed by a line
@@ -463,7 +468,7 @@ class CheckpointedModel(nn.Module):
         from .report import memory_report_leaving_state
 
         if self._controller.inference or not self.model.training:
-            raise RuntimeError("memory_report measures a training step: call cm.for_training() first")
+            raise StateError("memory_report measures a training step: call cm.for_training() first")
         return memory_report_leaving_state(self._controller, dict(batch), loss_fn)
 
     def profile(

@@ -1,36 +1,26 @@
 """Host offload of checkpoint inputs: the "offload" policy.
 
-What moves: torch's non-reentrant checkpoint saves a layer's positional inputs (the hidden
-states) as saved tensors before it enters its own hooks, so a `saved_tensors_hooks` context
-around the checkpoint call sees exactly those inputs and nothing from inside the layer: the
-recompute's internals never move. Keyword inputs (masks, position embeddings) are shared by all
-layers and stay where they are.
+What moves: torch's non-reentrant checkpoint saves a layer's positional inputs as saved tensors
+before it enters its own hooks, so a `saved_tensors_hooks` context around the checkpoint call
+sees exactly those inputs: the recompute's internals never move. Rules, each for a reason:
+- Only the first positional input (the hidden states) moves; other inputs (masks, position
+  embeddings, positional or not) are shared by every layer: one copy per layer costs more than it saves.
+- Inputs under `offload_min_bytes` stay on the device: the copy costs more than it saves.
+- The input of the last checkpointed layer forward runs stays, because backward needs it first.
+  Which one that is is decided while forward runs: each input is held back until the next
+  checkpointed layer starts, then copied out (overlapping that layer's compute); whatever is
+  held back when forward ends stays. A map changed between steps cannot leave a stale index.
+- Copies are exact byte copies: no dtype change. When backward brings an input back for its
+  recompute, the next one it needs is fetched ahead, overlapping this recompute.
+- Host buffers come from the transport: on CUDA torch's caching pinned allocator, which reuses
+  freed blocks once the copies that used them are done, so steps after the first pin nothing
+  new. A buffer goes with the autograd graph that holds it, an abandoned step's too.
+- A model on the CPU has no device memory to free: inputs stay, and the counters say why.
 
-Rules, each for a reason:
-- Only a layer's first positional input (the hidden states) moves. Other positional inputs
-  (an attention mask passed positionally by a remote-code loop) are shared by every layer:
-  copying them once per layer would cost more than it saves.
-- Inputs smaller than `offload_min_bytes` stay on the device: the copy costs more than it saves.
-- The input of the last checkpointed layer that forward runs stays on the device, because
-  backward needs it first. Which layer that is is decided while forward runs, not from an index
-  planned in advance: each input is held back until the next checkpointed layer packs its own,
-  and only then copied out. The copy of layer i's input therefore overlaps layer i+1's compute,
-  and whatever input is still held back when forward ends stays on the device. A map that
-  changes between steps cannot leave a stale "last layer".
-- Copies are exact byte copies: no dtype change.
-- When a layer's input is brought back for its recompute, the input of the layer that backward
-  reaches next is fetched ahead, so its copy overlaps this layer's recompute.
-- Host buffers come from a pool, allocated once and reused every step; a buffer returns to the
-  pool when the autograd graph that holds it is freed, which also covers an abandoned step (an
-  exception in forward, or a forward without backward).
-- On a model that runs on the CPU there is no device memory to free: inputs stay where they are
-  and the counters say why.
-
-Bytes cross through the device's transport (`remat.transport`, shared with block swap): a
-side stream, events and pinned memory on CUDA. What stays here is offload's own bookkeeping:
-which input moves, when, the per-layer counters, and the pool of host buffers it borrows.
-`remat.testing.SimulatedTransport` plays a device and a host on the CPU, so the ordering, pool,
-fallback and abandonment logic run in CI without a GPU.
+Bytes cross through the device's transport (`remat.transport`, shared with block swap); what
+stays here is offload's bookkeeping: which input moves and when, the per-layer counters, the host
+budget (`HostBuffers`). `remat.testing.SimulatedTransport` plays a device and a host on the CPU,
+so the ordering, budget, fallback and abandonment logic run in CI without a GPU.
 """
 
 from __future__ import annotations
@@ -43,7 +33,7 @@ from typing import Any
 
 import torch
 
-from .transport import Event, HostPool, OffloadTransport, TensorMeta, default_host_budget, transport_for
+from .transport import Event, OffloadTransport, TensorMeta, default_host_budget, transport_for
 from .transport import Transport as Transport  # where model.py has always imported it from
 
 logger = logging.getLogger("remat")
@@ -73,28 +63,80 @@ def _signature(tensor: torch.Tensor) -> tuple:
     return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
 
 
-@dataclass(frozen=True)
-class _HostRoute:
-    """Where one device's offloaded inputs go: its transport, and this offloader's pool of host
-    buffers for it (the pool's budget and buffers are offload's own bookkeeping)."""
+class HostBuffers:
+    """Where one device's offloaded inputs go: its transport, and the pinned bytes they hold there,
+    counted against the host budget. Past the budget, or where pinning fails, a buffer is pageable
+    (one warning): its copies do not overlap compute, but host memory is never exhausted.
 
-    transport: OffloadTransport
-    pool: HostPool
+    Each buffer comes from the transport (torch's caching pinned allocator on CUDA, see the module
+    docstring) and is given back from a graph's handle when the graph is freed: a GC pass on any
+    thread, in the middle of any method here. So the count is a dict that `give_back` only pops
+    from (atomic): no lock a GC pass could wait on.
+    """
+
+    def __init__(self, transport: OffloadTransport, max_bytes: int | None = None):
+        self.transport = transport
+        self.max_bytes = max_bytes
+        self.pageable_fallbacks = 0
+        self._warned = False
+        self._pinned: dict[int, int] = {}  # storage pointer -> bytes, of every pinned buffer a graph holds
+        self._returning = False  # nothing offloads: give the host memory back once the last buffer is freed
+        self._cached = False  # pinned buffers went into the transport's cache since it was last emptied
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(list(self._pinned.values()))
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        self._returning = False
+        if self.max_bytes is not None and self.pinned_bytes + nbytes > self.max_bytes:
+            return self._pageable(nbytes, f"the host budget of {self.max_bytes} bytes would be exceeded")
+        try:
+            buffer = self.transport.allocate_host(nbytes)
+        except RuntimeError as err:
+            return self._pageable(nbytes, f"pinning host memory failed ({err})")
+        self._pinned[buffer.untyped_storage().data_ptr()] = nbytes
+        self._cached = True
+        return buffer
+
+    def _pageable(self, nbytes: int, why: str) -> torch.Tensor:
+        self.pageable_fallbacks += 1
+        if not self._warned:
+            self._warned = True
+            logger.warning("offload: %s; using pageable host memory, so copies will not overlap compute", why)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give_back(self, buffer: torch.Tensor) -> bool:
+        """Uncount `buffer`. True means nothing offloads any more and this was the last pinned
+        buffer: the caller, once it has dropped its reference, calls the transport's
+        `return_freed_host_memory()`."""
+        counted = self._pinned.pop(buffer.untyped_storage().data_ptr(), None) is not None
+        last = counted and self._returning and not self._pinned
+        self._cached &= not last
+        return last
+
+    def release(self) -> None:
+        """Nothing offloads any more: the host memory goes back to the system now, or when the
+        last buffer a graph still holds is freed."""
+        self._returning = True
+        if self._cached and not self._pinned:
+            self._cached = False
+            self.transport.return_freed_host_memory()
+            logger.info("offload: gave its pinned host memory back (no layer offloads now)")
 
 
 class _Packed:
     """One saved input: held on the device until forward moves past it, then on the host."""
 
-    def __init__(self, offloader: Offloader, route: _HostRoute, layer: int, tensor: torch.Tensor, order: int):
+    def __init__(self, offloader: Offloader, buffers: HostBuffers, layer: int, tensor: torch.Tensor, order: int):
         self.offloader = offloader
-        self.transport = route.transport
-        self.pool = route.pool
+        self.transport = buffers.transport
+        self.buffers = buffers
         self.layer = layer
         self.order = order
         self.meta = TensorMeta(tensor.shape, tensor.dtype, tensor.device, tensor.nbytes)
         self.device_tensor: torch.Tensor | None = tensor
         self.host: torch.Tensor | None = None
-        self.last_event: Event | None = None
         self.prefetched: tuple[torch.Tensor, Event] | None = None
         self.alive = True
 
@@ -102,8 +144,8 @@ class _Packed:
         tensor = self.device_tensor
         if tensor is None or self.host is not None:
             return
-        self.host = self.pool.acquire(self.meta.nbytes)
-        self.last_event = self.transport.to_host(tensor, self.host, self.layer)
+        self.host = self.buffers.take(self.meta.nbytes)
+        self.transport.to_host(tensor, self.host, self.layer)
         self.device_tensor = None  # the device memory is freed (after the copy, on CUDA)
         stats = self.offloader.stats[self.layer]
         stats.offloaded_bytes += self.meta.nbytes
@@ -112,7 +154,6 @@ class _Packed:
     def prefetch(self) -> None:
         if self.host is not None and self.prefetched is None:
             self.prefetched = self.transport.to_device(self.host, self.meta, self.layer)
-            self.last_event = self.prefetched[1]
             self.offloader.stats[self.layer].copies_to_device += 1
 
     def fetch(self) -> torch.Tensor:
@@ -132,8 +173,8 @@ class _Packed:
         self.device_tensor = None
         self.prefetched = None
         host, self.host = self.host, None
-        if host is not None and self.pool.release(host, self.last_event):
-            del host  # the last reference: the pool was cleared while this graph was alive
+        if host is not None and self.buffers.give_back(host):
+            del host  # the last reference: nothing offloads since this graph was made
             self.transport.return_freed_host_memory()
 
 
@@ -146,13 +187,13 @@ class Offloader:
 
     def __init__(self, min_bytes: int, transport: OffloadTransport | None = None, max_host_bytes: int | None = None):
         """`transport=None` takes each device's shared transport as inputs arrive
-        (`remat.transport.transport_for`): CUDA tensors go through its side stream into a
-        pinned pool of this offloader's own; CPU tensors stay put.
+        (`remat.transport.transport_for`): CUDA tensors go through its side stream into pinned
+        host memory; CPU tensors stay put.
         `max_host_bytes=None` budgets pinned memory with `default_host_budget()`."""
         self.min_bytes = min_bytes
         self.max_host_bytes = default_host_budget() if max_host_bytes is None else max_host_bytes
-        self._fixed = _HostRoute(transport, HostPool(transport, self.max_host_bytes)) if transport is not None else None
-        self._routes: dict[torch.device, _HostRoute | None] = {}
+        self._fixed = HostBuffers(transport, self.max_host_bytes) if transport is not None else None
+        self._routes: dict[torch.device, HostBuffers | None] = {}
         self.stats: dict[int, LayerOffloadStats] = defaultdict(LayerOffloadStats)
         self._held_back: weakref.ref[_Packed] | None = None
         self._live: weakref.WeakValueDictionary[int, _Packed] = weakref.WeakValueDictionary()
@@ -164,28 +205,25 @@ class Offloader:
         transport = self._fixed.transport if self._fixed is not None else None
         return (_rebuilt_offloader, (self.min_bytes, transport, self.max_host_bytes, dict(self.stats)))
 
-    def _route(self, tensor: torch.Tensor) -> _HostRoute | None:
+    def _route(self, tensor: torch.Tensor) -> HostBuffers | None:
         if self._fixed is not None:
             return self._fixed if self._fixed.transport.handles(tensor) else None
         if tensor.device not in self._routes:
             transport = transport_for(tensor.device)
             handled = transport.handles(tensor)
-            self._routes[tensor.device] = (
-                _HostRoute(transport, HostPool(transport, self.max_host_bytes)) if handled else None
-            )
+            self._routes[tensor.device] = HostBuffers(transport, self.max_host_bytes) if handled else None
         return self._routes[tensor.device]
 
     @property
-    def pools(self) -> list[HostPool]:
+    def host_buffers(self) -> list[HostBuffers]:
         routes = [self._fixed] if self._fixed is not None else list(self._routes.values())
-        return [route.pool for route in routes if route is not None]
+        return [route for route in routes if route is not None]
 
     def release_host_memory(self) -> None:
-        """Free the pooled host buffers: called when no layer offloads any more, so pinned
-        memory is not held by a model that will not use it (the pool refills on demand)."""
-        freed = sum(pool.clear() for pool in self.pools)
-        if freed:
-            logger.info("offload: released %.1f MiB of pinned host memory", freed / 2**20)
+        """No layer offloads any more: pinned memory is not kept for a model that will not use it
+        (torch's cache would keep it otherwise; offloading again pins anew)."""
+        for buffers in self.host_buffers:
+            buffers.release()
 
     # -- the hooks ------------------------------------------------------------------------------
 
@@ -268,12 +306,8 @@ class Offloader:
         return dict(out)
 
     def host_storages(self) -> set[int]:
-        """Data pointers of every host buffer this offloader owns (pooled or in use)."""
-        out = {buffer.untyped_storage().data_ptr() for pool in self.pools for buffer in pool.pooled()}
-        for packed in list(self._live.values()):
-            if packed.host is not None:
-                out.add(packed.host.untyped_storage().data_ptr())
-        return out
+        """Data pointers of every host buffer a graph holds now."""
+        return {p.host.untyped_storage().data_ptr() for p in list(self._live.values()) if p.host is not None}
 
     def reset_stats(self) -> None:
         self.stats.clear()
@@ -289,8 +323,7 @@ def _rebuilt_offloader(
 
 class _Handle:
     """What the autograd graph stores for an offloaded input. When the graph is freed (after
-    backward, or when a step is abandoned) the handle goes, and its host buffer returns to the
-    pool."""
+    backward, or when a step is abandoned) the handle goes, and its host buffer with it."""
 
     __slots__ = ("__weakref__", "packed")
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import overload
 
 from .config import CheckpointConfig
+from .errors import ConfigError
 from .policies import CHECKPOINTED, NAMES
 from .policies import policy as policy_named
 
@@ -51,9 +52,9 @@ class CheckpointMap(Sequence[LayerPlan]):
         self.off = off
         for position, plan in enumerate(self._plans):
             if plan.index != position:
-                raise ValueError(f"layer plans must be in order: position {position} holds index {plan.index}")
+                raise ConfigError(f"layer plans must be in order: position {position} holds index {plan.index}")
             if plan.swapped and not plan.checkpointed:
-                raise ValueError(f"layer {plan.index} is swapped but not checkpointed")
+                raise ConfigError(f"layer {plan.index} is swapped but not checkpointed")
 
     @overload
     def __getitem__(self, i: int) -> LayerPlan: ...
@@ -112,13 +113,13 @@ def swapped_indices(config: CheckpointConfig, num_layers: int) -> list[int]:
     if isinstance(config.swap_layers, tuple):
         bad = [i for i in config.swap_layers if i >= num_layers]
         if bad:
-            raise ValueError(
-                f"swap_layers names layer(s) {bad}, but the model has {num_layers} layers (0..{num_layers - 1})"
+            raise ConfigError(
+                f"swap_layers names layer(s) {bad}, but the model has {num_layers} layers: use 0..{num_layers - 1}"
             )
         return list(config.swap_layers)
     count = config.swap_layers
     if count > num_layers:
-        raise ValueError(f"swap_layers={count} asks for more layers than the model has ({num_layers})")
+        raise ConfigError(f"swap_layers={count} asks for more layers than the model has ({num_layers}): ask for fewer")
     if count == 0:
         return []
     if config.swap_placement == "tail":
@@ -139,11 +140,11 @@ def plan_layers(
     """
     num_layers = len(layer_names)
     if num_layers == 0:
-        raise ValueError("there are no layers to plan")
+        raise ConfigError("there are no layers to plan")
     missing = [i for i in config.layer_policies if i >= num_layers]
     if missing:
-        raise ValueError(
-            f"layer_policies names layer(s) {missing}, but the model has {num_layers} layers (0..{num_layers - 1})"
+        raise ConfigError(
+            f"layer_policies names layer(s) {missing}, but the model has {num_layers} layers: use 0..{num_layers - 1}"
         )
     swapped = set(swapped_indices(config, num_layers))
     checkpoint_policy = config.checkpoint_policy

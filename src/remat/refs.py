@@ -3,7 +3,7 @@
 remat's state (the plan, the installers, the offloader and the swapper) refers to the model
 weakly, and only the model's patches and hooks refer to remat's state. So no reference cycle
 joins the two: a wrapper dropped with its model is freed at once by reference counting, host
-memory (pinned pools, swapped weights) included, without waiting for a GC pass; and a model
+memory (swapped weights' pinned copies) included, without waiting for a GC pass; and a model
 whose wrapper was dropped keeps working, because its patches keep remat's state alive.
 
 A `Ref` copies and pickles as a reference to the copy of its target, so `copy.deepcopy(cm)`
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import weakref
 from typing import Any, Generic, NoReturn, TypeVar
+
+from .errors import StateError
 
 T = TypeVar("T")
 
@@ -28,10 +30,10 @@ class Ref(Generic[T]):
         return self._ref()
 
     def alive(self, gone: str) -> T:
-        """The target, or a RuntimeError saying `gone` when it was freed while remat still used it."""
+        """The target, or a `StateError` (a RuntimeError) saying `gone` when it was freed while remat still used it."""
         target = self._ref()
         if target is None:
-            raise RuntimeError(f"remat: {gone}")
+            raise StateError(f"remat: {gone}")
         return target
 
     def __reduce__(self) -> Any:
@@ -47,7 +49,7 @@ class _Dead:
         return None
 
     def alive(self, gone: str) -> NoReturn:
-        raise RuntimeError(f"remat: {gone}")
+        raise StateError(f"remat: {gone}")
 
 
 def _dead() -> _Dead:

@@ -299,7 +299,7 @@ def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None
             torch.cuda.synchronize(device)
             allocator = torch.cuda.memory_allocated(device) - before
         gc.collect()
-        offloaded = state.offloader.live_host_bytes()  # host buffers come from a pool, not from ops
+        offloaded = state.offloader.live_host_bytes()  # host buffers come from the transport, not from ops
         exclude |= state.offloader.host_storages()
         held: dict[int, tuple[int, int | None, bool]] = {}  # storage -> (bytes, layer, on host)
         for tensor, layer in tracker.alive():

@@ -38,6 +38,7 @@ from .compat.transformers_compat import (
     routes_defined_on,
 )
 from .config import CheckpointConfig
+from .errors import ConfigError, ConfigTypeError
 from .patches import InstancePatches
 from .refs import Ref
 
@@ -64,7 +65,7 @@ def _selective_from_context(route: str, options: dict[str, Any], from_trl: bool)
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     if getattr(context_fn, "func", None) is not create_selective_checkpoint_contexts or not from_trl:
-        raise ValueError(
+        raise ConfigError(
             f"{route}: remat does not take a context_fn ({context_fn!r}): which activations each layer keeps is "
             "the checkpoint map's to say. For op-level selective checkpointing use checkpoint_policy='selective' "
             "(or the route option selective=True). Nothing was changed."
@@ -87,17 +88,19 @@ def config_from_route(
     """The config a route call asks for, starting from `current`. Raises before anything changes.
     `from_trl`: the call came through TRL's selective-checkpointing wrapper."""
     if kwargs_dict is not None and not isinstance(kwargs_dict, Mapping):
-        raise TypeError(f"{route}: the checkpointing kwargs must be a dict, got {type(kwargs_dict).__name__}")
+        raise ConfigTypeError(f"{route}: the checkpointing kwargs must be a dict, got {type(kwargs_dict).__name__}")
     options = dict(kwargs_dict or {})
     for key, value in keywords.items():
         if key in options and not _is_default(key, value) and options[key] != value:
-            raise ValueError(f"{route}: {key} is given twice with different values ({options[key]!r} and {value!r})")
+            raise ConfigError(
+                f"{route}: {key} is given twice with different values ({options[key]!r} and {value!r}); give one"
+            )
         if key not in options or not _is_default(key, value):
             options[key] = value
     _selective_from_context(route, options, from_trl)
     unknown = sorted(set(options) - set(ROUTE_OPTIONS))
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"{route}: remat does not know the checkpointing option(s) {unknown}; it accepts {list(ROUTE_OPTIONS)}. "
             "Nothing was changed. (Other torch.utils.checkpoint options are not supported, and remat never passes "
             "unknown keys into layer calls.)"
@@ -105,7 +108,7 @@ def config_from_route(
     changes = {key: value for key, value in options.items() if not _is_default(key, value)}
     if "selective" in changes:
         if not isinstance(changes["selective"], bool):
-            raise TypeError(f"{route}: selective must be True or False, got {changes['selective']!r}")
+            raise ConfigTypeError(f"{route}: selective must be True or False, got {changes['selective']!r}")
         del changes["selective"]  # False is the default, filtered out above
         changes["checkpoint_policy"] = "selective"
         if options.get("use_reentrant") is False:  # asked for together with selective, which needs it
@@ -196,12 +199,12 @@ class EnableRoute(_Route):
             return current(*args, **given, **kwargs)
         route, kwargs_name = self.route, self.kwargs_name
         if len(args) > 1:
-            raise TypeError(f"{route}() takes at most one positional argument ({kwargs_name}), got {len(args)}")
+            raise ConfigTypeError(f"{route}() takes at most one positional argument ({kwargs_name}), got {len(args)}")
         if args and kwargs_name in kwargs:
-            raise TypeError(f"{route}() got {kwargs_name} twice")
+            raise ConfigTypeError(f"{route}() got {kwargs_name} twice; pass it once")
         kwargs_dict = args[0] if args else kwargs.pop(kwargs_name, None)
         if kwargs:
-            raise TypeError(
+            raise ConfigTypeError(
                 f"{route}() got unexpected argument(s) {sorted(kwargs)}; it takes {kwargs_name}, "
                 "every_n_layers and offload"
             )

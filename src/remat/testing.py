@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .compat.transformers_compat import has_activation_checkpointing_names
+from .errors import ConfigError
 from .measure import held_bytes_after, weight_storages
 from .transport import DoneEvent, Event, TensorMeta, as_bytes, from_bytes
 
@@ -46,7 +47,7 @@ def _default_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
 def _batch_device(batch: Mapping[str, Any]) -> torch.device:
     tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
     if not tensors:
-        raise ValueError("the batch holds no tensor: pass the dict of tensors the model is called with")
+        raise ConfigError("the batch holds no tensor: pass the dict of tensors the model is called with")
     return tensors[0].device
 
 

@@ -46,6 +46,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from .compat.transformers_compat import trainer_asks_for_checkpointing, trainer_checkpointing_kwargs
 from .controller import controller_of_wrapper
+from .errors import ConfigTypeError
 from .persistence import apply_saved_config
 from .persistence.pair_format import save_model_pair
 from .plan import plan_layers
@@ -151,7 +152,7 @@ def _refuse_compiled_wrapper(model: Any) -> None:
     module and TRL would not see the PeftModel. Compiling is the Trainer's to do on the model it
     trains, or the wrapper's (`cm.compile()` compiles `cm.model`, which the trainer trains)."""
     if is_compiled_module(model) and controller_of_wrapper(getattr(model, "_orig_mod", None)) is not None:
-        raise TypeError(
+        raise ConfigTypeError(
             "RematTrainer was given torch.compile(cm): pass the CheckpointedModel itself and let the trainer compile "
             "what it trains: RematTrainer(model=cm, args=TrainingArguments(..., torch_compile=True)) (options: "
             "torch_compile_backend=, torch_compile_mode=), or call cm.compile(...) before building the trainer"
@@ -270,7 +271,7 @@ def _apply_saved_config(cm: Any, folder: str | None, cause: str) -> None:
 def remat_trainer_class(base: type[Trainer]) -> type[Trainer]:
     """`base` with `RematTrainerMixin` in front, e.g. `remat_trainer_class(trl.GRPOTrainer)`."""
     if not (isinstance(base, type) and issubclass(base, Trainer)):
-        raise TypeError(f"remat_trainer_class needs a transformers.Trainer subclass, got {base!r}")
+        raise ConfigTypeError(f"remat_trainer_class needs a transformers.Trainer subclass, got {base!r}")
     if issubclass(base, RematTrainerMixin):
         return base
     return type(f"Remat{base.__name__}", (RematTrainerMixin, base), {"__module__": __name__})

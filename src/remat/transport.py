@@ -6,8 +6,8 @@ Two features move bytes between an accelerator and host memory: the "offload" po
 for the recompute; block swap (`remat.swap`) keeps frozen weights on the host and fetches them
 into device slots before a layer runs. Both go through one `Transport` per device, from
 `transport_for(device)`, so a process has one set of copy streams per device, whoever copies.
-Each feature keeps its own bookkeeping (offload: the size floor, keep-last, its host pool's
-budget; swap: its slots and schedule); this room only moves bytes and says when they arrived.
+Each feature keeps its own bookkeeping (offload: the size floor, keep-last, its host budget;
+swap: its slots and schedule); this room only moves bytes and says when they arrived.
 
 `CudaTransport` has one side stream per copy direction, because a GPU has a copy engine per
 direction: an input going to the host in forward overlaps a weight coming to the device, and
@@ -15,9 +15,6 @@ copies in the same direction queue in the order they were asked for. The compute
 on an event only where it reads what a copy wrote. `CpuTransport` is the model running on the
 CPU: there is no separate device memory, so offload keeps inputs where they are (`handles` is
 False), and block swap still copies weights into slots that are given back between uses.
-
-`HostPool` is offload's pool of host buffers: allocated once through the transport (pinned),
-reused every step, given back to the system when nothing offloads any more.
 
 Test doubles of this protocol live in `remat.testing`.
 """
@@ -27,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -236,126 +232,10 @@ def transport_for(device: torch.device) -> Transport:
 def default_host_budget() -> int:
     """Half of the host's physical memory, shared by the processes of this host.
 
-    Several ranks on one machine each keep a pool of their own; `LOCAL_WORLD_SIZE` (set by
+    Several ranks on one machine each offload into host memory; `LOCAL_WORLD_SIZE` (set by
     torchrun and accelerate) says how many share the host, so each gets its share. Past the
     budget buffers are pageable (one warning), never an out-of-memory kill.
     """
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return total // 2 // local_ranks
-
-
-_BUCKET = 1 << 20
-
-
-class HostPool:
-    """Host buffers, allocated once and reused. Pinned when the transport can pin; if pinning
-    fails or `max_bytes` would be exceeded, pageable buffers, with one warning.
-
-    A request takes the smallest free buffer that holds it and is at most twice its size, and
-    new buffers are rounded up to whole MiB, so sequence lengths that vary from batch to batch
-    (dynamic padding) reuse buffers instead of pinning a new one per length.
-
-    Buffers come back through `release`, which runs from a graph's handle when the graph is
-    freed: that can be a GC pass in the middle of any method here, on this thread, or the
-    autograd engine's thread. So `release` never takes the lock: it appends to a queue (atomic),
-    and the methods that hold the lock move what the queue holds into the pool first.
-    """
-
-    def __init__(self, transport: OffloadTransport, max_bytes: int | None = None):
-        self.transport = transport
-        self.max_bytes = max_bytes
-        self.free: list[tuple[torch.Tensor, Event | None]] = []
-        self.pageable_fallbacks = 0
-        self._warned = False
-        self._lock = threading.Lock()
-        self._returned: deque[tuple[torch.Tensor, Event | None]] = deque()
-        self._sizes: dict[int, int] = {}  # storage pointer -> bytes, of every pinned buffer alive
-        self._draining = False  # cleared and not used since: buffers coming back are freed
-
-    def _take_returned(self) -> None:
-        """Move returned buffers into the pool (the caller holds the lock)."""
-        while self._returned:
-            self.free.append(self._returned.popleft())
-
-    def acquire(self, nbytes: int) -> torch.Tensor:
-        with self._lock:
-            self._take_returned()
-            self._draining = False
-            fitting = [i for i, (b, _) in enumerate(self.free) if nbytes <= b.numel() <= 2 * max(nbytes, _BUCKET)]
-            if fitting:
-                best = min(fitting, key=lambda i: self.free[i][0].numel())
-                buffer, last_use = self.free.pop(best)
-                if last_use is not None:
-                    last_use.synchronize()  # a copy may still read or write it
-                return buffer
-        size = -(-nbytes // _BUCKET) * _BUCKET
-        if self.max_bytes is not None and self.allocated_bytes + size > self.max_bytes:
-            return self._pageable(nbytes, f"the host budget of {self.max_bytes} bytes would be exceeded")
-        try:
-            buffer = self.transport.allocate_host(size)
-        except RuntimeError as err:
-            return self._pageable(nbytes, f"pinning host memory failed ({err})")
-        self._sizes[buffer.untyped_storage().data_ptr()] = size
-        return buffer
-
-    def _pageable(self, nbytes: int, why: str) -> torch.Tensor:
-        self.pageable_fallbacks += 1
-        if not self._warned:
-            self._warned = True
-            logger.warning("offload: %s; using pageable host memory, so copies will not overlap compute", why)
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def release(self, buffer: torch.Tensor, last_use: Event | None) -> bool:
-        """Put `buffer` back into the pool. If the pool was cleared since it was taken (a graph
-        that outlived `clear()`), it is not pooled but forgotten; True then means the last
-        pinned buffer is now free, and the caller, once it has dropped its reference, calls the
-        transport's `return_freed_host_memory()` (once for all of them, not per buffer)."""
-        self._returned.append((buffer, last_use))
-        return self._forget_returned() if self._draining else False
-
-    def _forget_returned(self) -> bool:
-        """While draining: free what came back (whoever pops a buffer frees it: no lock needed).
-        True if that left no pinned buffer alive."""
-        freed = False
-        while True:
-            try:
-                buffer, last_use = self._returned.popleft()
-            except IndexError:
-                break
-            if last_use is not None:
-                last_use.synchronize()
-            freed |= self._sizes.pop(buffer.untyped_storage().data_ptr(), 0) > 0
-            del buffer, last_use
-        return freed and not self._sizes
-
-    def clear(self) -> int:
-        """Free every pooled buffer (after its last copy finished), and every buffer a pending
-        backward still holds when it comes back, until the next acquire. Returns bytes freed."""
-        with self._lock:
-            self._take_returned()
-            entries, self.free = self.free, []
-            self._draining = True
-        freed = 0
-        while entries:
-            buffer, last_use = entries.pop()
-            if last_use is not None:
-                last_use.synchronize()
-            freed += self._sizes.pop(buffer.untyped_storage().data_ptr(), 0)
-            del buffer, last_use  # the pool held the last reference
-        if self._forget_returned() or freed:  # a buffer may have come back while this ran
-            self.transport.return_freed_host_memory()
-        return freed
-
-    @property
-    def allocated_bytes(self) -> int:
-        """Pinned bytes alive: pooled or held by a graph (acquire runs on the forward thread
-        only, so checking the budget against this needs no reservation)."""
-        return sum(list(self._sizes.values()))
-
-    def pooled(self) -> list[torch.Tensor]:
-        """The buffers in the pool now (returned ones included)."""
-        return [buffer for buffer, _ in list(self.free) + list(self._returned)]
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError("a HostPool holds host buffers of one process and cannot be copied; copy its Offloader")

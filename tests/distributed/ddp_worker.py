@@ -62,7 +62,7 @@ def _refuse_swap_under_fsdp(rank, out_dir, case, model, config) -> None:
     """Block swap on FSDP2-sharded layers must be refused before anything moves."""
     from torch.distributed.fsdp import fully_shard
 
-    from remat.swap import BlockSwapError
+    from remat import BlockSwapError
 
     for layer in decoder_layers(model):
         fully_shard(layer)

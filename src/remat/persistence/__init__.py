@@ -28,7 +28,7 @@ from torch import nn
 
 from ..arguments import WrapperOptions
 from ..config import CheckpointConfig
-from ..saving.folder import FolderChanged
+from ..errors import ConfigError, FolderChangedError, NotSavedError
 from .overrides import SaveLoadOverrides
 from .pair_format import Expected, PairOwner, expected_for, read_model_pair, save_model_pair
 from .peft_loading import check_loadable_into, check_trainable_load, load_adapters
@@ -51,21 +51,21 @@ def _adapter_layers(model: nn.Module) -> list[str]:
 
 def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike, **kwargs: Any) -> None:
     if os.fspath(save_directory) == "":
-        raise ValueError("save_pretrained needs a folder, got an empty path; pass '.' for the current directory")
+        raise ConfigError("save_pretrained needs a folder, got an empty path; pass '.' for the current directory")
     if not kwargs.get("is_main_process", True):
         return  # the main process writes the save; the others write nothing
     model = owner.model
     peft = is_peft_model(model)
     stray = [] if peft else _adapter_layers(model)
     if stray:
-        raise ValueError(
+        raise ConfigError(
             f"cm.model has PEFT adapter layers ({stray[0]}, ...) but is not a PeftModel, so there is no PEFT "
             "model to save them with and they would be lost. Wrap the PeftModel instead: "
             "peft_model = get_peft_model(model, lora_config); cm = CheckpointedModel(peft_model). Nothing was saved."
         )
     target = os.path.abspath(os.fspath(save_directory))
     if os.path.isfile(target):
-        raise ValueError(f"save_pretrained needs a folder, but {target} is a file")
+        raise ConfigError(f"save_pretrained needs a folder, but {target} is a file: pass a folder")
 
     def write(staging: str) -> None:
         if peft:
@@ -82,7 +82,7 @@ def load_checkpointed_model(
     """`cls.from_pretrained`: `cls` is the wrapper class (handed in, so nothing here imports it)."""
     folder = os.path.abspath(os.fspath(path))
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"no saved CheckpointedModel at {folder}")
+        raise NotSavedError(f"no saved CheckpointedModel at {folder}; save one with cm.save_pretrained(folder)")
     options = WrapperOptions.taken_from(kwargs)
     # Every check that needs no change comes first: PEFT's loading changes the model. The layers
     # are found once, planned once; again only in the PeftModel PEFT builds around a base model
@@ -101,14 +101,14 @@ def load_checkpointed_model(
                 model = base
                 if loaded.adapters:
                     model = load_adapters(base, loaded, is_trainable, kwargs)
-                    loaded.snapshot.unchanged()  # PEFT read the files checked (FolderChanged: undone)
+                    loaded.snapshot.unchanged()  # PEFT read the files checked (FolderChangedError: undone)
                 found = discovery
                 if fresh:
                     found = cls._discover(model, options)
                     Expected.of(model, found.names).check(loaded.saved)
                     checkpoint_map = cls._plan(model, found, loaded.saved.config)
                 cm = cls(model, loaded.saved.config, **vars(options), _prepared=(found, checkpoint_map))
-            except FolderChanged:
+            except FolderChangedError:
                 undo.revert()
                 if loaded.snapshot.locked or attempt == _READ_AGAIN:
                     raise

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..errors import ConfigError
 from ..patches import InstancePatches
 from ..saving.folder import CONFIG_NAME, is_staging, recover
 from .pair_format import expected_for, read_model_pair, save_model_pair
@@ -57,7 +58,7 @@ class _LoadAdapterWithConfig:
             wanted = os.path.normpath(kwargs.get("subfolder") or "")
             wanted = "" if wanted == "." else wanted
             if loaded.saved.adapters is not None and wanted not in {a.folder for a in loaded.adapters}:
-                raise ValueError(
+                raise ConfigError(
                     f"{loaded.saved.file} names no adapter in {os.path.join(folder, wanted)}; load one of "
                     f"{sorted(a.name for a in loaded.adapters)} from the folder they were saved in. Nothing was loaded"
                 )
@@ -68,7 +69,7 @@ class _LoadAdapterWithConfig:
 
 
 def _load_checked(loaded: Any, load: Any, args: tuple, kwargs: dict) -> Any:
-    """PEFT's load, then a check that no file changed meanwhile (a `FolderChanged` is undone)."""
+    """PEFT's load, then a check that no file changed meanwhile (a `FolderChangedError` is undone)."""
     result = load(loaded.snapshot.folder, *args, **kwargs)
     loaded.snapshot.unchanged()
     return result

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..config import CheckpointConfig
+from ..errors import FolderChangedError, NotSavedError, SavedFileError
 from ..saving.files import sha256_file
-from ..saving.folder import CONFIG_NAME, FolderChanged, Snapshot, read_pair, save_pair
+from ..saving.folder import CONFIG_NAME, Snapshot, read_pair, save_pair
 from ..saving.stale_shards import StaleShards
 from .peft_names import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_folder, is_peft_model
 
@@ -73,16 +74,16 @@ def parse_saved(snapshot: Snapshot) -> Saved:
     file = snapshot.name(CONFIG_NAME)
     data = snapshot.config
     if data is None:
-        raise FileNotFoundError(f"no checkpoint config at {file}")
+        raise NotSavedError(f"no checkpoint config at {file}; save one with save_pretrained")
     config = CheckpointConfig.from_dict(data, source=file)
     layers = data.get("layers")
     if layers is not None and not (isinstance(layers, list) and all(isinstance(n, str) for n in layers)):
-        raise ValueError(f"{file}: 'layers' must be a list of layer names; save again to rewrite it")
+        raise SavedFileError(f"{file}: 'layers' must be a list of layer names; save again to rewrite it")
     architecture = data.get("architecture")
     if architecture is not None and not (
         isinstance(architecture, dict) and all(isinstance(v, (str, int, type(None))) for v in architecture.values())
     ):
-        raise ValueError(f"{file}: 'architecture' must be an object of names and numbers; save again to rewrite it")
+        raise SavedFileError(f"{file}: 'architecture' must be an object of names and numbers; save again to rewrite it")
     return Saved(snapshot.folder, file, config, layers, _read_adapters(data.get("adapters"), file), architecture)
 
 
@@ -90,7 +91,7 @@ def _read_adapters(value: Any, file: str) -> tuple[SavedAdapter, ...] | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise ValueError(f"{file}: 'adapters' must be an object {{adapter name: files}}; save again to rewrite it")
+        raise SavedFileError(f"{file}: 'adapters' must be an object {{adapter name: files}}; save again to rewrite it")
     out = []
     for name, entry in value.items():
         ok = isinstance(entry, dict) and all(isinstance(entry.get(k), str) for k in ("folder", "weights", "sha256"))
@@ -101,7 +102,7 @@ def _read_adapters(value: Any, file: str) -> tuple[SavedAdapter, ...] | None:
             or os.path.isabs(entry["folder"])
             or ".." in entry["folder"].split("/")
         ):
-            raise ValueError(
+            raise SavedFileError(
                 f"{file}: adapter {name!r} must name a folder, a weights file and their sha256; save again to "
                 "rewrite it"
             )
@@ -200,7 +201,7 @@ class Expected:
                 and saved.architecture[k] != self.architecture[k]
             ]
             if differs:
-                raise ValueError(
+                raise SavedFileError(
                     f"{saved.file} was saved from {_describe(saved.architecture)}, but this model is "
                     f"{_describe(self.architecture)} ({', '.join(differs)} differ); load it into the architecture it "
                     "was saved from. Nothing was loaded"
@@ -211,7 +212,7 @@ class Expected:
             if self.adapters_to_come and self.layers == base_layers:
                 num_layers = len(saved.layers)  # the adapter's own layers come with PEFT's load
             elif self.layers not in _saved_readings(saved.layers):
-                raise ValueError(
+                raise SavedFileError(
                     f"{saved.file} was planned for {len(saved.layers)} layers ({_summary(saved.layers)}), but this "
                     f"model has {len(self.layers)} ({_summary(self.layers)}); load it into the model it was saved from"
                 )
@@ -226,23 +227,24 @@ def check_saved_indices(config: CheckpointConfig, num_layers: int, file: str) ->
     for field, indices in fields.items():
         beyond = [i for i in indices if i >= num_layers]
         if beyond:
-            raise ValueError(
+            raise SavedFileError(
                 f"{file}: {field} names layer(s) {beyond}, but this model has {num_layers} layers "
                 f"(0..{num_layers - 1}); remove them from {field} in that file, or load it into the model it was "
                 "saved from"
             )
     if isinstance(config.swap_layers, int) and config.swap_layers > num_layers:
-        raise ValueError(
+        raise SavedFileError(
             f"{file}: swap_layers={config.swap_layers} asks for more layers than this model has ({num_layers}); "
             "lower swap_layers in that file, or load it into the model it was saved from"
         )
 
 
 def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
-    """The adapters this save holds, each checked against its fingerprints."""
+    """The adapters this save holds, each checked against its fingerprints (`FolderChangedError`
+    for files that are not the ones the config was saved with)."""
     root_weights = [w for w in ADAPTER_WEIGHTS if snapshot.has(w)]
     if root_weights and not snapshot.has(ADAPTER_CONFIG):
-        raise ValueError(
+        raise SavedFileError(
             f"{snapshot.name(root_weights[0])} holds adapter weights but there is no {ADAPTER_CONFIG} beside it, so "
             "they cannot be loaded as PEFT adapters; restore that file (PEFT writes both)"
         )
@@ -260,15 +262,15 @@ def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
     for adapter in saved.adapters:
         preferred = adapter.file(ADAPTER_WEIGHTS[0])
         if adapter.weights != ADAPTER_WEIGHTS[0] and snapshot.has(preferred):
-            raise ValueError(
+            raise SavedFileError(
                 f"{saved.file} was saved with {snapshot.name(adapter.file())}, but {snapshot.name(preferred)} (from "
                 f"another save) is beside it and PEFT loads that one first; remove {os.path.basename(preferred)} or "
                 "save again. Nothing was loaded"
             )
         for needed in (adapter.file(), adapter.file(ADAPTER_CONFIG)):
             if not snapshot.has(needed):
-                raise FileNotFoundError(
-                    f"{saved.file} names adapter {adapter.name!r}, but {snapshot.name(needed)} is missing"
+                raise NotSavedError(
+                    f"{saved.file} names adapter {adapter.name!r}, but {snapshot.name(needed)} is missing; save again"
                 )
         checks = ((adapter.file(), adapter.sha256), (adapter.file(ADAPTER_CONFIG), adapter.config_sha256))
         for relative, expected in checks:
@@ -276,7 +278,7 @@ def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
                 continue
             found = sha256_file(snapshot.path(relative))
             if found != expected:
-                raise FolderChanged(
+                raise FolderChangedError(
                     f"{snapshot.name(relative)} is not the adapter file {saved.file} was saved with (sha256 "
                     f"{found[:12]}..., expected {expected[:12]}...): the folder mixes two saves. Save again, or load "
                     "the files that were written together. Nothing was loaded"

@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import ConfigError, SavedFileError
 from ..saving.files import read_json_object
 from .pair_format import Loaded
 from .peft_names import ADAPTER_CONFIG, is_peft_model, original_method
@@ -47,7 +48,7 @@ def check_trainable_load(model: Any, loaded: Loaded, is_trainable: bool) -> None
         peft_type = read_json_object(os.path.join(loaded.adapter_path(adapter), ADAPTER_CONFIG)).get("peft_type")
         config_class = PEFT_TYPE_TO_CONFIG_MAPPING.get(peft_type) if isinstance(peft_type, str) else None
         if config_class is not None and issubclass(config_class, PromptLearningConfig):
-            raise ValueError(
+            raise ConfigError(
                 f"adapter {adapter.name!r} in {loaded.snapshot.name(adapter.folder)} is a prompt-learning adapter "
                 f"({peft_type}), which PEFT loads for inference only (it saved the prompts, not the encoder that "
                 "made them); load it with is_trainable=False. Nothing was loaded"
@@ -66,7 +67,7 @@ def check_loadable_into(model: Any, loaded: Loaded) -> None:
         saved_config = PeftConfig.from_pretrained(loaded.adapter_path(adapter))
         differs = _config_differences(model.peft_config[adapter.name], saved_config)
         if differs:
-            raise ValueError(
+            raise SavedFileError(
                 f"the model's adapter {adapter.name!r} differs from the saved one in {where} ({differs}); load into "
                 "the base model (not a PeftModel) to get the saved adapter as it was. Nothing was loaded"
             )
@@ -74,9 +75,9 @@ def check_loadable_into(model: Any, loaded: Loaded) -> None:
         found = _tensor_shapes(loaded.snapshot.path(adapter.file()))
         if expected != found:
             diff = sorted(set(expected.items()) ^ set(found.items()))[:3]
-            raise ValueError(
+            raise SavedFileError(
                 f"the saved weights of adapter {adapter.name!r} ({loaded.snapshot.name(adapter.file())}) do not fit "
-                f"the model's adapter (names or shapes differ, e.g. {diff}). Nothing was loaded"
+                f"the model's adapter (names or shapes differ, e.g. {diff}); load into the base model. Nothing loaded"
             )
 
 

@@ -49,12 +49,13 @@ from typing import Any
 import torch
 
 from ..arguments import parse_bytes, parse_count
+from ..errors import ConfigError, ConfigTypeError
 from ..loss import LossFn
 from ..measure import weight_storages
 from .chooser import SCOPES, LayerChoice, Measurements, Outside, Plan, StepMemory
 from .measuring import Controlled, check_measurable, measure
 from .profile import PlannedConfig, Profile
-from .state import ModelState, StaleProfileError
+from .state import ModelState
 
 
 def profile_model(
@@ -69,9 +70,9 @@ def profile_model(
     """Measure the controller's model on `batch` (see `remat.planner.measuring`) and return the
     `Profile`. Refuses before any work what cannot be measured."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+        raise ConfigError(f"repeats must be an int >= 1, got {repeats!r}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        raise ConfigTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     batch = dict(batch)
     check_measurable(state, batch, loss_fn, "profile")
     config = state.config
@@ -117,17 +118,17 @@ def plan_for_budget(
     refused before measuring."""
     limit = parse_bytes(budget, "budget")
     if limit <= 0:
-        raise ValueError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
+        raise ConfigError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
     if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        raise ConfigError(f"scope must be one of {SCOPES}, got {scope!r}")
     if scope == "step":
         if optimizer is None:
-            raise ValueError('scope="step" bounds the whole training step, optimizer included: pass optimizer=')
+            raise ConfigError('scope="step" bounds the whole training step, optimizer included: pass optimizer=')
         weights = _device_weight_bytes(state)
         if limit < weights:
-            raise ValueError(
+            raise ConfigError(
                 f"no map fits a step budget of {limit} bytes ({limit / 2**20:.1f} MiB): the weights alone take "
-                f"{weights} bytes ({weights / 2**20:.1f} MiB) on the device"
+                f"{weights} bytes ({weights / 2**20:.1f} MiB) on the device; give a larger budget"
             )
     if tokens is not None:
         parse_count(tokens, "tokens", "batch x sequence length")
@@ -148,7 +149,6 @@ __all__ = [
     "Plan",
     "PlannedConfig",
     "Profile",
-    "StaleProfileError",
     "StepMemory",
     "plan_for_budget",
     "profile_model",

@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..errors import ConfigError
 from ..policies import LayerProfile, policy
 
 FRONT_LIMIT = 20_000  # combinations kept per layer; far above what identical layers produce
@@ -148,7 +149,7 @@ class Measurements:
         if tokens is None or tokens == self.tokens:
             return self
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ValueError(f"tokens must be an int >= 1 (batch x sequence length), got {tokens!r}")
+            raise ConfigError(f"tokens must be an int >= 1 (batch x sequence length), got {tokens!r}")
         ratio = tokens / self.tokens
         short = self.shorter
 
@@ -321,9 +322,11 @@ def scoped_bytes(m: Measurements, c: Combination, scope: str) -> float:
 
 def check_scope(m: Measurements, scope: str) -> None:
     if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+        raise ConfigError(f"scope must be one of {SCOPES}, got {scope!r}")
     if scope == "step" and m.step is None:
-        raise ValueError('scope="step" needs the peak of a whole step, which this profile did not measure')
+        raise ConfigError(
+            'scope="step" needs the peak of a whole step, which this profile did not measure: profile with optimizer='
+        )
 
 
 def choose(m: Measurements, budget: int, scope: str = "activations") -> Plan | None:
@@ -361,7 +364,7 @@ def predicted(m: Measurements, policies: Sequence[str], scope: str = "activation
     """The prediction for a map given layer by layer (each policy among that layer's options)."""
     check_scope(m, scope)
     if len(policies) != len(m.layers) or any(p not in o for p, o in zip(policies, m.options, strict=True)):
-        raise ValueError(f"a map names one of each layer's options {m.options}, got {list(policies)}")
+        raise ConfigError(f"a map names one of each layer's options {m.options}, got {list(policies)}")
     choices = _layer_choices(m, policies)
     checkpointed = [x.index for x in choices if policy(x.policy).checkpointed]
     owed = 0

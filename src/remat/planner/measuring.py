@@ -41,6 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import CheckpointConfig
+from ..errors import StateError
 from ..loss import LossFn, check_loss_source, own_inputs, step_loss
 from ..policies import LayerProfile, policy
 from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, memory_report
@@ -72,10 +73,10 @@ def check_measurable(state: Controlled, batch: Mapping[str, Any], loss_fn: LossF
     """Everything that refuses a measurement, before any work."""
     model = state.model
     if not state.is_enabled or state.inference or not model.training:
-        raise RuntimeError(f"{what} measures training steps: call cm.enable() and cm.for_training() first")
+        raise StateError(f"{what} measures training steps: call cm.enable() and cm.for_training() first")
     stepping = [n for n, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
     if stepping:
-        raise RuntimeError(
+        raise StateError(
             f"{what} runs training steps, and {stepping[0]} (and {len(stepping) - 1} more) has a "
             "post-accumulate-grad hook (an optimizer stepping in backward): measuring would train the model. "
             "Plan before registering those hooks"
@@ -263,7 +264,7 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
 
     report = steps.held({})
     if report is None:
-        raise RuntimeError(
+        raise StateError(
             "profiling: even with every layer recomputed, one step of this batch does not fit on the device; "
             "no map can fit it (try a smaller batch)"
         )

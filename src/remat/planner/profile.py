@@ -17,8 +17,9 @@ from typing import Any
 from ..arguments import parse_bytes, parse_count
 from ..config import CheckpointConfig
 from ..display import mib, render_table
+from ..errors import ConfigError, StaleProfileError
 from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, scoped_bytes, smallest
-from .state import ModelState, StaleProfileError
+from .state import ModelState
 
 _MIB = 2**20
 
@@ -124,7 +125,7 @@ class Profile:
         nothing. Raises ValueError naming the smallest budget that fits when none does."""
         limit = parse_bytes(budget, "budget")
         if limit <= 0:
-            raise ValueError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
+            raise ConfigError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
         config = self._base(scope)
         m = self.measurements.scaled(_tokens(tokens))
         check_scope(m, scope)
@@ -136,10 +137,10 @@ class Profile:
             if scope == "step" and m.step is not None:
                 what = "outside the layers and for weights, gradients, optimizer state and backward's temporaries"
                 fixed += min(m.step.extras.values())
-            raise ValueError(
+            raise ConfigError(
                 f"no map fits a budget of {limit} bytes ({limit / _MIB:.1f} MiB) for this model and batch: the "
                 f"smallest is {int(least)} bytes ({least / _MIB:.1f} MiB), about {fixed / _MIB:.1f} MiB of it "
-                f"{what}, which no checkpointing policy changes"
+                f"{what}, which no checkpointing policy changes: give at least that"
             )
         return self._config(chosen, limit, m.tokens, config)
 

@@ -27,11 +27,6 @@ from torch import nn
 from ..plan import swapped_indices
 
 
-class StaleProfileError(ValueError):
-    """The model (or the wrapper's settings) changed since the profile was measured: its figures
-    no longer describe the model. Call `cm.profile(batch)` again."""
-
-
 @dataclass(frozen=True)
 class ModelState:
     """What a profile's figures depend on, as it was when measured.

@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..errors import StateError
 from .chooser import TimePrices
 
 CALLS = 2  # timed per layer and step: the forward, and backward's recompute
@@ -199,7 +200,9 @@ def price_time(
     modules = [layer.module for layer in steps.state.discovery.layers]
     found = steps.counted(dict.fromkeys(range(n), "recompute"), FlopTally(modules))
     if found is None:
-        raise RuntimeError("profiling: the step with every layer recomputed ran out of memory while counted")
+        raise StateError(
+            "profiling: the step with every layer recomputed ran out of memory while counted; profile a smaller batch"
+        )
     forward, recompute = found
     selective: list[Work] = []
     if "selective" in names:
@@ -228,7 +231,7 @@ def price_time(
     finally:
         clock.remove()
     if not runs:
-        raise RuntimeError("profiling: every timed step ran out of memory")
+        raise StateError("profiling: every timed step ran out of memory; profile with a smaller batch")
     counts = Counts(forward, recompute, selective)
     return _prices(n, names, held, counts, balance_of(steps.device), runs, offloaded)
 
@@ -254,7 +257,9 @@ def _prices(
             if policies[i] == "recompute" and second is not None:
                 rates.append(second / repeated[i])
     if not rates:
-        raise RuntimeError("profiling: no layer's forward was timed (is every layer skipped by the model?)")
+        raise StateError(
+            "profiling: no layer's forward was timed (does the model skip every layer?); profile a batch that runs them"
+        )
     low, rate, high = quartiles(rates)
     rate = max(rate, 1e-18)
     recompute = {i: rate * repeated[i] for i in range(n)}

@@ -12,6 +12,8 @@ import torch
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ..errors import PolicyError
+
 # The GEMMs of linear projections (nn.Linear and LoRA dispatch to mm / addmm; MoE experts to a
 # grouped mm) and the fused attention kernels; overloads are matched by their packet, and the
 # flash-attn package's custom ops by name. bmm and baddbmm are left out on purpose: in a decoder
@@ -61,7 +63,7 @@ class _KeptOutputs:
         values = [*args, *kwargs.values()]
         written = [values[i] for i, arg in enumerate(schema.arguments[: len(values)]) if _writes(arg)]
         if any(self.kept & _storages(value) for value in written):
-            raise RuntimeError(
+            raise PolicyError(
                 f"layer {self.index} changes in place ({op}) the output of an op that the 'selective' policy keeps "
                 "for backward; backward would get the changed value. Give this layer another policy "
                 f"(layer_policies={{{self.index}: 'recompute'}})"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from ..errors import PolicyError
 from .base import Policy
 
 
@@ -36,7 +37,7 @@ class SelectivePolicy(Policy):
 
         if TORCH_SAC_MUTATED not in str(error):
             return None
-        return RuntimeError(
+        return PolicyError(
             f"layer {index} changes, in place, the output of an op that the 'selective' policy keeps "
             f"(torch: {error}). The kept value is no longer the one backward needs; give this layer "
             f"another policy (layer_policies={{{index}: 'recompute'}})"

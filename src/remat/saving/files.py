@@ -14,19 +14,18 @@ import secrets
 import stat
 from typing import Any
 
+from ..errors import NotSavedError, SavedFileError
+
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 MAX_JSON_DEPTH = 64  # remat's own files nest 4 levels; json raises RecursionError near 1000
 
 
-class NotRegularFile(ValueError):
-    """A path that is a FIFO, a socket, a device, a folder or (not followed) a symlink where a
-    file is expected: remat does not open it."""
-
-    def __init__(self, path: str, mode: int | None):
-        self.path = path
-        super().__init__(f"{path} is {_kind(mode)}, not a regular file; remat reads only regular files (remove it)")
+def not_regular(path: str, mode: int | None) -> SavedFileError:
+    """The error for a FIFO, a socket, a device, a folder or (not followed) a symlink where a file
+    is expected: remat does not open it."""
+    return SavedFileError(f"{path} is {_kind(mode)}, not a regular file; remat reads only regular files (remove it)")
 
 
 _KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket"}
@@ -37,22 +36,25 @@ def _kind(mode: int | None) -> str:
     return "a symlink" if mode is None else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
+_FIX = "; correct the file, or save again"
+
+
 def open_regular(path: str, *, follow_links: bool = True) -> int:
     """A read-only descriptor on the regular file at `path`, opened without ever blocking;
-    `NotRegularFile` for anything else (a symlink too, unless `follow_links`)."""
+    a `SavedFileError` for anything else (a symlink too, unless `follow_links`)."""
     info = os.stat(path) if follow_links else os.lstat(path)
     if not stat.S_ISREG(info.st_mode):
-        raise NotRegularFile(path, info.st_mode)
+        raise not_regular(path, info.st_mode)
     try:
         fd = os.open(path, os.O_RDONLY | NONBLOCK | CLOEXEC | (0 if follow_links else NOFOLLOW))
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # replaced since the stat
-            raise NotRegularFile(path, None if err.errno == errno.ELOOP else 0) from None
+            raise not_regular(path, None if err.errno == errno.ELOOP else 0) from None
         raise
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):  # replaced between the stat and the open
         os.close(fd)
-        raise NotRegularFile(path, mode)
+        raise not_regular(path, mode)
     return fd
 
 
@@ -67,13 +69,15 @@ def parse_json(data: bytes | str, name: str) -> Any:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
         value = json.loads(text)
     except UnicodeDecodeError as err:
-        raise ValueError(f"{name}: not UTF-8 text ({err})") from None
+        raise SavedFileError(f"{name}: not UTF-8 text ({err}){_FIX}") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"{name}: not valid JSON ({err})") from None
+        raise SavedFileError(f"{name}: not valid JSON ({err}){_FIX}") from None
     except RecursionError:
-        raise ValueError(f"{name}: nested too deeply to be a file remat wrote") from None
+        raise SavedFileError(f"{name}: nested too deeply to be a file remat wrote{_FIX}") from None
     if _depth_beyond(value, MAX_JSON_DEPTH):
-        raise ValueError(f"{name}: nested more than {MAX_JSON_DEPTH} levels deep, which no file remat writes is")
+        raise SavedFileError(
+            f"{name}: nested more than {MAX_JSON_DEPTH} levels deep, which no file remat writes is{_FIX}"
+        )
     return value
 
 
@@ -115,16 +119,16 @@ def read_json_object(path: str, name: str | None = None) -> dict[str, Any]:
     try:
         data = read_regular(path)
     except FileNotFoundError:
-        raise FileNotFoundError(f"no checkpoint config at {name}") from None
+        raise NotSavedError(f"no checkpoint config at {name}; save one with save_pretrained") from None
     return json_object(data, name)
 
 
 def json_object(data: bytes, name: str) -> dict[str, Any]:
     if not data.strip():
-        raise ValueError(f"{name}: the file is empty")
+        raise SavedFileError(f"{name}: the file is empty{_FIX}")
     data = parse_json(data, name)
     if not isinstance(data, dict):
-        raise ValueError(f"{name}: expected a JSON object, got {type(data).__name__}")
+        raise SavedFileError(f"{name}: expected a JSON object, got {type(data).__name__}{_FIX}")
     return data
 
 

@@ -44,7 +44,7 @@ Files get the permissions any file the process creates gets (the umask), like PE
 What the lock promises (`flock` / `LockFileEx` through `filelock`; on network file systems only
 where locks pass between machines) is the README's "What the lock promises". Where the folder
 cannot be written a load takes no lock: it reads, checks, and reads again if a commit came in
-between (`FolderChanged` when PEFT's read overlapped one). Without native locks saves and loads
+between (`FolderChangedError` when PEFT's read overlapped one). Without native locks saves and loads
 go on unlocked (one warning says so).
 """
 
@@ -62,8 +62,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from ..errors import FolderChangedError, LockFileError
 from .files import fsync_file, fsync_folder, json_object, open_regular, parse_json, read_regular, write_file_atomically
-from .locks import Lock, NotOurs
+from .locks import Lock
 from .locks import take_lock as _take_lock
 
 logger = logging.getLogger("remat")
@@ -78,17 +79,12 @@ _READ_ATTEMPTS = 50  # unlocked loads only: how often a load reads again after a
 _UNLOCKED_STALE_SECONDS = 600.0  # without native locks, recovery drops only staging folders this old
 
 
-class FolderChanged(ValueError):
-    """The files a load read do not belong together: a commit came in between (an unlocked
-    load reads again), or the folder mixes two saves."""
-
-
 def _take_folder_lock(folder: str, *, shared: bool = False) -> Lock:
     """The folder's lock: exclusive for a commit or recovery, shared for a load's reading."""
     path = os.path.join(folder, FOLDER_LOCK)
     try:
         lock = _take_lock(path, wait=True, remove=True, shared=shared)
-    except NotOurs:
+    except LockFileError:
         logger.warning("%s: %s is not a regular file, not remat's lock file; removing it", folder, FOLDER_LOCK)
         with contextlib.suppress(FileNotFoundError):  # another process removed it first
             if os.path.isdir(path) and not os.path.islink(path):
@@ -278,7 +274,7 @@ def _recover(target: str, *, exclusive: bool = True) -> bool:
         empty = not [n for n in inside if n != _STAGING_LOCK]
         try:
             lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=False, remove=False)
-        except NotOurs:
+        except LockFileError:
             logger.warning("%s: dropping %s, which remat did not write (its LOCK is not a regular file)", target, name)
             shutil.rmtree(staging, ignore_errors=True)
             continue
@@ -401,7 +397,7 @@ class Snapshot:
         return fd
 
     def unchanged(self) -> None:
-        """Raise `FolderChanged` if a file read was replaced or rewritten since it was opened, or
+        """Raise `FolderChangedError` if a file read was replaced or rewritten since it was opened, or
         one that was absent appeared (a commit without the lock, another program)."""
         if self._closed:
             return
@@ -412,13 +408,15 @@ class Snapshot:
                 now = None
             after = os.fstat(fd)
             if now is None or not os.path.samestat(now, before) or _version(after) != _version(before):
-                raise FolderChanged(
+                raise FolderChangedError(
                     f"{self.name(relative)} was replaced or rewritten while it was being loaded (a save without "
                     "the folder's lock, or another program); load again"
                 )
         for relative in self._absent:
             if os.path.lexists(self.path(relative)):
-                raise FolderChanged(f"{self.name(relative)} appeared while the folder was being loaded; load again")
+                raise FolderChangedError(
+                    f"{self.name(relative)} appeared while the folder was being loaded; load again"
+                )
 
     def close(self) -> None:
         self._closed = True
@@ -435,7 +433,7 @@ def read_pair(
 ) -> Iterator[Snapshot]:
     """The one load, in place: open `checkpoint_config.json` and the files `files(config)` names,
     `verify(snapshot)`, and yield the snapshot with the lock still held, so PEFT reads inside
-    the `with` what was verified; checked unchanged on leaving. Unlocked, a `FolderChanged`
+    the `with` what was verified; checked unchanged on leaving. Unlocked, a `FolderChangedError`
     before the yield reads again."""
     folder = os.path.abspath(os.fspath(folder))
     for attempt in range(1, _READ_ATTEMPTS + 1):
@@ -448,7 +446,7 @@ def read_pair(
                 for relative in files(snapshot.config):
                     snapshot.open(relative)
                 verify(snapshot)
-            except FolderChanged:
+            except FolderChangedError:
                 snapshot.close()
                 if lock.held or attempt == _READ_ATTEMPTS:
                     raise

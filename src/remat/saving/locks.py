@@ -1,6 +1,6 @@
 """Locks on files, from `filelock` (flock on Unix, LockFileEx on Windows), on a descriptor remat
 opens itself, never blocking: a lock file that is not a regular file is never opened
-(`NotOurs`). A holder may remove the lock file on release (a shared holder only when it is the
+(`LockFileError`). A holder may remove the lock file on release (a shared holder only when it is the
 last): a waiter that then gets the lock on the removed file takes the one at the path. Shared
 locks are `flock(LOCK_SH)`; without `fcntl` (Windows) they are taken exclusive. Where no lock
 can be taken (no write access, no native locks) the lock comes back not held.
@@ -17,6 +17,7 @@ import time
 
 import filelock
 
+from ..errors import LockFileError
 from .files import CLOEXEC, NOFOLLOW, NONBLOCK
 
 try:
@@ -25,11 +26,6 @@ except ImportError:  # Windows
     fcntl = None  # type: ignore[assignment]
 
 logger = logging.getLogger("remat")
-
-
-class NotOurs(OSError):
-    """A lock file that is not a regular file (a symlink, a FIFO, a socket, a device, a folder):
-    remat did not make it and will not open it."""
 
 
 _POLL_SECONDS = 0.005
@@ -53,7 +49,7 @@ def _open_lock_file(path: str) -> int:
             raise err from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced by something else since the lstat
         os.close(fd)
-        raise NotOurs(errno.EINVAL, "not a regular file where remat's lock file goes", path)
+        raise LockFileError(errno.EINVAL, "not a regular file where remat's lock file goes", path)
     return fd
 
 
@@ -119,12 +115,12 @@ def take_lock(path: str, *, wait: bool, remove: bool, shared: bool = False) -> L
             mode = os.lstat(path).st_mode
             if not stat.S_ISREG(mode):
                 kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
-                raise NotOurs(errno.ELOOP, f"{kind} where remat's lock file goes", path)
+                raise LockFileError(errno.ELOOP, f"{kind} where remat's lock file goes", path)
         try:
             fd = _open_lock_file(path)
         except OSError as err:
             if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # replaced since the lstat
-                raise NotOurs(err.errno, "not a regular file where remat's lock file goes", path) from None
+                raise LockFileError(err.errno, "not a regular file where remat's lock file goes", path) from None
             if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
                 return Lock(None, path, remove, shared)
             raise

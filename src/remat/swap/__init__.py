@@ -8,8 +8,8 @@ swapped layer), `swapper` (`WeightSwapper`: the swapped set, moving layers out a
 """
 
 from ..transport import WeightMover
-from .checks import BlockSwapError, check_swappable, weights_in_use
+from .checks import check_swappable, weights_in_use
 from .slots import LayerSwapStats
 from .swapper import WeightSwapper
 
-__all__ = ["BlockSwapError", "LayerSwapStats", "WeightMover", "WeightSwapper", "check_swappable", "weights_in_use"]
+__all__ = ["LayerSwapStats", "WeightMover", "WeightSwapper", "check_swappable", "weights_in_use"]

@@ -14,9 +14,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-
-class BlockSwapError(ValueError):
-    """A layer cannot be swapped."""
+from ..errors import BlockSwapError
 
 
 def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -> None:
@@ -28,7 +26,9 @@ def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module) 
     for index, name, layer in layers:
         _check_layer(index, name, layer, units)
         if not own_frozen_params(layer, name, owners):
-            raise BlockSwapError(f"layer {index} ({name}) has no frozen weights of its own to swap")
+            raise BlockSwapError(
+                f"layer {index} ({name}) has no frozen weights of its own to swap; leave it out of swap_layers"
+            )
 
 
 def weights_in_use(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -> list[str]:

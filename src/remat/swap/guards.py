@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ConfigTypeError, StateError
 from ..patches import InstancePatches
 from ..refs import Ref
 from .slots import SwappedLayer
@@ -51,7 +52,7 @@ def _forward_hooks(schedule: Any, index: int) -> tuple[Any, Any]:
         if schedule.in_recompute:
             return
         if torch.is_grad_enabled() and not module.training:
-            raise RuntimeError(
+            raise StateError(
                 f"block swap: layer {index} ran in eval mode with gradients enabled. Its weights go back to "
                 "host memory after it runs, which a graph built outside checkpointing cannot survive. Evaluate "
                 "under torch.no_grad() (generate already does), or train with cm.for_training()."
@@ -85,7 +86,7 @@ def _load_writes_host_copies(swapper: SwapperView, index: int):
         if not any(name in state_dict for name in names):
             return  # nothing of this layer's swapped weights is loaded (adapter weights, say)
         if local_metadata.get("assign_to_params_buffers"):
-            raise RuntimeError(assign_refusal([layer.index]))
+            raise StateError(assign_refusal([layer.index]))
         # torch copies the loaded values into `p.data`: point it at the host copy for the load.
         swapper.pool.release(layer)
         layer.point_at(layer.host)
@@ -123,13 +124,13 @@ class _Refusal:
         )
 
     def deepcopy(self, memo: Any = None) -> Any:
-        raise TypeError(self.message("copy.deepcopy this model"))
+        raise ConfigTypeError(self.message("copy.deepcopy this model"))
 
     def pickle(self, protocol: Any = None) -> Any:
-        raise TypeError(self.message("pickle this model (torch.save of the module)"))
+        raise ConfigTypeError(self.message("pickle this model (torch.save of the module)"))
 
     def replicate(self) -> Any:
-        raise RuntimeError(
+        raise StateError(
             self.message("replicate this model for nn.DataParallel")
             + "; DistributedDataParallel (one process per GPU) works with block swap"
         )
@@ -177,12 +178,12 @@ class ModelGuards:
             return
         swapped_loaded = any(prefix + n in state_dict for n in swapper.swapped_names)
         if local_metadata.get("assign_to_params_buffers") and swapped_loaded:
-            raise RuntimeError(assign_refusal(list(swapper.layers)))
+            raise StateError(assign_refusal(list(swapper.layers)))
 
     def _refuse_merge(self, *args: Any, **kwargs: Any) -> None:
         swapper = self._swapper()
         layers = list(swapper.layers) if swapper is not None else []
-        raise RuntimeError(
+        raise StateError(
             f"block swap keeps the frozen weights of layers {layers} in host memory, and merging "
             "adapters into them is not supported. Bring them home first: cm.enable(cm.config.replace(swap_layers=0)) "
             "(or cm.disable()), then merge. Nothing was merged."

@@ -13,11 +13,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import ConfigTypeError
 from ..transport import WeightMover, transport_for
 from .checks import check_swappable, own_frozen_params, parameter_owners
 from .guards import ModelGuards, copy_refusal, guard_layer, unguard_layer
 from .schedule import Schedule
-from .slots import SlotPool, SwappedLayer, placeholder
+from .slots import LayerSwapStats, SlotPool, SwappedLayer, placeholder
 
 
 class WeightSwapper:
@@ -32,7 +33,7 @@ class WeightSwapper:
     def __reduce__(self) -> Any:
         """A copy of a wrapper that swaps nothing gets a fresh swapper; one that swaps is refused."""
         if self.layers:
-            raise TypeError(copy_refusal(*next((e.index, e.name) for e in self.layers.values())))
+            raise ConfigTypeError(copy_refusal(*next((e.index, e.name) for e in self.layers.values())))
         return (type(self), (self._fixed_mover, self.pool.prefetch_depth))
 
     @property
@@ -46,6 +47,12 @@ class WeightSwapper:
     @peak_resident_bytes.setter
     def peak_resident_bytes(self, value: int) -> None:  # the report and the planner reset it
         self.pool.peak_resident_bytes = value
+
+    def reset_stats(self) -> None:
+        """Every swapped layer's fetch counts back to zero, the resident peak to what is resident now."""
+        for layer in self.layers.values():
+            layer.stats = LayerSwapStats()
+        self.pool.peak_resident_bytes = self.pool.resident_bytes
 
     @property
     def pool_bytes(self) -> int:

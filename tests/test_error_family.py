@@ -1,0 +1,74 @@
+"""One error family: every exception class remat defines is a `remat.RematError` and is
+importable from `remat`; real user errors are caught as `RematError` and as the builtin they
+always were (`except ValueError` keeps working)."""
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+from conftest import batch, tiny_model
+
+import remat
+from remat import CheckpointConfig, CheckpointedModel, RematError
+
+
+def _remat_modules():
+    names = [m.name for m in pkgutil.walk_packages(remat.__path__, "remat.")]
+    assert len(names) > 40, names  # the walk reaches the rooms
+    return [importlib.import_module(name) for name in names]
+
+
+def test_every_exception_class_remat_defines_is_a_remat_error_importable_from_remat():
+    defined = {
+        cls
+        for module in _remat_modules()
+        for _, cls in inspect.getmembers(module, inspect.isclass)
+        if issubclass(cls, BaseException) and cls.__module__.startswith("remat")
+    }
+    assert len(defined) >= 10, defined
+    for cls in defined:
+        assert issubclass(cls, RematError), cls
+        assert getattr(remat, cls.__name__) is cls and cls.__name__ in remat.__all__, cls
+        builtin = [base for base in cls.__mro__ if base.__module__ == "builtins" and base is not Exception]
+        assert cls is RematError or builtin[0] is not BaseException, f"{cls} is only a RematError"
+
+
+def _is(error, builtin):
+    assert isinstance(error, RematError) and isinstance(error, builtin), type(error).__mro__
+
+
+def test_a_bad_config_value_or_type_is_a_remat_error_and_the_builtin():
+    with pytest.raises(RematError, match="every_n_layers must be >= 1") as info:
+        CheckpointConfig(every_n_layers=0)
+    _is(info.value, ValueError)
+    with pytest.raises(RematError, match="offload must be True or False") as info:
+        CheckpointConfig(offload="yes")
+    _is(info.value, TypeError)
+
+
+def test_a_bad_size_is_a_remat_error_and_a_value_error():
+    with pytest.raises(ValueError, match="offload_host_budget must be a size like") as info:
+        CheckpointedModel(tiny_model(), offload_host_budget="1 gigabyte")
+    _is(info.value, ValueError)
+
+
+def test_loading_a_malformed_or_missing_folder_is_a_remat_error_and_the_builtin(tmp_path):
+    (tmp_path / "checkpoint_config.json").write_text("{not json")
+    with pytest.raises(RematError, match=r"not valid JSON.*save again") as info:
+        CheckpointConfig.from_pretrained(tmp_path)
+    _is(info.value, ValueError)
+    with pytest.raises(RematError, match="not valid JSON") as info:
+        CheckpointedModel.from_pretrained(tiny_model(), tmp_path)
+    _is(info.value, ValueError)
+    with pytest.raises(RematError, match="no saved CheckpointedModel") as info:
+        CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "missing")
+    _is(info.value, FileNotFoundError)
+
+
+def test_measuring_in_inference_mode_is_a_remat_error_and_a_runtime_error():
+    """(Planning from a stale profile: `test_profile_state`, caught as RematError and ValueError.)"""
+    cm = CheckpointedModel(tiny_model(), CheckpointConfig()).for_inference()
+    with pytest.raises(RematError, match=r"call cm\.for_training") as info:
+        cm.memory_report(batch())
+    _is(info.value, RuntimeError)
