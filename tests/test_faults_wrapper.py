@@ -41,10 +41,10 @@ def _reference_grads(seed=0, data=None):
 
 
 def test_a_deep_copy_runs_its_own_model_and_its_routes_change_its_own_map():
-    config = CheckpointConfig(every_n_layers=2, offload=True, offload_min_bytes=0)
+    config = CheckpointConfig(every_n_layers=2, checkpoint_policy="offload", offload_min_bytes=0)
     cm = CheckpointedModel(add_lora(tiny_model()), config, offload_transport=SimulatedTransport())
     twin = copy.deepcopy(cm)
-    assert twin.model is not cm.model and twin.config == cm.config
+    assert twin.model is not cm.model and twin.checkpoint_config == cm.checkpoint_config
     original, copied = RecomputeCounter(decoder_layers(cm.model)), RecomputeCounter(decoder_layers(twin.model))
     _, got = step_grads(twin, _trainable(twin.model), batch())
     assert original.counts == [0, 0, 0, 0] and copied.recomputed() == [0, 2]
@@ -130,7 +130,7 @@ def test_data_parallel_replication_with_block_swap_is_refused(monkeypatch):
 
 
 def _swap_and_offload(model):
-    config = CheckpointConfig(offload=True, offload_min_bytes=0, swap_layers=[1])
+    config = CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0, swap_layers=[1])
     cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
     step_grads(cm, _trainable(model), batch())
     host = [weakref.ref(b) for b in controller_of(cm).offloader.pools[0].pooled()]

@@ -40,8 +40,8 @@ def _wrapped(config, transport=None, lora=False, **model_kwargs):
 @pytest.mark.parametrize(
     "config, offloaded",
     [
-        (CheckpointConfig(offload=True, offload_min_bytes=0), [0, 1, 2]),
-        (CheckpointConfig(offload=True, every_n_layers=2, offload_min_bytes=0), [0]),
+        (CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), [0, 1, 2]),
+        (CheckpointConfig(checkpoint_policy="offload", every_n_layers=2, offload_min_bytes=0), [0]),
         # layer 2 is the last checkpointed layer of forward, so its input stays on the device
         (
             CheckpointConfig(
@@ -74,7 +74,7 @@ def test_offloaded_gradients_equal_no_checkpointing(config, offloaded, lora):
 
 def test_last_checkpointed_layer_of_forward_stays_and_backward_prefetches_in_order():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     order = []
     for i, layer in enumerate(decoder_layers(model)):
         next(iter(layer.children())).register_forward_pre_hook(lambda m, a, i=i: order.append(("run", i)))
@@ -100,15 +100,15 @@ def test_last_checkpointed_layer_of_forward_stays_and_backward_prefetches_in_ord
 
 def test_keep_last_follows_the_map_when_it_changes_between_steps():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     step_grads(cm, named, batch())
-    cm.enable(cm.config.replace(every_n_layers=2))  # now layers 0 and 2; the last one is 2
+    cm.enable(cm.checkpoint_config.replace(every_n_layers=2))  # now layers 0 and 2; the last one is 2
     cm.reset_offload_stats()
     transport.log.clear()
     step_grads(cm, named, batch())
     assert transport.log == [("to_host", 0), ("to_device", 0)]
     assert cm.offload_stats[2].kept_because == {KEPT_LAST: LAYER_INPUT}
-    cm.enable(cm.config.replace(every_n_layers=1, layer_policies={3: "recompute"}))
+    cm.enable(cm.checkpoint_config.replace(every_n_layers=1, layer_policies={3: "recompute"}))
     cm.reset_offload_stats()
     transport.log.clear()
     step_grads(cm, named, batch())
@@ -118,7 +118,9 @@ def test_keep_last_follows_the_map_when_it_changes_between_steps():
 
 def test_inputs_under_the_floor_stay_on_the_device():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=LAYER_INPUT + 1), transport)
+    model, named, cm = _wrapped(
+        CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=LAYER_INPUT + 1), transport
+    )
     model_ref = tiny_model()
     _, ref = step_grads(model_ref, list(model_ref.named_parameters()), batch())
     _, got = step_grads(cm, named, batch())
@@ -129,7 +131,7 @@ def test_inputs_under_the_floor_stay_on_the_device():
 
 def test_host_buffers_are_allocated_once_and_reused_every_step():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     step_grads(cm, named, batch())
     assert transport.allocations == 3
     for _ in range(3):
@@ -144,7 +146,7 @@ def test_host_buffers_go_back_to_the_transport_when_nothing_offloads_any_more(ca
     gave out that are still referenced anywhere), not through the pool's own counters; real
     pinned memory is checked by the CUDA test below."""
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     step_grads(cm, named, batch())
     pool = controller_of(cm).offloader.pools[0]
     cm.model.gradient_checkpointing_disable()  # a toggle (generation): the pool stays for its return
@@ -167,7 +169,7 @@ def test_host_buffers_go_back_to_the_transport_when_nothing_offloads_any_more(ca
 
 def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     reference = tiny_model()
     _, expected = step_grads(reference, list(reference.named_parameters()), batch())
     torch.manual_seed(123)
@@ -184,7 +186,7 @@ def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done()
 
 def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):
     transport = SimulatedTransport(pin_fails=True)
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     ref_model = tiny_model()
     _, ref = step_grads(ref_model, list(ref_model.named_parameters()), batch())
     with caplog.at_level(logging.WARNING, logger="remat"):
@@ -223,15 +225,17 @@ def test_the_default_host_budget_is_shared_by_the_ranks_of_one_host(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert default_host_budget() == alone // 4
     assert Offloader(0, SimulatedTransport()).pools[0].max_bytes == alone // 4
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), SimulatedTransport())
+    model, named, cm = _wrapped(
+        CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), SimulatedTransport()
+    )
     assert controller_of(cm).offloader.pools[0].max_bytes == alone // 4
-    cm2 = CheckpointedModel(tiny_model(), CheckpointConfig(offload=True), offload_host_budget=123)
+    cm2 = CheckpointedModel(tiny_model(), CheckpointConfig(checkpoint_policy="offload"), offload_host_budget=123)
     assert controller_of(cm2).offloader.max_host_bytes == 123
 
 
 def test_a_forward_without_backward_returns_its_buffers():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     loss = cm(**batch()).loss
     pool = controller_of(cm).offloader.pools[0]
     assert len(pool.pooled()) == 0 and controller_of(cm).offloader.live_host_bytes() == {
@@ -250,7 +254,7 @@ def test_a_forward_without_backward_returns_its_buffers():
 
 def test_an_exception_in_forward_returns_its_buffers():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     layer3 = decoder_layers(model)[3]
 
     def boom(module, args):
@@ -272,7 +276,9 @@ def test_native_offload_request_becomes_this_policy_and_moves_each_input_once():
     transport = SimulatedTransport()
     model, named, cm = _wrapped(CheckpointConfig(offload_min_bytes=0), transport)
     model.gradient_checkpointing_enable(offload=True)
-    assert cm.config.offload and set(p.policy for p in cm.checkpoint_map) == {"offload"}
+    assert cm.checkpoint_config.checkpoint_policy == "offload" and set(p.policy for p in cm.checkpoint_map) == {
+        "offload"
+    }
     step_grads(cm, named, batch())
     assert [op for op, _ in transport.log].count("to_host") == 3
     assert sorted(transport.log) == sorted({*transport.log})  # no input copied twice
@@ -301,7 +307,7 @@ def test_offloaded_inputs_are_the_layers_inputs_and_recomputes_run_on_what_the_t
     runs on the tensor the transport brought back, with the same values. Without offload,
     nothing crosses and the recomputes read the forward's own tensors."""
     transport = RecordingTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     seen = {i: [] for i in range(4)}
     for i, layer in enumerate(decoder_layers(model)):
         layer.input_layernorm.register_forward_pre_hook(lambda m, args, i=i: seen[i].append(args[0]))
@@ -316,7 +322,7 @@ def test_offloaded_inputs_are_the_layers_inputs_and_recomputes_run_on_what_the_t
 
 
 def test_on_a_cpu_model_offload_is_exact_and_reports_that_it_saved_nothing():
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0))
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0))
     ref_model = tiny_model()
     _, ref = step_grads(ref_model, list(ref_model.named_parameters()), batch())
     _, got = step_grads(cm, named, batch())
@@ -330,7 +336,9 @@ def test_on_a_cpu_model_offload_is_exact_and_reports_that_it_saved_nothing():
 
 def test_memory_report_and_summary_show_where_offloaded_inputs_live():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport, attention_dropout=0.0)
+    model, named, cm = _wrapped(
+        CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport, attention_dropout=0.0
+    )
     report = cm.memory_report(batch())
     assert [layer.host_bytes for layer in report.layers] == [LAYER_INPUT] * 3 + [0]
     assert [layer.device_bytes for layer in report.layers] == [0, 0, 0, LAYER_INPUT]
@@ -351,7 +359,9 @@ def test_cuda_offload_is_exact(every_n):
     named = list(model.named_parameters())
     data = {k: v.cuda() for k, v in batch().items()}
     _, ref = step_grads(model, named, data)
-    cm = CheckpointedModel(model, CheckpointConfig(offload=True, every_n_layers=every_n, offload_min_bytes=0))
+    cm = CheckpointedModel(
+        model, CheckpointConfig(checkpoint_policy="offload", every_n_layers=every_n, offload_min_bytes=0)
+    )
     for _ in range(2):  # the second step reuses the pinned pool
         _, got = step_grads(cm, named, data)
         assert_same_grads(ref, got)
@@ -374,7 +384,7 @@ def test_cuda_offload_lowers_device_memory_held_after_forward():
         return after - before
 
     recompute = held(CheckpointConfig(offload_min_bytes=0))
-    offload = held(CheckpointConfig(offload=True, offload_min_bytes=0))
+    offload = held(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0))
     layer_input = 2 * 512 * 256 * 4
     assert recompute - offload >= 6 * layer_input
 
@@ -382,7 +392,7 @@ def test_cuda_offload_lowers_device_memory_held_after_forward():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_disable_gives_the_pinned_pool_back_to_the_system():
     model = tiny_model(attention_dropout=0.0).cuda()
-    cm = CheckpointedModel(model, CheckpointConfig(offload=True, offload_min_bytes=0))
+    cm = CheckpointedModel(model, CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0))
     data = {k: v.cuda() for k, v in batch().items()}
     torch.cuda.empty_cache()
     torch.accelerator.empty_host_cache()

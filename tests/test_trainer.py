@@ -67,7 +67,7 @@ def test_trainer_defaults_keep_the_wrappers_config(tmp_path):
     cm = CheckpointedModel(add_lora(tiny_model()), config)
     counter = RecomputeCounter(decoder_layers(cm.model))
     _train(cm, tmp_path, None)
-    assert cm.config == config
+    assert cm.checkpoint_config == config
     assert counter.counts == [2 * STEPS, STEPS, STEPS, 2 * STEPS]
 
 

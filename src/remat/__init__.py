@@ -11,12 +11,9 @@ __all__ = [
     "LayerPlan",
     "NoCheckpointableLayersError",
     "RematTrainer",
-    "RematTrainerMixin",
     "__version__",
     "remat_trainer_class",
 ]
-
-_TRAINER_NAMES = ("RematTrainer", "RematTrainerMixin", "remat_trainer_class")
 
 
 def __getattr__(name: str):
@@ -30,8 +27,13 @@ def __getattr__(name: str):
         from .layers import NoCheckpointableLayersError
 
         return NoCheckpointableLayersError
-    if name in _TRAINER_NAMES:
+    if name in ("RematTrainer", "remat_trainer_class"):
         from .integrations import trainer
 
         return getattr(trainer, name)
+    if name == "RematTrainerMixin":
+        raise AttributeError(
+            "remat.RematTrainerMixin is gone: remat.RematTrainer for transformers' Trainer, "
+            "remat.remat_trainer_class(YourTrainer) for any other Trainer class (TRL's, your own)"
+        )
     raise AttributeError(f"module 'remat' has no attribute {name!r}")

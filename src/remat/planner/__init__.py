@@ -4,7 +4,6 @@
     planned = profile.plan("6GiB")               # the fastest map whose held activations fit
     planned = profile.plan("20GiB", scope="step", tokens=8192)   # (scope="step" needs optimizer=)
     profile.frontier(); profile.plot()           # every undominated map; a matplotlib Figure
-    planned = cm.plan_for_budget(batch, "6GiB")  # the one-line form: profile, then plan
 
 Four rooms with one job each:
 
@@ -46,39 +45,21 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from ..arguments import parse_bytes, parse_count
-from ..loss import LossFn
-from .chooser import SCOPES, LayerChoice, Measurements, Outside, Plan, StepMemory
-from .measuring import Controlled, check_measurable, measure
+from .chooser import LayerChoice, Measurements, Outside, Plan, StepMemory
+from .measuring import Controlled, ProfileOptions, check_measurable, measure
 from .profile import PlannedConfig, Profile
 from .state import ModelState, StaleProfileError
 
 
-def profile_model(
-    state: Controlled,
-    batch: Mapping[str, Any],
-    *,
-    loss_fn: LossFn | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    progress: bool = True,
-    repeats: int = 3,
-) -> Profile:
+def profile_model(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions) -> Profile:
     """Measure the controller's model on `batch` (see `remat.planner.measuring`) and return the
     `Profile`. Refuses before any work what cannot be measured."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     batch = dict(batch)
-    check_measurable(state, batch, loss_fn, "profile")
+    check_measurable(state, batch, options.loss_fn, "profile")
     config = state.config
     measured = ModelState.of(state.model, config, len(state.checkpoint_map))
     started = time.perf_counter()
-    measurements, notes = measure(
-        state, batch, loss_fn=loss_fn, optimizer=optimizer, repeats=repeats, progress=progress
-    )
+    measurements, notes = measure(state, batch, options)
     seconds = time.perf_counter() - started
     return Profile(
         measurements, config, tuple(notes), seconds, native_every_n=_native_every_n(), state=measured, wrapper=state
@@ -99,52 +80,6 @@ def _native_every_n() -> tuple[int, ...]:
     return (1, 2, 3, 4) if takes else (1,)
 
 
-def plan_for_budget(
-    state: Controlled,
-    batch: Mapping[str, Any],
-    budget: int | str,
-    *,
-    scope: str = "activations",
-    tokens: int | None = None,
-    loss_fn: LossFn | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    progress: bool = True,
-    repeats: int = 3,
-) -> PlannedConfig:
-    """`profile_model(...)` then `profile.plan(budget, scope=scope, tokens=tokens)`. A budget no
-    map can meet (zero or negative), an unknown scope, or `scope="step"` without an optimizer is
-    refused before measuring."""
-    limit = parse_bytes(budget, "budget")
-    if limit <= 0:
-        raise ValueError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-    if scope == "step":
-        if optimizer is None:
-            raise ValueError('scope="step" bounds the whole training step, optimizer included: pass optimizer=')
-        weights = _device_weight_bytes(state)
-        if limit < weights:
-            raise ValueError(
-                f"no map fits a step budget of {limit} bytes ({limit / 2**20:.1f} MiB): the weights alone take "
-                f"{weights} bytes ({weights / 2**20:.1f} MiB) on the device"
-            )
-    if tokens is not None:
-        parse_count(tokens, "tokens", "batch x sequence length")
-    found = profile_model(state, batch, loss_fn=loss_fn, optimizer=optimizer, progress=progress, repeats=repeats)
-    return found.plan(limit, scope=scope, tokens=tokens)
-
-
-def _device_weight_bytes(state: Controlled) -> int:
-    """Parameters and buffers resident on the model's device (swapped weights wait on the host)."""
-    device = next(state.model.parameters()).device
-    seen: dict[int, int] = {}
-    for tensor in (*state.model.parameters(), *state.model.buffers()):
-        if tensor.device == device and tensor.numel():
-            storage = tensor.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
-
-
 __all__ = [
     "LayerChoice",
     "Measurements",
@@ -153,8 +88,8 @@ __all__ = [
     "Plan",
     "PlannedConfig",
     "Profile",
+    "ProfileOptions",
     "StaleProfileError",
     "StepMemory",
-    "plan_for_budget",
     "profile_model",
 ]

@@ -312,7 +312,10 @@ def check_scope(m: Measurements, scope: str) -> None:
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     if scope == "step" and m.step is None:
-        raise ValueError('scope="step" needs the peak of a whole step, which this profile did not measure')
+        raise ValueError(
+            'scope="step" needs the peak of a whole step, which this profile did not measure: profile with the '
+            "optimizer, cm.profile(batch, optimizer=optimizer)"
+        )
 
 
 def choose(m: Measurements, budget: int, scope: str = "activations") -> Plan | None:

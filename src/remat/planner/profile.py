@@ -202,7 +202,7 @@ class Profile:
         return controller.config
 
     def _config(self, chosen: Plan, budget: int, tokens: int, config: CheckpointConfig) -> PlannedConfig:
-        planned = config.replace(layer_policies={c.index: c.policy for c in chosen.choices}, offload=False)
+        planned = config.replace(layer_policies={c.index: c.policy for c in chosen.choices})
         return PlannedConfig.of(
             planned,
             choices=chosen.choices,

@@ -24,7 +24,7 @@ from .rollback import ModelChanges
 class _SaveWithConfig:
     """`model.save_pretrained` while wrapped: the model's own save and `checkpoint_config.json`,
     committed as one save. Inside a save that already stages (a Trainer checkpoint through
-    `RematTrainerMixin`), or on a process that is not the main one, the model's save runs as is."""
+    `RematTrainer`), or on a process that is not the main one, the model's save runs as is."""
 
     def __init__(self, owner: Any):
         self.owner = owner
