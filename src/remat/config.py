@@ -134,23 +134,20 @@ OFFLOAD_IS_A_POLICY = (
 
 
 def _without_offload_flag(data: Mapping[str, Any], source: str) -> Mapping[str, Any]:
-    """A config saved when offload was also a flag (`"offload": true`), in today's words: the
-    flag turned "recompute" layers into "offload" ones, and moved "selective" layers' inputs to
-    the host, which no policy does now: such a file is refused, naming the fix."""
-    if "offload" not in data:
-        return data
+    """A config saved when offload was also a flag: `"offload": true` made "recompute" layers
+    "offload" ones (said so now), and kept "selective" layers' inputs on the host, which no policy
+    does now (refused, naming the fix)."""
     data = dict(data)
-    flag = data.pop("offload")
-    if not isinstance(flag, bool):
-        raise ValueError(f"{source}: offload must be true or false, got {flag!r}")
+    if data.pop("offload", False) is False:
+        return data
     policies = data.get("layer_policies")
     chosen = {data.get("checkpoint_policy", "recompute"), *(policies.values() if isinstance(policies, Mapping) else ())}
-    if flag and "selective" in chosen:
+    if "selective" in chosen:
         raise ValueError(
             f'{source}: "offload": true kept the inputs of "selective" layers in host memory, which remat no longer '
             'does. Remove "offload" (those inputs then stay on the device) or give those layers "offload"'
         )
-    if flag and data.get("checkpoint_policy", "recompute") == "recompute":
+    if data.get("checkpoint_policy", "recompute") == "recompute":
         data["checkpoint_policy"] = "offload"
     return data
 

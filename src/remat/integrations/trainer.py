@@ -15,20 +15,17 @@ A TRL trainer given `peft_config=` builds a PeftModel around `cm.model` while it
 the wrapper then adopts it (`Controller.adopt`: the same layers under their new names, the map
 kept), so checkpoints carry the adapters the trainer trains. At train begin the map that runs
 goes into the trainer's logs under `remat/` keys, and training arguments that replace the
-wrapper's config say so once, as a WARNING. `torch.compile(cm)` is refused (Trainer would not see
-the model it saves); `cm.compile()` compiles `cm.model`, which the trainer trains.
+wrapper's config say so once, as a WARNING.
 
 Beyond that the mixin only covers what the model cannot: it writes `checkpoint_config.json`
 after each save even while the wrapper is disabled, applies the saved config after resuming a
 model without PEFT (Trainer loads its weights with `load_state_dict`), and loads folders that a
 plain `Trainer(model=cm)` wrote (the whole wrapper under `model.`-prefixed names) into the
 wrapper. Two names, one thing: `RematTrainer` is transformers' Trainer with the mixin in front,
-and `remat_trainer_class(cls)` puts it in front of any other Trainer class (TRL's, your own);
-`remat_trainer_class(Trainer) is RematTrainer`. The mixin itself is private.
+`remat_trainer_class(cls)` any other Trainer class (`remat_trainer_class(Trainer) is RematTrainer`).
 
-`TrainingArguments(gradient_checkpointing=False)` (the default of transformers' Trainer) means
-what it means for any model: Trainer does not touch checkpointing. The wrapper's map is what
-the user configured, so it applies; `cm.disable()` trains without checkpointing.
+`TrainingArguments(gradient_checkpointing=False)`, Trainer's default, leaves checkpointing alone
+for any model: the wrapper's map applies; `cm.disable()` trains without checkpointing.
 """
 
 from __future__ import annotations

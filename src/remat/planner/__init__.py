@@ -7,36 +7,22 @@
 
 Four rooms with one job each:
 
-- `measuring`: the training steps (bytes per layer and policy from `remat.report`, at two
-  lengths when the batch is plain text; the step's peak counted as torch's `MemTracker` counts it, in `peak`;
-  time as counted FLOPs times a measured rate, in `timing`), and putting the model back as it was
-  afterwards (`remat.snapshot`).
+- `measuring`: the training steps (bytes per layer and policy; the step's peak, in `peak`; time
+  as counted FLOPs times a measured rate, in `timing`), and putting the model back as it was.
 - `chooser`: a pure function of the measurements (no torch, no model): every undominated
   combination of per-layer policies, the fastest one that fits a budget, the frontier.
 - `profile`: `Profile` (measurements + `plan` / `frontier` / `plot`) and `PlannedConfig`, the
   `CheckpointConfig` a plan is, which remembers its prediction and prints it.
-- `state`: `ModelState`, the state of the model a profile holds for (dtypes, devices, trainable
-  parameters, adapters, swapped layers, the settings that change a measurement): a plan from a
-  profile of another state is refused (`StaleProfileError`, a ValueError naming what changed).
-  Plans are built on the wrapper's current config, so applying one keeps block swap and offload
-  settings made since the profile.
+- `state`: `ModelState`, the state of the model a profile holds for: a plan from a profile of
+  another state is refused (`StaleProfileError`, a ValueError naming what changed).
 
 The planner is handed the wrapper's controller (`remat.controller.Controller`), never the
 wrapper: data flows down from `remat.model`.
 
-What a plan promises: its predicted held activations (`planned.predicted_device_bytes`) match a
-measurement of the planned map within a few percent, and fit the budget; with `scope="step"`,
-the same for the peak of a whole step as `MemTracker` counts it (`predicted_peak_bytes`).
-Time (`predicted_seconds`) is counts (the FLOPs a recompute repeats) times a rate measured on
-the machine, so recompute and none rank alike however busy it was (selective's share is measured,
-and moves with the noise); `predicted_seconds_range` is its spread.
-For `tokens` other than the profiled batch's, bytes and seconds are scaled in proportion to the
-tokens (see `Measurements.scaled`).
-
-Cost: 4 memory steps (one more for offload on an accelerator), the same 4 again at half the
-sequence length when the batch is plain text, 2 counted steps (FLOPs) and `repeats` x 3 timed
-steps: 19 forwards with the default `repeats=3` (what that costs in steps and seconds: the
-README, `python benchmarks/pareto.py --preset small --cost-only`, benchmarks/RESULTS.md).
+What a plan promises: its predicted held activations (`planned.predicted_device_bytes`), and
+with `scope="step"` the peak of a whole step as `MemTracker` counts it (`predicted_peak_bytes`),
+match a measurement of the planned map within a few percent and fit the budget. How time is
+priced: `timing`; what profiling costs: `measuring` and the README.
 """
 
 from __future__ import annotations
