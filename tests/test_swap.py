@@ -39,11 +39,11 @@ def _swapped_weight_bytes(model, layers):
 
 
 @pytest.mark.parametrize("every_n", [1, 2, 3])
-@pytest.mark.parametrize("offload", [False, True], ids=["recompute", "offload"])
-def test_swap_gradients_equal_no_checkpointing(every_n, offload):
+@pytest.mark.parametrize("policy", ["recompute", "offload"])
+def test_swap_gradients_equal_no_checkpointing(every_n, policy):
     model, named = _lora_model()
     ref_loss, ref = step_grads(model, named, batch())
-    config = CheckpointConfig(every_n_layers=every_n, swap_layers=2, offload=offload, offload_min_bytes=0)
+    config = CheckpointConfig(every_n_layers=every_n, swap_layers=2, checkpoint_policy=policy, offload_min_bytes=0)
     cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
     counter = RecomputeCounter(decoder_layers(model))
     loss, got = step_grads(cm, named, batch())
