@@ -190,7 +190,9 @@ def settings_for(native_model, cm: CheckpointedModel | None) -> list[Setting]:
     )
     if native_supports(probe, "offload"):
         out.append(Setting("native offload", "native", None, native(offload=True)))
-    out.append(Setting("remat offload", "remat", "native offload", with_remat(CheckpointConfig(offload=True))))
+    out.append(
+        Setting("remat offload", "remat", "native offload", with_remat(CheckpointConfig(checkpoint_policy="offload")))
+    )
     return out
 
 

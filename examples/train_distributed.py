@@ -31,7 +31,10 @@ def main() -> None:
     model_config, text = load_assets()
     torch.manual_seed(0)  # the same weights on every rank
     cm = CheckpointedModel(
-        add_lora(build_model(model_config)), CheckpointConfig(every_n_layers=args.every_n_layers, offload=args.offload)
+        add_lora(build_model(model_config)),
+        CheckpointConfig(
+            every_n_layers=args.every_n_layers, checkpoint_policy="offload" if args.offload else "recompute"
+        ),
     )
     runs = [0] * len(cm.layers)
     for i, layer in enumerate(cm.layers):

@@ -47,9 +47,9 @@ def test_each_bad_value_is_an_error_naming_the_field(field, value, error):
 
 def test_defaults_match_the_contract():
     c = CheckpointConfig()
-    assert (c.every_n_layers, c.offload, c.offload_min_bytes, c.swap_layers, c.swap_placement) == (
+    assert (c.every_n_layers, c.checkpoint_policy, c.offload_min_bytes, c.swap_layers, c.swap_placement) == (
         1,
-        False,
+        "recompute",
         2 * 1024**2,
         0,
         "spread",
@@ -81,7 +81,7 @@ def test_callers_dict_and_list_are_copied():
 def test_json_round_trip_with_every_option_set(tmp_path):
     c = CheckpointConfig(
         every_n_layers=3,
-        offload=True,
+        checkpoint_policy="offload",
         offload_min_bytes=1024,
         swap_layers=[4, 0],
         swap_placement="tail",

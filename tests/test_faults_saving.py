@@ -136,7 +136,7 @@ def _save_forever_in_a_child(cm, folder, die_at_rename=None):
         i = 1
         while True:
             _set_lora(cm.model, float(i))
-            cm.enable(cm.config.replace(every_n_layers=1 + i % 2))
+            cm.enable(cm.checkpoint_config.replace(every_n_layers=1 + i % 2))
             cm.save_pretrained(folder)
             i += 1
     finally:
@@ -150,7 +150,9 @@ def _check_consistent(folder, live_staging=False):
     assert len(values) == 1, f"adapter weights from several saves: {values}"
     (value,) = values
     assert value == int(value) >= 0
-    assert loaded.config.every_n_layers == 1 + int(value) % 2, "adapters and config come from different saves"
+    assert loaded.checkpoint_config.every_n_layers == 1 + int(value) % 2, (
+        "adapters and config come from different saves"
+    )
     assert live_staging or _no_staging_left(folder), "the load finished or removed what the crash left"
     return int(value)
 
@@ -158,7 +160,7 @@ def _check_consistent(folder, live_staging=False):
 def _first_save(folder):
     cm = _lora_cm()
     _set_lora(cm.model, 0.0)
-    cm.enable(cm.config.replace(every_n_layers=1))
+    cm.enable(cm.checkpoint_config.replace(every_n_layers=1))
     cm.save_pretrained(folder)
     return cm
 
@@ -194,7 +196,7 @@ def test_a_crashed_commit_is_not_finished_over_a_newer_save(tmp_path):
     os.waitpid(pid, 0)
     assert not _no_staging_left(out), "the child left a complete, uncommitted save"
     _set_lora(cm.model, 9.0)
-    cm.enable(cm.config.replace(every_n_layers=2))
+    cm.enable(cm.checkpoint_config.replace(every_n_layers=2))
     cm.model.save_pretrained(str(out))  # a newer save, written in place (as Trainer saves)
     assert _check_consistent(out) == 9
 

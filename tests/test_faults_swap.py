@@ -14,7 +14,7 @@ from remat.model import controller_of
 from remat.testing import SimulatedTransport
 from remat.transport import CpuTransport
 
-SWAP = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], offload=True, offload_min_bytes=0)
+SWAP = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], checkpoint_policy="offload", offload_min_bytes=0)
 
 
 def _trainable(model):
@@ -104,7 +104,7 @@ def _grads(model):
 def test_a_checkpointed_layer_may_join_the_swap_between_forward_and_backward_exactly():
     cm, model = _wrapped()  # layer 2 is checkpointed: its recompute fetches whatever it needs
     loss = _forward(cm, model)
-    cm.enable(cm.config.replace(swap_layers=[1, 2, 3]))
+    cm.enable(cm.checkpoint_config.replace(swap_layers=[1, 2, 3]))
     loss.backward()
     assert_same_grads(_reference_grads(), _grads(model))
 
@@ -119,7 +119,7 @@ def test_a_layer_whose_weights_a_pending_backward_holds_cannot_join_the_swap(for
     wanted = config.replace(swap_layers=[1, 2, 3])
     with pytest.raises(RuntimeError, match=r"cannot start swapping layers \[.*2.*\].*held by an autograd graph"):
         cm.enable(wanted)
-    assert cm.config == config and cm.is_enabled == (forward_while != "the wrapper disabled")
+    assert cm.checkpoint_config == config and cm.is_enabled == (forward_while != "the wrapper disabled")
     if cm.is_enabled:
         cm.enable(config.replace(swap_layers=[3]))  # bringing weights home is always safe
     loss.backward()
@@ -146,10 +146,10 @@ def test_a_changed_swap_set_moves_only_the_layers_that_change():
     step_grads(cm, _trainable(model), batch())
     kept = [p.untyped_storage().data_ptr() for p in layers[1].parameters() if not p.requires_grad]
     per_layer = mover.copied
-    cm.enable(cm.config.replace(swap_layers=[1, 2]))
+    cm.enable(cm.checkpoint_config.replace(swap_layers=[1, 2]))
     assert mover.copied == 2 * per_layer, "only layer 2's weights were copied to the host"
     assert [p.untyped_storage().data_ptr() for p in layers[1].parameters() if not p.requires_grad] == kept
-    cm.enable(cm.config.replace(swap_layers=[2]))
+    cm.enable(cm.checkpoint_config.replace(swap_layers=[2]))
     assert mover.copied == 2 * per_layer
     assert_same_grads(_reference_grads(), step_grads(cm, _trainable(model), batch())[1])
 
@@ -192,7 +192,7 @@ def test_merging_adapters_into_swapped_layers_is_refused_before_any_layer_merges
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
     assert_same_grads(_reference_grads(), step_grads(cm, _trainable(model), batch())[1])
-    cm.enable(cm.config.replace(swap_layers=0))
+    cm.enable(cm.checkpoint_config.replace(swap_layers=0))
     merged = model.merge_and_unload()  # with the weights home, PEFT merges as usual
     assert not any("lora_" in n for n, _ in merged.named_parameters())
 
@@ -207,7 +207,7 @@ def test_three_hundred_steps_with_offload_and_swap_keep_host_memory_flat():
     (a leak of one layer input or its host buffer per step would add 16 MiB over the measured
     window, one object per step 250 objects)."""
     model = add_lora(tiny_model(hidden_size=64, intermediate_size=96, attention_dropout=0.0))
-    config = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], offload=True, offload_min_bytes=0)
+    config = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], checkpoint_policy="offload", offload_min_bytes=0)
     cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
     optimizer = torch.optim.SGD([p for _, p in _trainable(model)], lr=1e-3)
     data = batch(size=4, seq=64)

@@ -39,10 +39,10 @@ def _reference_grads(seed=0, data=None):
 
 
 def test_a_deep_copy_runs_its_own_model_and_its_routes_change_its_own_map():
-    config = CheckpointConfig(every_n_layers=2, offload=True, offload_min_bytes=0)
+    config = CheckpointConfig(every_n_layers=2, checkpoint_policy="offload", offload_min_bytes=0)
     cm = CheckpointedModel(add_lora(tiny_model()), config, offload_transport=SimulatedTransport())
     twin = copy.deepcopy(cm)
-    assert twin.model is not cm.model and twin.config == cm.config
+    assert twin.model is not cm.model and twin.checkpoint_config == cm.checkpoint_config
     original, copied = RecomputeCounter(decoder_layers(cm.model)), RecomputeCounter(decoder_layers(twin.model))
     _, got = step_grads(twin, _trainable(twin.model), batch())
     assert original.counts == [0, 0, 0, 0] and copied.recomputed() == [0, 2]
@@ -131,7 +131,7 @@ def _swap_and_offload(model):
     """A wrapper that offloaded and swapped in a step: the offloaded inputs' host buffers went with
     the step's graph, the swapped weights' host copies are the wrapper's to free."""
     transport = SimulatedTransport()
-    config = CheckpointConfig(offload=True, offload_min_bytes=0, swap_layers=[1])
+    config = CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0, swap_layers=[1])
     cm = CheckpointedModel(model, config, offload_transport=transport)
     step_grads(cm, _trainable(model), batch())
     assert transport.allocations > 0 and transport.live_buffers() == 0

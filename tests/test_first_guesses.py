@@ -22,20 +22,22 @@ def _recomputed(cm):
 
 
 def test_config_fields_as_keywords_to_the_constructor_and_enable_change_what_runs():
-    cm = CheckpointedModel(add_lora(tiny_model()), every_n_layers=2, offload=True)
-    assert cm.config == CheckpointConfig(every_n_layers=2, offload=True)
+    cm = CheckpointedModel(add_lora(tiny_model()), every_n_layers=2, checkpoint_policy="offload")
+    assert cm.checkpoint_config == CheckpointConfig(every_n_layers=2, checkpoint_policy="offload")
     assert _recomputed(cm) == [0, 2]
     cm.enable(every_n_layers=3)  # the current config with that field changed
-    assert cm.config == CheckpointConfig(every_n_layers=3, offload=True)
+    assert cm.checkpoint_config == CheckpointConfig(every_n_layers=3, checkpoint_policy="offload")
     assert _recomputed(cm) == [0, 3]
     cm.enable(CheckpointConfig(layer_policies={1: "recompute"}), every_n_layers=4)
-    assert cm.config == CheckpointConfig(every_n_layers=4, layer_policies={1: "recompute"})
+    assert cm.checkpoint_config == CheckpointConfig(every_n_layers=4, layer_policies={1: "recompute"})
     assert _recomputed(cm) == [0, 1]
 
 
 def test_a_config_with_keywords_changes_those_fields_of_it():
-    cm = CheckpointedModel(tiny_model(), CheckpointConfig(every_n_layers=2, offload=True), every_n_layers=3)
-    assert cm.config == CheckpointConfig(every_n_layers=3, offload=True)
+    cm = CheckpointedModel(
+        tiny_model(), CheckpointConfig(every_n_layers=2, checkpoint_policy="offload"), every_n_layers=3
+    )
+    assert cm.checkpoint_config == CheckpointConfig(every_n_layers=3, checkpoint_policy="offload")
 
 
 @pytest.mark.parametrize("where", ["constructor", "enable"])
@@ -53,7 +55,7 @@ def test_a_misspelt_keyword_is_a_type_error_naming_the_field_meant_and_nothing_c
         cm.enable(every_n_layer=3)
     with pytest.raises(ValueError, match="every_n_layers"):
         cm.enable(every_n_layers=0)
-    assert cm.config == CheckpointConfig(every_n_layers=2) and cm.checkpoint_map.checkpointed == [0, 2]
+    assert cm.checkpoint_config == CheckpointConfig(every_n_layers=2) and cm.checkpoint_map.checkpointed == [0, 2]
 
 
 # -- sizes -----------------------------------------------------------------------------------------
@@ -86,7 +88,7 @@ def test_sizes_in_the_forms_people_write_them(size, expected):
 
 
 def test_a_size_the_wrapper_is_given_as_6G_is_6_GiB():
-    cm = CheckpointedModel(tiny_model(), CheckpointConfig(offload=True), offload_host_budget="6G")
+    cm = CheckpointedModel(tiny_model(), CheckpointConfig(checkpoint_policy="offload"), offload_host_budget="6G")
     assert controller_of(cm).offloader.max_host_bytes == 6 * GIB
 
 

@@ -53,7 +53,7 @@ def test_a_disabled_wrappers_printed_map_says_remat_is_off_and_enable_brings_it_
     counter = RecomputeCounter(decoder_layers(cm.model))
     step_grads(cm, _trainable(cm.model), batch())
     assert counter.recomputed() == [], "what the map says: nothing runs"
-    assert cm.config.every_n_layers == 2 and cm.checkpoint_map.checkpointed == [0, 2], "the plan is kept"
+    assert cm.checkpoint_config.every_n_layers == 2 and cm.checkpoint_map.checkpointed == [0, 2], "the plan is kept"
     cm.enable()
     assert "OFF" not in str(cm.checkpoint_map)
     counter.reset()
@@ -147,13 +147,13 @@ def test_a_resume_that_replaces_the_wrappers_config_warns_naming_both_maps_and_t
     assert len(warned) == 1
     assert "every_n_layers 1 -> 2" in warned[0].message
     assert "recompute [0, 1, 2, 3]" in warned[0].message and "recompute [0, 2]" in warned[0].message
-    assert cm.config.every_n_layers == 2
+    assert cm.checkpoint_config.every_n_layers == 2
 
     kept = CheckpointedModel(add_lora(tiny_model(seed=3)), denser)
     trainer = RematTrainer(model=kept, args=_args(tmp_path, 3), train_dataset=_dataset())
     trainer.add_callback(KeepMyMap(kept, denser))
     trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
-    assert kept.config == denser and kept.checkpoint_map.checkpointed == [0, 1, 2, 3]
+    assert kept.checkpoint_config == denser and kept.checkpoint_map.checkpointed == [0, 1, 2, 3]
 
 
 # -- light imports ---------------------------------------------------------------------------------

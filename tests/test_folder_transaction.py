@@ -38,7 +38,7 @@ def _mark(cm, value):
         for name, param in cm.model.named_parameters():
             if "lora_" in name:
                 param.fill_(float(value))
-    cm.enable(cm.config.replace(offload_min_bytes=int(value)))
+    cm.enable(cm.checkpoint_config.replace(offload_min_bytes=int(value)))
 
 
 def _whole(cm):
@@ -46,8 +46,8 @@ def _whole(cm):
     values = {round(float(p.detach().mean()), 3) for n, p in cm.model.named_parameters() if "lora_" in n}
     assert len(values) == 1, f"adapter weights from several saves: {values}"
     (value,) = values
-    assert value == cm.config.offload_min_bytes, (
-        f"adapters of save {value}, config of save {cm.config.offload_min_bytes}"
+    assert value == cm.checkpoint_config.offload_min_bytes, (
+        f"adapters of save {value}, config of save {cm.checkpoint_config.offload_min_bytes}"
     )
     return int(value), cm.model.peft_config["default"].lora_alpha
 

@@ -113,7 +113,7 @@ def test_a_report_between_two_micro_batches_leaves_the_accumulated_gradients_bit
 
 
 def test_a_report_leaves_offload_and_swap_counters_rng_buffers_and_modes_as_they_were():
-    config = CheckpointConfig(offload=True, offload_min_bytes=0, swap_layers=[1])
+    config = CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0, swap_layers=[1])
     cm = CheckpointedModel(add_lora(tiny_model()), config, offload_transport=SimulatedTransport())
     cm(**batch()).loss.backward()  # a training step: counters to keep
     cm.zero_grad(set_to_none=True)
@@ -146,7 +146,7 @@ def test_a_report_leaves_offload_and_swap_counters_rng_buffers_and_modes_as_they
 def test_the_offload_and_swap_counters_each_have_a_reset():
     """On the CPU, with the devices' own transports: swap fetches, offload says why it kept each
     input; each reset starts its counts from zero and leaves the other's."""
-    config = CheckpointConfig(offload=True, offload_min_bytes=0, swap_layers=[1])
+    config = CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0, swap_layers=[1])
     cm = CheckpointedModel(add_lora(tiny_model()), config)
     cm(**batch()).loss.backward()
     assert cm.swap_stats[1].fetches == 2 and all(cm.offload_stats[i].kept_bytes > 0 for i in range(4))

@@ -64,7 +64,7 @@ def test_round_trips_leave_map_config_and_behaviour_unchanged():
         assert cm.for_training() is cm
     counter.reset()
     _, again = step_grads(cm, named, batch())
-    assert cm.checkpoint_map == before_map and cm.config == config
+    assert cm.checkpoint_map == before_map and cm.checkpoint_config == config
     assert counter.counts == first_counts == [2, 1, 2, 2]
     assert_same_grads(first, again, rtol=0, atol=0)
 

@@ -41,8 +41,8 @@ def _wrapped(config, transport=None, lora=False, **model_kwargs):
 @pytest.mark.parametrize(
     "config, offloaded",
     [
-        (CheckpointConfig(offload=True, offload_min_bytes=0), [0, 1, 2]),
-        (CheckpointConfig(offload=True, every_n_layers=2, offload_min_bytes=0), [0]),
+        (CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), [0, 1, 2]),
+        (CheckpointConfig(checkpoint_policy="offload", every_n_layers=2, offload_min_bytes=0), [0]),
         # layer 2 is the last checkpointed layer of forward, so its input stays on the device
         (
             CheckpointConfig(
@@ -75,7 +75,7 @@ def test_offloaded_gradients_equal_no_checkpointing(config, offloaded, lora):
 
 def test_last_checkpointed_layer_of_forward_stays_and_backward_prefetches_in_order():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     order = []
     for i, layer in enumerate(decoder_layers(model)):
         next(iter(layer.children())).register_forward_pre_hook(lambda m, a, i=i: order.append(("run", i)))
@@ -101,15 +101,15 @@ def test_last_checkpointed_layer_of_forward_stays_and_backward_prefetches_in_ord
 
 def test_keep_last_follows_the_map_when_it_changes_between_steps():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     step_grads(cm, named, batch())
-    cm.enable(cm.config.replace(every_n_layers=2))  # now layers 0 and 2; the last one is 2
+    cm.enable(cm.checkpoint_config.replace(every_n_layers=2))  # now layers 0 and 2; the last one is 2
     cm.reset_offload_stats()
     transport.log.clear()
     step_grads(cm, named, batch())
     assert transport.log == [("to_host", 0), ("to_device", 0)]
     assert cm.offload_stats[2].kept_because == {KEPT_LAST: LAYER_INPUT}
-    cm.enable(cm.config.replace(every_n_layers=1, layer_policies={3: "recompute"}))
+    cm.enable(cm.checkpoint_config.replace(every_n_layers=1, layer_policies={3: "recompute"}))
     cm.reset_offload_stats()
     transport.log.clear()
     step_grads(cm, named, batch())
@@ -119,7 +119,9 @@ def test_keep_last_follows_the_map_when_it_changes_between_steps():
 
 def test_inputs_under_the_floor_stay_on_the_device():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=LAYER_INPUT + 1), transport)
+    model, named, cm = _wrapped(
+        CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=LAYER_INPUT + 1), transport
+    )
     model_ref = tiny_model()
     _, ref = step_grads(model_ref, list(model_ref.named_parameters()), batch())
     _, got = step_grads(cm, named, batch())
@@ -132,7 +134,7 @@ def test_each_steps_host_buffers_are_freed_with_its_graph():
     """Reusing pinned blocks from step to step is torch's caching allocator's job (see the CUDA
     test below): offload holds a host buffer only while the graph that needs it lives."""
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     for steps in (1, 2):
         step_grads(cm, named, batch())
         assert transport.allocations == 3 * steps and transport.live_buffers() == 0
@@ -144,7 +146,7 @@ def test_host_memory_goes_back_to_the_system_when_nothing_offloads_any_more(capl
     still referenced anywhere, `live_when_emptied` how many were alive each time its cache was
     emptied); real pinned memory is checked by the CUDA test below."""
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     step_grads(cm, named, batch())
     cm.model.gradient_checkpointing_disable()  # a toggle (generation): the cache stays for its return
     cm.model.gradient_checkpointing_enable()
@@ -165,7 +167,7 @@ def test_host_memory_goes_back_to_the_system_when_nothing_offloads_any_more(capl
 
 def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     reference = tiny_model()
     _, expected = step_grads(reference, list(reference.named_parameters()), batch())
     torch.manual_seed(123)
@@ -182,7 +184,7 @@ def test_a_graph_that_outlives_disable_frees_its_buffers_when_backward_is_done()
 
 def test_pinning_failure_falls_back_to_pageable_memory_with_one_warning(caplog):
     transport = SimulatedTransport(pin_fails=True)
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     ref_model = tiny_model()
     _, ref = step_grads(ref_model, list(ref_model.named_parameters()), batch())
     with caplog.at_level(logging.WARNING, logger="remat"):
@@ -201,7 +203,7 @@ def test_past_the_host_budget_inputs_go_to_pageable_memory_with_one_warning(capl
     reference = tiny_model()
     _, expected = step_grads(reference, list(reference.named_parameters()), batch())
     model = tiny_model()
-    config = CheckpointConfig(offload=True, offload_min_bytes=0)
+    config = CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0)
     cm = CheckpointedModel(model, config, offload_transport=transport, offload_host_budget=2 * LAYER_INPUT)
     with caplog.at_level(logging.WARNING, logger="remat"):
         for _ in range(2):
@@ -219,15 +221,17 @@ def test_the_default_host_budget_is_shared_by_the_ranks_of_one_host(monkeypatch)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert default_host_budget() == alone // 4
     assert Offloader(0, SimulatedTransport()).host_buffers[0].max_bytes == alone // 4
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), SimulatedTransport())
+    model, named, cm = _wrapped(
+        CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), SimulatedTransport()
+    )
     assert controller_of(cm).offloader.host_buffers[0].max_bytes == alone // 4
-    cm2 = CheckpointedModel(tiny_model(), CheckpointConfig(offload=True), offload_host_budget=123)
+    cm2 = CheckpointedModel(tiny_model(), CheckpointConfig(checkpoint_policy="offload"), offload_host_budget=123)
     assert controller_of(cm2).offloader.max_host_bytes == 123
 
 
 def test_a_forward_without_backward_returns_its_buffers():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     loss = cm(**batch()).loss
     offloader = controller_of(cm).offloader
     assert transport.live_buffers() == 3 and offloader.live_host_bytes() == dict.fromkeys(range(3), LAYER_INPUT)
@@ -242,7 +246,7 @@ def test_a_forward_without_backward_returns_its_buffers():
 
 def test_an_exception_in_forward_returns_its_buffers():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport)
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
     layer3 = decoder_layers(model)[3]
 
     def boom(module, args):
@@ -263,7 +267,9 @@ def test_native_offload_request_becomes_this_policy_and_moves_each_input_once():
     transport = SimulatedTransport()
     model, named, cm = _wrapped(CheckpointConfig(offload_min_bytes=0), transport)
     model.gradient_checkpointing_enable(offload=True)
-    assert cm.config.offload and set(p.policy for p in cm.checkpoint_map) == {"offload"}
+    assert cm.checkpoint_config.checkpoint_policy == "offload" and set(p.policy for p in cm.checkpoint_map) == {
+        "offload"
+    }
     step_grads(cm, named, batch())
     assert [op for op, _ in transport.log].count("to_host") == 3
     assert sorted(transport.log) == sorted({*transport.log})  # no input copied twice
@@ -297,7 +303,7 @@ def test_offload_is_exact_and_each_recompute_runs_on_the_input_that_crossed_the_
     monkeypatch.setitem(transport_module._TRANSPORTS, torch.device("cpu"), transport)
     reference = tiny_model()
     _, expected = step_grads(reference, list(reference.named_parameters()), batch())
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0))
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0))
     seen = {i: [] for i in range(4)}
     for i, layer in enumerate(decoder_layers(model)):
         layer.input_layernorm.register_forward_pre_hook(lambda m, args, i=i: seen[i].append(args[0]))
@@ -314,7 +320,7 @@ def test_offload_is_exact_and_each_recompute_runs_on_the_input_that_crossed_the_
 def test_on_a_cpu_model_offload_keeps_the_inputs_and_says_why():
     """A model on the CPU has no device memory to free: the inputs stay, and the counters, the
     report and the summary say why (exactness where inputs cross: the tests above)."""
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0))
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0))
     step_grads(cm, named, batch())
     assert all(cm.offload_stats[i].kept_because == {KEPT_ON_CPU: LAYER_INPUT} for i in range(4))
     assert all(cm.offload_stats[i].offloaded_bytes == 0 for i in range(4))
@@ -325,7 +331,9 @@ def test_on_a_cpu_model_offload_keeps_the_inputs_and_says_why():
 
 def test_memory_report_and_summary_show_where_offloaded_inputs_live():
     transport = SimulatedTransport()
-    model, named, cm = _wrapped(CheckpointConfig(offload=True, offload_min_bytes=0), transport, attention_dropout=0.0)
+    model, named, cm = _wrapped(
+        CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport, attention_dropout=0.0
+    )
     report = cm.memory_report(batch())
     assert [layer.host_bytes for layer in report.layers] == [LAYER_INPUT] * 3 + [0]
     assert [layer.device_bytes for layer in report.layers] == [0, 0, 0, LAYER_INPUT]
@@ -346,7 +354,9 @@ def test_cuda_offload_is_exact(every_n):
     named = list(model.named_parameters())
     data = {k: v.cuda() for k, v in batch().items()}
     _, ref = step_grads(model, named, data)
-    cm = CheckpointedModel(model, CheckpointConfig(offload=True, every_n_layers=every_n, offload_min_bytes=0))
+    cm = CheckpointedModel(
+        model, CheckpointConfig(checkpoint_policy="offload", every_n_layers=every_n, offload_min_bytes=0)
+    )
     for step in range(3):
         _, got = step_grads(cm, named, data)
         assert_same_grads(ref, got)
@@ -373,7 +383,7 @@ def test_cuda_offload_lowers_device_memory_held_after_forward():
         return after - before
 
     recompute = held(CheckpointConfig(offload_min_bytes=0))
-    offload = held(CheckpointConfig(offload=True, offload_min_bytes=0))
+    offload = held(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0))
     layer_input = 2 * 512 * 256 * 4
     assert recompute - offload >= 6 * layer_input
 
@@ -381,7 +391,7 @@ def test_cuda_offload_lowers_device_memory_held_after_forward():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_disable_gives_the_pinned_memory_back_to_the_system():
     model = tiny_model(attention_dropout=0.0).cuda()
-    cm = CheckpointedModel(model, CheckpointConfig(offload=True, offload_min_bytes=0))
+    cm = CheckpointedModel(model, CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0))
     data = {k: v.cuda() for k, v in batch().items()}
     torch.cuda.empty_cache()
     torch.accelerator.empty_host_cache()

@@ -57,7 +57,7 @@ def test_a_load_discovers_once_and_plans_once(tmp_path, monkeypatch, into):
     with counted(monkeypatch) as calls:
         cm = CheckpointedModel.from_pretrained(target, tmp_path)
     assert calls == {"discover_layers": 1, "plan_layers": 1}
-    assert cm.config.every_n_layers == 2
+    assert cm.checkpoint_config.every_n_layers == 2
 
 
 def test_a_load_that_builds_a_peft_model_plans_once(tmp_path, monkeypatch):

@@ -92,7 +92,7 @@ def test_disabling_every_wrapper_in_any_order_leaves_the_model_as_before_the_fir
     model.gradient_checkpointing_disable()  # a route, as TRL calls it around generation
     model.gradient_checkpointing_enable()
     cm1.disable()
-    cm2 = CheckpointedModel(model, CheckpointConfig(every_n_layers=2, offload=True, offload_min_bytes=0))
+    cm2 = CheckpointedModel(model, CheckpointConfig(every_n_layers=2, checkpoint_policy="offload", offload_min_bytes=0))
     with contextlib.suppress(RuntimeError):  # refused (the test above); whatever it does, the end is clean
         cm1.enable()
     with cm2.for_inference():

@@ -184,12 +184,12 @@ def test_a_save_from_an_older_remat_with_a_peftmodels_full_names_still_loads(tmp
 
     trainable = peft_type != "PROMPT_TUNING"
     loaded = CheckpointedModel.from_pretrained(_base(), tmp_path / "save", is_trainable=trainable)
-    assert loaded.config.layer_policies == {1: "none"}
+    assert loaded.checkpoint_config.layer_policies == {1: "none"}
     if peft_type is not None:  # into a PeftModel of the same kind, like a Trainer resume
         into_peft = get_peft_model(_base(), _config(peft_type, tmp_path))
-        assert CheckpointedModel.from_pretrained(into_peft, tmp_path / "save", is_trainable=trainable).config == (
-            loaded.config
-        )
+        assert CheckpointedModel.from_pretrained(
+            into_peft, tmp_path / "save", is_trainable=trainable
+        ).checkpoint_config == (loaded.checkpoint_config)
 
 
 def test_a_model_of_another_depth_is_still_refused_whatever_the_wrapper(tmp_path):
@@ -211,7 +211,7 @@ def test_a_map_over_the_layers_a_tuner_adds_loads_with_the_adapter(tmp_path):
     assert saved[LAYERS].startswith("peft:base_model.") and "model.layers.0" in saved
 
     loaded = CheckpointedModel.from_pretrained(_base(), tmp_path / "save")
-    assert loaded.config == config and loaded.checkpoint_map == cm.checkpoint_map
+    assert loaded.checkpoint_config == config and loaded.checkpoint_map == cm.checkpoint_map
     with pytest.raises(ValueError, match="planned for 3 layers"):
         CheckpointedModel.from_pretrained(tiny_model(num_hidden_layers=3, use_cache=False), tmp_path / "save")
 

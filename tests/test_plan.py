@@ -19,8 +19,9 @@ def test_every_n_layers_counts_from_layer_0(n, expected):
     assert [p.index for p in m] == list(range(8)) and [p.name for p in m] == NAMES
 
 
-def test_layer_policies_override_and_offload_sets_the_checkpoint_policy():
-    m = plan_layers(CheckpointConfig(every_n_layers=2, offload=True, layer_policies={0: "none", 1: "recompute"}), NAMES)
+def test_layer_policies_override_the_checkpoint_policy():
+    config = CheckpointConfig(every_n_layers=2, checkpoint_policy="offload", layer_policies={0: "none", 1: "recompute"})
+    m = plan_layers(config, NAMES)
     assert _policies(m)[:4] == ["none", "recompute", "offload", "none"]
 
 

@@ -1,4 +1,4 @@
-"""`cm.profile(batch)` / `profile.plan(budget)` / `cm.plan_for_budget(batch, budget)` on real
+"""`cm.profile(batch)` / `profile.plan(budget)` on real
 models: the planned map fits the budget and holds what it predicted, checked against counts
 that share no code with remat (`independent_memory`: the allocator's count of what forward
 left, torch's MemTracker for the step's peak); planning runs the model a bounded number of times and
@@ -139,7 +139,7 @@ def test_a_budget_that_nothing_fits_names_the_smallest_one_that_does(profiled):
 
 def test_swapped_layers_stay_checkpointed_and_a_cpu_model_gets_no_offload():
     cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(swap_layers=[1]))
-    planned = cm.plan_for_budget(batch(), "1GiB", repeats=1, progress=False)
+    planned = cm.profile(batch(), repeats=1, progress=False).plan("1GiB")
     assert [c.policy for c in planned.choices][1] != "none"
     assert [c.policy for c in planned.choices][:1] + [c.policy for c in planned.choices][2:] == ["none"] * 3
     assert "offload" not in {c.policy for c in planned.choices}
@@ -168,10 +168,10 @@ def test_planning_leaves_the_model_and_everything_outside_it_as_it_was():
     handle = mlp.register_forward_pre_hook(count)
     optimizer = torch.optim.AdamW([p for _, p in named], lr=0.1, weight_decay=0.5)
     weights = {n: p.detach().clone() for n, p in named}
-    cm.plan_for_budget(data, "1GiB", repeats=1, progress=False, optimizer=optimizer, scope="step")
+    cm.profile(data, repeats=1, progress=False, optimizer=optimizer).plan("1GiB", scope="step")
     handle.remove()
     assert mlp.calls == 0 and mlp.seen.item() == 0, "the measuring steps' counts were put back"
-    assert cm.config == config and cm.checkpoint_map.checkpointed == [] and named[0][1].grad is marker
+    assert cm.checkpoint_config == config and cm.checkpoint_map.checkpointed == [] and named[0][1].grad is marker
     assert all(p.grad is None for _, p in named[1:])
     assert torch.equal(torch.random.get_rng_state(), rng)
     assert not optimizer.state, "the optimizer's state was put back (none, as before)"
@@ -183,7 +183,7 @@ def test_planning_leaves_the_model_and_everything_outside_it_as_it_was():
     assert_same_grads(expected, step_grads(cm, named, data)[1])
 
 
-@pytest.mark.parametrize("how", ["plan_for_budget", "memory_report"])
+@pytest.mark.parametrize("how", ["profile", "memory_report"])
 def test_a_soft_prompt_outside_the_model_keeps_its_gradient(how):
     """A trainable tensor passed as `inputs_embeds` (a soft prompt): measuring must not add the
     measuring steps' gradients to it (the user's next optimizer step would use them)."""
@@ -192,8 +192,8 @@ def test_a_soft_prompt_outside_the_model_keeps_its_gradient(how):
     prompt = embeds.clone().requires_grad_(True)
     prompt.grad = torch.full_like(prompt, 0.25)
     before = prompt.grad.clone()
-    if how == "plan_for_budget":
-        cm.plan_for_budget({**data, "inputs_embeds": prompt}, "1GiB", repeats=1, progress=False)
+    if how == "profile":
+        cm.profile({**data, "inputs_embeds": prompt}, repeats=1, progress=False).plan("1GiB")
     else:
         cm.memory_report({**data, "inputs_embeds": prompt})
     assert torch.equal(prompt.grad, before)
@@ -204,7 +204,7 @@ def test_a_soft_prompt_outside_the_model_keeps_its_gradient(how):
 
 def test_the_plan_prints_per_layer_and_is_a_config_like_any_other(tmp_path):
     cm, data = _llama()
-    planned = cm.plan_for_budget(data, "1GiB", repeats=1, progress=False)
+    planned = cm.profile(data, repeats=1, progress=False).plan("1GiB")
     text = str(planned)
     assert text.count("base_model.model.model.layers.") == 6 and "total (predicted)" in text and "budget" in text
     path = planned.save_pretrained(tmp_path)
@@ -217,23 +217,25 @@ def test_the_plan_prints_per_layer_and_is_a_config_like_any_other(tmp_path):
     assert [p.policy for p in cm.checkpoint_map] == [c.policy for c in planned.choices]
 
 
-@pytest.mark.parametrize(
-    "budget, error, match",
-    [("lots", ValueError, "budget"), (-5, ValueError, "budget"), (1.5, TypeError, "budget"), (0, ValueError, "0")],
-)
-def test_bad_budgets_are_refused_before_measuring_and_change_nothing(budget, error, match):
+def test_bad_budgets_scopes_and_a_step_scope_without_optimizer_are_refused_by_the_plan_which_runs_nothing():
     cm, data = _llama()
+    profile = cm.profile(data, repeats=1, progress=False)
     forwards = Forwards(cm.model)
-    with pytest.raises(error, match=match):
-        cm.plan_for_budget(data, budget)
-    with pytest.raises(ValueError, match="weights alone"):  # the step holds the weights at least
-        cm.plan_for_budget(data, 1000, scope="step", optimizer=torch.optim.SGD(cm.parameters(), lr=0.1))
+    for budget, error, match in [
+        ("lots", ValueError, "budget"),
+        (-5, ValueError, "budget"),
+        (1.5, TypeError, "budget"),
+    ]:
+        with pytest.raises(error, match=match):
+            profile.plan(budget)
+    with pytest.raises(ValueError, match="more than 0 bytes"):
+        profile.plan(0)
     with pytest.raises(ValueError, match="optimizer"):
-        cm.plan_for_budget(data, "1GiB", scope="step")
+        profile.plan("1GiB", scope="step")
     with pytest.raises(ValueError, match="scope"):
-        cm.plan_for_budget(data, "1GiB", scope="everything")
+        profile.plan("1GiB", scope="everything")
     assert forwards.count == 0
-    assert cm.config == CheckpointConfig() and controller_of(cm).is_enabled
+    assert cm.checkpoint_config == CheckpointConfig() and controller_of(cm).is_enabled
 
 
 def test_a_batch_without_labels_or_loss_fn_is_refused_before_any_work_and_loss_fn_plans_a_headless_model():
@@ -241,7 +243,6 @@ def test_a_batch_without_labels_or_loss_fn_is_refused_before_any_work_and_loss_f
     forwards = Forwards(cm.model)
     unlabelled = {k: v for k, v in data.items() if k != "labels"}
     for run in (
-        lambda: cm.plan_for_budget(unlabelled, "1GiB"),
         lambda: cm.profile(unlabelled),
         lambda: cm.memory_report(unlabelled),
     ):
@@ -275,7 +276,7 @@ def test_measuring_a_map_that_runs_out_of_memory_falls_back_to_groups_of_layers(
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     handle = cm.model.register_forward_pre_hook(small_device)
-    planned = cm.plan_for_budget(data, "1GiB", repeats=1, progress=False)
+    planned = cm.profile(data, repeats=1, progress=False).plan("1GiB")
     handle.remove()
     assert any("smaller groups" in note for note in planned.notes)
     policies = [c.policy for c in planned.choices]
@@ -289,26 +290,26 @@ def test_measuring_a_map_that_runs_out_of_memory_falls_back_to_groups_of_layers(
 
 def test_planning_leaves_the_offload_and_swap_counters_and_refuses_an_optimizer_in_backward():
     model = add_lora(tiny_model())
-    config = CheckpointConfig(offload=True, offload_min_bytes=0, swap_layers=[1])
+    config = CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0, swap_layers=[1])
     cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
     step_grads(cm, [(n, p) for n, p in model.named_parameters() if p.requires_grad], batch())
     offload, swap = copy.deepcopy(cm.offload_stats), copy.deepcopy(cm.swap_stats)
     assert sum(s.offloaded_bytes for s in offload.values()) > 0 and swap[1].fetches == 2
     peak = controller_of(cm).swapper.peak_resident_bytes
-    cm.plan_for_budget(batch(), "1GiB", repeats=1, progress=False)
+    cm.profile(batch(), repeats=1, progress=False).plan("1GiB")
     assert cm.offload_stats == offload and cm.swap_stats == swap
     assert controller_of(cm).swapper.peak_resident_bytes == peak
     lora = next(p for n, p in model.named_parameters() if "lora_A" in n)
     lora.register_post_accumulate_grad_hook(lambda p: None)
     with pytest.raises(RuntimeError, match="post-accumulate-grad hook"):
-        cm.plan_for_budget(batch(), "1GiB", repeats=1)
+        cm.profile(batch(), repeats=1)
 
 
 def test_planning_a_model_in_inference_mode_is_refused():
     cm, data = _llama()
     cm.for_inference()
     with pytest.raises(RuntimeError, match="for_training"):
-        cm.plan_for_budget(data, "1GiB")
+        cm.profile(data)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
@@ -389,7 +390,7 @@ def test_cuda_a_budget_below_every_layer_recomputed_is_met_by_offloading_as_pred
     assert offloaded < low, "offloading every layer holds less on the device than recomputing every layer"
     cm.enable(CheckpointConfig(offload_min_bytes=0))
     budget = (low + offloaded) // 2
-    planned = cm.plan_for_budget(data, budget, repeats=1, progress=False)
+    planned = cm.profile(data, repeats=1, progress=False).plan(budget)
     assert "offload" in {c.policy for c in planned.choices}
     cm.enable(planned)
     measured = cm.memory_report(data).device_bytes

@@ -75,7 +75,7 @@ def test_a_plan_is_built_on_the_current_config_and_keeps_its_settings():
     planned = profile.plan("1GiB")
     assert planned.offload_min_bytes == 12345 and not planned.preserve_rng_state and planned.every_n_layers == 3
     cm.enable(planned)
-    assert cm.config.offload_min_bytes == 12345 and controller_of(cm).offloader.min_bytes == 12345
+    assert cm.checkpoint_config.offload_min_bytes == 12345 and controller_of(cm).offloader.min_bytes == 12345
 
 
 def test_a_swap_set_enabled_since_the_profile_is_refused_and_a_profile_under_it_keeps_the_weights_on_the_host():
@@ -130,18 +130,16 @@ def profiled():
 
 
 @pytest.mark.parametrize("budget", BAD_BUDGETS, ids=["int400", "str400", "str400GiB", "2**63", "inf", "nan", "-inf"])
-def test_every_bad_budget_is_a_value_error_before_any_work(profiled, budget):
+def test_every_bad_budget_is_a_value_error_and_runs_nothing(profiled, budget):
     cm, data, profile = profiled
-    with pytest.raises(ValueError, match="budget"):
-        profile.plan(budget)
     forwards = []
     handle = cm.model.register_forward_pre_hook(lambda *args: forwards.append(1))
     try:
         with pytest.raises(ValueError, match="budget"):
-            cm.plan_for_budget(data, budget, repeats=1, progress=False)
+            profile.plan(budget)
     finally:
         handle.remove()
-    assert forwards == [], "refused before measuring"
+    assert forwards == []
 
 
 @pytest.mark.parametrize("tokens", [10**400, 2**63, float("inf"), float("nan")], ids=["int400", "2**63", "inf", "nan"])
@@ -151,8 +149,6 @@ def test_every_bad_token_count_is_a_value_error(profiled, tokens):
         profile.plan("1GiB", tokens=tokens)
     with pytest.raises(ValueError, match="tokens"):
         profile.frontier(tokens=tokens)
-    with pytest.raises(ValueError, match="tokens"):
-        cm.plan_for_budget(data, "1GiB", tokens=tokens, repeats=1, progress=False)
 
 
 @pytest.mark.parametrize("value", [10**400, float("inf"), float("nan")], ids=["int400", "inf", "nan"])

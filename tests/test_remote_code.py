@@ -93,7 +93,7 @@ def test_remote_blocks_take_offload_and_swap(tmp_path):
 
     model = get_peft_model(load_remote(tmp_path), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     model.train()
-    config = CheckpointConfig(every_n_layers=2, offload=True, offload_min_bytes=0, swap_layers=[1, 3])
+    config = CheckpointConfig(every_n_layers=2, checkpoint_policy="offload", offload_min_bytes=0, swap_layers=[1, 3])
     transport = SimulatedTransport()
     cm, counter = _run_peft(model, config, transport)
     assert counter.recomputed() == [0, 1, 2, 3]  # swapped layers 1 and 3 are checkpointed too

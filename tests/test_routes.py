@@ -104,7 +104,7 @@ def test_enable_route_sets_every_n_layers(where):
             getattr(model, route)(**{kwargs_name: {"every_n_layers": 2}})
         else:
             getattr(model, route)(every_n_layers=2)
-        assert cm.config.every_n_layers == 2, route
+        assert cm.checkpoint_config.every_n_layers == 2, route
         assert _recomputed(cm, model) == [0, 2], route
 
 
@@ -117,7 +117,7 @@ def test_defaults_only_call_keeps_the_wrappers_config():
         getattr(model, route)()
         getattr(model, route)(**{kwargs_name: {}}, every_n_layers=1, offload=False)
         getattr(model, route)(**{kwargs_name: {"use_reentrant": False, "every_n_layers": 1}})
-        assert cm.config == config
+        assert cm.checkpoint_config == config
         assert _recomputed(cm, model) == [0, 1, 3]
 
 
@@ -125,7 +125,7 @@ def test_non_default_checkpoint_options_update_the_config(remat_logs):
     model = tiny_model()
     cm = CheckpointedModel(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
-    assert cm.config.use_reentrant is True
+    assert cm.checkpoint_config.use_reentrant is True
     assert "use_reentrant False -> True" in remat_logs.text
     assert _recomputed(cm, model) == [0, 1, 2, 3]
 
@@ -180,7 +180,7 @@ def test_bad_route_calls_are_clear_errors_that_change_nothing(kwargs, error):
     with pytest.raises(error) as info:
         model.gradient_checkpointing_enable(**kwargs)
     assert "gradient_checkpointing_enable" in str(info.value)
-    assert cm.config == config and cm.checkpoint_map == before_map
+    assert cm.checkpoint_config == config and cm.checkpoint_map == before_map
     assert hook_snapshot(model) == before_hooks
     assert _recomputed(cm, model) == [0, 2]
 
@@ -257,7 +257,7 @@ def test_peft_prepare_model_for_kbit_training_on_a_quantized_model(tmp_path):
     quantized = _quantized_8bit(tmp_path)
     cm = CheckpointedModel(quantized, CheckpointConfig(every_n_layers=2))
     prepare_model_for_kbit_training(quantized, gradient_checkpointing_kwargs={"use_reentrant": False})
-    assert cm.config.every_n_layers == 2
+    assert cm.checkpoint_config.every_n_layers == 2
     peft_model = get_peft_model(quantized, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     peft_model.train()
     counter = RecomputeCounter(decoder_layers(quantized))
@@ -274,7 +274,7 @@ def test_prepare_model_for_kbit_training_called_on_a_peft_model_over_a_quantized
     peft_model = add_lora(_quantized_8bit(tmp_path))
     cm = CheckpointedModel(peft_model, CheckpointConfig(every_n_layers=3))
     prepare_model_for_kbit_training(peft_model, gradient_checkpointing_kwargs={"every_n_layers": 2})
-    assert cm.config.every_n_layers == 2
+    assert cm.checkpoint_config.every_n_layers == 2
     peft_model.train()
     counter = RecomputeCounter(decoder_layers(peft_model))
     cm(**batch()).loss.backward()  # PEFT made the embedding output require grad, so backward runs

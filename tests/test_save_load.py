@@ -11,7 +11,7 @@ from remat import CheckpointConfig, CheckpointedModel
 
 EVERYTHING = CheckpointConfig(
     every_n_layers=3,
-    offload=True,
+    checkpoint_policy="offload",
     offload_min_bytes=1024,
     swap_layers=[1],
     swap_placement="tail",
@@ -47,7 +47,7 @@ def test_round_trip_with_lora_and_every_option(tmp_path):
     assert saved["format_version"] == 3 and saved["remat_version"]
 
     loaded = CheckpointedModel.from_pretrained(tiny_model(seed=0), tmp_path / "save")
-    assert loaded.config == EVERYTHING and loaded.checkpoint_map == cm.checkpoint_map
+    assert loaded.checkpoint_config == EVERYTHING and loaded.checkpoint_map == cm.checkpoint_map
     assert loaded.model.training
     expected = _adapter_weights(cm.model)
     got = _adapter_weights(loaded.model)

@@ -38,11 +38,11 @@ def _swapped_weight_bytes(model, layers):
 
 
 @pytest.mark.parametrize("every_n", [1, 2, 3])
-@pytest.mark.parametrize("offload", [False, True], ids=["recompute", "offload"])
-def test_swap_gradients_equal_no_checkpointing(every_n, offload):
+@pytest.mark.parametrize("policy", ["recompute", "offload"])
+def test_swap_gradients_equal_no_checkpointing(every_n, policy):
     model, named = _lora_model()
     ref_loss, ref = step_grads(model, named, batch())
-    config = CheckpointConfig(every_n_layers=every_n, swap_layers=2, offload=offload, offload_min_bytes=0)
+    config = CheckpointConfig(every_n_layers=every_n, swap_layers=2, checkpoint_policy=policy, offload_min_bytes=0)
     cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
     counter = RecomputeCounter(decoder_layers(model))
     loss, got = step_grads(cm, named, batch())
@@ -167,7 +167,7 @@ def test_changing_the_swapped_layers_between_steps_moves_weights_home_first():
     ref_loss, ref = step_grads(model, named, batch())
     cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[0]))
     step_grads(cm, named, batch())
-    cm.enable(cm.config.replace(swap_layers=[2, 3]))
+    cm.enable(cm.checkpoint_config.replace(swap_layers=[2, 3]))
     _, got = step_grads(cm, named, batch())
     assert_same_grads(ref, got)
     assert sorted(cm.swap_stats) == [2, 3]
@@ -196,7 +196,10 @@ def test_swapping_trainable_base_weights_is_refused_before_anything_moves():
     cm = CheckpointedModel(model)
     with pytest.raises(BlockSwapError, match="full fine-tuning"):
         cm.enable(CheckpointConfig(swap_layers=1))
-    assert cm.config == CheckpointConfig() and [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
+    assert (
+        cm.checkpoint_config == CheckpointConfig()
+        and [p.untyped_storage().data_ptr() for p in model.parameters()] == storages
+    )
 
 
 @pytest.mark.parametrize("how", ["torch.compile(cm.model)", "cm.model.compile()"])
@@ -252,7 +255,7 @@ def _container_sizes(root, path="", seen=None, out=None, kinds=None):
 
 def test_nothing_in_the_swapper_the_offloader_or_their_transports_grows_with_the_steps():
     model, named = _lora_model()
-    config = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], offload=True, offload_min_bytes=0)
+    config = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], checkpoint_policy="offload", offload_min_bytes=0)
     cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
     controller = controller_of(cm)
     roots = {"swapper": controller.swapper, "offloader": controller.offloader}

@@ -52,7 +52,7 @@ def test_trainer_checkpointing_kwargs_reach_the_map_and_match_training_the_bare_
     counter.remove()
     losses_bare = _train(bare_owner.model, tmp_path / "b", {"every_n_layers": 2})
 
-    assert wrapped.config.every_n_layers == 2 and bare_owner.config.every_n_layers == 2
+    assert wrapped.checkpoint_config.every_n_layers == 2 and bare_owner.checkpoint_config.every_n_layers == 2
     assert counter.counts == [2 * STEPS, STEPS, 2 * STEPS, STEPS]
     assert len(losses_wrapped) == STEPS
     assert losses_wrapped == losses_bare
@@ -67,7 +67,7 @@ def test_trainer_defaults_keep_the_wrappers_config(tmp_path):
     cm = CheckpointedModel(add_lora(tiny_model()), config)
     counter = RecomputeCounter(decoder_layers(cm.model))
     _train(cm, tmp_path, None)
-    assert cm.config == config
+    assert cm.checkpoint_config == config
     assert counter.counts == [2 * STEPS, STEPS, STEPS, 2 * STEPS]
 
 

@@ -77,7 +77,7 @@ def test_trainer_given_the_wrapped_model_checkpoints_the_config_and_resumes_the_
     resumed = CheckpointedModel(add_lora(tiny_model(seed=3)))  # a different map before resuming
     counter = RecomputeCounter(decoder_layers(resumed.model))
     _train(Trainer, resumed.model, tmp_path, steps=3, resume=str(folder), checkpointing=True)
-    assert resumed.config == SAVED
+    assert resumed.checkpoint_config == SAVED
     assert counter.counts == [2, 1, 2, 2]  # the one step after resuming ran the saved map
 
 
@@ -94,7 +94,7 @@ def test_resuming_restores_the_map_and_continues_like_the_bare_model(tmp_path):
     counter = RecomputeCounter(decoder_layers(resumed.model))
     _train(RematTrainer, resumed, tmp_path / "cm", steps=3, resume=str(tmp_path / "cm" / "checkpoint-2"))
 
-    assert resumed.config == SAVED
+    assert resumed.checkpoint_config == SAVED
     assert counter.counts == [2, 1, 2, 2]  # the one step after resuming ran the saved map
     expected = _trainable(bare)
     for name, value in _trainable(resumed.model).items():
@@ -112,7 +112,7 @@ def test_a_plain_base_model_saves_its_weights_and_resume_restores_the_map(tmp_pa
 
     resumed = CheckpointedModel(tiny_model(seed=4))  # other weights, other map
     _train(RematTrainer, resumed, tmp_path, steps=2, resume=str(folder))  # loads, trains no further step
-    assert resumed.config == SAVED
+    assert resumed.checkpoint_config == SAVED
     for name, value in resumed.model.state_dict().items():
         if name in weights:
             torch.testing.assert_close(value, weights[name], rtol=0, atol=0, msg=name)
@@ -142,7 +142,7 @@ def test_load_best_model_at_end_loads_the_best_adapters_and_the_config(tmp_path)
     loaded = {n.replace(".default", ""): p for n, p in _trainable(cm.model).items()}
     for name, tensor in best.items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
-    assert cm.config == SAVED and trainer.model is cm.model and trainer.checkpointed_model is cm
+    assert cm.checkpoint_config == SAVED and trainer.model is cm.model and trainer.checkpointed_model is cm
 
 
 def test_any_trainer_subclass_gets_the_same_saving(tmp_path):
@@ -175,7 +175,7 @@ def test_the_config_is_written_even_while_remat_is_disabled(tmp_path, caplog):
     other.disable()
     with caplog.at_level(logging.WARNING, logger="remat"):
         _train(RematTrainer, other, tmp_path, steps=2, resume=str(tmp_path / "checkpoint-2"))
-    assert other.config == CheckpointConfig() and not other.is_enabled
+    assert other.checkpoint_config == CheckpointConfig() and not other.is_enabled
     assert "checkpointing is disabled" in caplog.text
 
 
@@ -212,7 +212,7 @@ def test_resuming_keeps_checkpointing_off_when_a_route_turned_it_off(tmp_path):
     cm = CheckpointedModel(add_lora(tiny_model(seed=3)))
     cm.model.gradient_checkpointing_disable()  # e.g. a generation toggle
     RematTrainer(model=cm, args=_args(tmp_path, steps=2))._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
-    assert cm.config == SAVED and cm.checkpoint_map.checkpointed == []
+    assert cm.checkpoint_config == SAVED and cm.checkpoint_map.checkpointed == []
     cm.model.gradient_checkpointing_enable()
     assert cm.checkpoint_map.checkpointed == [0, 2, 3]
 

@@ -37,7 +37,7 @@ def test_offload_and_swap_of_a_default_wrapper_share_the_devices_transport(monke
     reference = add_lora(tiny_model())
     _, expected = step_grads(reference, _trainable(reference), batch())
     model = add_lora(tiny_model())
-    config = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], offload=True, offload_min_bytes=0)
+    config = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], checkpoint_policy="offload", offload_min_bytes=0)
     cm = CheckpointedModel(model, config)
     _, got = step_grads(cm, _trainable(model), batch())
     assert_same_grads(expected, got)
@@ -74,7 +74,7 @@ def test_cuda_offload_and_swap_share_the_devices_transport_and_stay_exact():
     model = add_lora(tiny_model(attention_dropout=0.0)).cuda()
     data = {k: v.cuda() for k, v in batch().items()}
     _, expected = step_grads(model, _trainable(model), data)
-    config = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], offload=True, offload_min_bytes=0)
+    config = CheckpointConfig(every_n_layers=2, swap_layers=[1, 3], checkpoint_policy="offload", offload_min_bytes=0)
     cm = CheckpointedModel(model, config)
     for _ in range(2):
         assert_same_grads(expected, step_grads(cm, _trainable(model), data)[1])

@@ -146,7 +146,7 @@ def test_sft_resumes_into_a_differently_configured_wrapper_with_the_saved_map_an
 
     cm = CheckpointedModel(_model(), CheckpointConfig(every_n_layers=1))
     resumed, counter = _sft(tmp_path, cm, steps=4, resume=str(tmp_path / "out" / "checkpoint-2"))
-    assert cm.config == saved and resumed.state.global_step == 4
+    assert cm.checkpoint_config == saved and resumed.state.global_step == 4
     assert counter.steps == [EVERY_2ND] * 2, "the two steps after the saved one, with the saved map"
 
 
@@ -207,7 +207,7 @@ def test_trls_selective_option_selects_the_selective_policy(tmp_path, trainer):
             model=cm, args=args, train_dataset=data, processing_class=byte_tokenizer(), callbacks=[counter]
         )
     run.train()
-    assert cm.config.checkpoint_policy == "selective"
+    assert cm.checkpoint_config.checkpoint_policy == "selective"
     assert [p.policy for p in cm.checkpoint_map] == ["selective", "none"] * 3
     assert counter.steps == [EVERY_2ND] * 3
 
@@ -384,5 +384,5 @@ def test_sft_with_peft_config_resumes_its_own_checkpoint_with_the_saved_adapters
     )
     run.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
     assert all(torch.equal(loaded[0][name], saved[name]) for name in saved) and loaded[0].keys() == saved.keys()
-    assert resumed.config.every_n_layers == 2 and run.state.global_step == 3
+    assert resumed.checkpoint_config.every_n_layers == 2 and run.state.global_step == 3
     assert counter.steps == [EVERY_2ND], "the step after the saved one ran the saved map"

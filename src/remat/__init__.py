@@ -34,7 +34,6 @@ __all__ = [
     "PolicyError",
     "RematError",
     "RematTrainer",
-    "RematTrainerMixin",
     "ReplacedWrapperError",
     "SavedFileError",
     "StaleProfileError",
@@ -42,8 +41,6 @@ __all__ = [
     "__version__",
     "remat_trainer_class",
 ]
-
-_TRAINER_NAMES = ("RematTrainer", "RematTrainerMixin", "remat_trainer_class")
 
 
 def __getattr__(name: str):
@@ -53,8 +50,13 @@ def __getattr__(name: str):
         from .model import CheckpointedModel
 
         return CheckpointedModel
-    if name in _TRAINER_NAMES:
+    if name in ("RematTrainer", "remat_trainer_class"):
         from . import trainer
 
         return getattr(trainer, name)
+    if name == "RematTrainerMixin":
+        raise AttributeError(
+            "remat.RematTrainerMixin is gone: remat.RematTrainer for transformers' Trainer, "
+            "remat.remat_trainer_class(YourTrainer) for any other Trainer class (TRL's, your own)"
+        )
     raise AttributeError(f"module 'remat' has no attribute {name!r}")

@@ -131,6 +131,30 @@ def _layer_index(name: str, key: Any) -> int:
     return key
 
 
+OFFLOAD_IS_A_POLICY = (
+    'offload is a policy: checkpoint_policy="offload" for every checkpointed layer, or layer_policies={i: "offload"}'
+)
+
+
+def _without_offload_flag(data: Mapping[str, Any], source: str) -> Mapping[str, Any]:
+    """A config saved when offload was also a flag: `"offload": true` made "recompute" layers
+    "offload" ones (said so now), and kept "selective" layers' inputs on the host, which no policy
+    does now (refused, naming the fix)."""
+    data = dict(data)
+    if data.pop("offload", False) is False:
+        return data
+    policies = data.get("layer_policies")
+    chosen = {data.get("checkpoint_policy", "recompute"), *(policies.values() if isinstance(policies, Mapping) else ())}
+    if "selective" in chosen:
+        raise ConfigError(
+            f'{source}: "offload": true kept the inputs of "selective" layers in host memory, which remat no longer '
+            'does. Remove "offload" (those inputs then stay on the device) or give those layers "offload"'
+        )
+    if data.get("checkpoint_policy", "recompute") == "recompute":
+        data["checkpoint_policy"] = "offload"
+    return data
+
+
 @dataclass(frozen=True, eq=False, repr=False)
 class CheckpointConfig:
     """How activation memory is paid for, layer by layer.
@@ -138,9 +162,8 @@ class CheckpointConfig:
     Args:
         every_n_layers: checkpoint layers 0, N, 2N, ... of all discovered layers, in module order
             (transformers' rule). 1 checkpoints every layer.
-        offload: checkpointed layers keep their saved inputs in host memory.
-        offload_min_bytes: inputs smaller than this stay on the device; the copy costs more than
-            it saves.
+        offload_min_bytes: inputs of "offload" layers smaller than this stay on the device; the
+            copy costs more than it saves.
         swap_layers: how many layers (int) or which layers (list of indices) keep their frozen
             weights in host memory between uses.
         swap_placement: where a count of swapped layers goes: "spread" evenly over the stack, or
@@ -148,16 +171,15 @@ class CheckpointConfig:
         layer_policies: {layer index: "none" | "recompute" | "offload" | "selective"}, overrides for
             single layers (see `remat.policies`).
         checkpoint_policy: how every checkpointed layer not named in `layer_policies` runs:
-            "recompute" (the whole layer again in backward; "offload" with `offload=True`) or
-            "selective" (matmul and attention outputs kept, the rest recomputed; its input in host
-            memory with `offload=True`).
+            "recompute" (the whole layer again in backward), "offload" (the same, its input
+            waiting in host memory: the one way to ask for offload) or "selective" (matmul and
+            attention outputs kept, the rest recomputed).
         use_reentrant: use torch's reentrant checkpoint instead of the default non-reentrant one
             (not with "selective", which torch supports only non-reentrantly).
         preserve_rng_state: replay the forward's RNG state during recompute, so dropout masks match.
     """
 
     every_n_layers: int = 1
-    offload: bool = False
     offload_min_bytes: int = 2 * 1024**2
     swap_layers: int | tuple[int, ...] = 0
     swap_placement: str = "spread"
@@ -166,9 +188,13 @@ class CheckpointConfig:
     use_reentrant: bool = False
     preserve_rng_state: bool = True
 
+    def __new__(cls, *args: Any, **fields: Any) -> CheckpointConfig:
+        if "offload" in fields:
+            raise ConfigTypeError(f"CheckpointConfig(offload=...) is gone: {OFFLOAD_IS_A_POLICY}")
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         _check_int("every_n_layers", self.every_n_layers, 1)
-        _check_bool("offload", self.offload)
         _check_int("offload_min_bytes", self.offload_min_bytes, 0)
         _check_bool("use_reentrant", self.use_reentrant)
         _check_bool("preserve_rng_state", self.preserve_rng_state)
@@ -225,7 +251,7 @@ class CheckpointConfig:
         )
 
     def __eq__(self, other: object) -> bool:
-        # isinstance, not class identity: `cm.config` is a view subclass that must equal the plain config.
+        # isinstance, not class identity: a PlannedConfig equals the plain config with its fields.
         if not isinstance(other, CheckpointConfig):
             return NotImplemented
         return self._values() == other._values()
@@ -243,6 +269,8 @@ class CheckpointConfig:
         """A new config with `changes` applied, validated like any other."""
         names = [f.name for f in dataclasses.fields(CheckpointConfig)]
         unknown = set(changes) - set(names)
+        if "offload" in unknown:
+            raise ConfigTypeError(f"CheckpointConfig has no field offload: {OFFLOAD_IS_A_POLICY}")
         if unknown:
             first = sorted(unknown)[0]
             close = difflib.get_close_matches(first, names, n=1)
@@ -290,6 +318,7 @@ class CheckpointConfig:
                 f"{source} has format_version {version}, but this remat ({_remat_version()}) reads format_version "
                 f"{FORMAT_VERSION} and older: it was written by a newer remat; upgrade remat to load it"
             )
+        data = _without_offload_flag(data, source)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known - set(META_KEYS))
         if unknown:

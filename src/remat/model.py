@@ -36,7 +36,7 @@ from torch import nn
 from .arguments import WrapperOptions
 from .compat.tested_versions import warn_if_untested
 from .compat.transformers_compat import TRAINER_PROBE, pretrained_model_class
-from .config import CheckpointConfig
+from .config import OFFLOAD_IS_A_POLICY, CheckpointConfig
 from .controller import Controller, swap_targets
 from .display import describe_map
 from .errors import ConfigError, ConfigTypeError, StateError
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
     import torch
 
     from .loss import LossFn
-    from .planner import PlannedConfig, Profile
+    from .planner import Profile
     from .report import MemoryReport
 
 logger = logging.getLogger("remat")
@@ -127,6 +127,8 @@ def _with_fields(config: CheckpointConfig, fields: dict[str, Any], call: str) ->
     constructor's and `enable`'s first guess, `CheckpointedModel(model, every_n_layers=2)`)."""
     if not fields:
         return config
+    if "offload" in fields:
+        raise ConfigTypeError(f"{call}(offload=...) is gone: {OFFLOAD_IS_A_POLICY}")
     names = [f.name for f in dataclasses.fields(CheckpointConfig)]
     unknown = [name for name in fields if name not in names]
     if unknown:
@@ -145,39 +147,6 @@ def controller_of(cm: CheckpointedModel) -> Controller:
     (the memory report, Trainer support) and tests reach the map, the offloader and the swapper
     without reading the wrapper's private attributes."""
     return cm._controller
-
-
-class _ModelAwareConfig(CheckpointConfig):
-    """What `cm.config` returns: the CheckpointConfig, answering for the wrapped model's own
-    config where the name is not a checkpointing field.
-
-    Code written for Hugging Face models reads and writes `model.config` (Trainer sets
-    `model.config.use_cache`, reads `eos_token_id`, `problem_type`, ...). The contract makes
-    `cm.config` the CheckpointConfig, so the names it does not have are looked up on, and
-    written to, `cm.model.config`. Its fields stay frozen: change them with `cm.enable(config)`.
-    """
-
-    @classmethod
-    def bind(cls, config: CheckpointConfig, model_config: Any) -> CheckpointConfig:
-        if model_config is None:
-            return config
-        view = cls.__new__(cls)
-        object.__setattr__(view, "__dict__", dict(config.__dict__))
-        object.__setattr__(view, "_model_config", model_config)
-        return view
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "_model_config":
-            raise AttributeError(name)
-        return getattr(self.__dict__["_model_config"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in {f.name for f in dataclasses.fields(CheckpointConfig)}:
-            raise dataclasses.FrozenInstanceError(
-                f"cannot assign to CheckpointConfig.{name}: build a new config with "
-                f"cm.config.replace({name}=...) and pass it to cm.enable(config)"
-            )
-        setattr(self.__dict__["_model_config"], name, value)
 
 
 class CheckpointedModel(nn.Module):
@@ -295,6 +264,11 @@ class CheckpointedModel(nn.Module):
                 raise
             if name == TRAINER_PROBE:
                 raise ConfigTypeError(_plain_trainer_refusal(self.model)) from None
+            if name == "plan_for_budget":
+                raise AttributeError(
+                    "cm.plan_for_budget(batch, budget) is gone: "
+                    "cm.profile(batch, ...).plan(budget, scope=..., tokens=...)"
+                ) from None
             return getattr(self.model, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -318,9 +292,10 @@ class CheckpointedModel(nn.Module):
     # -- public state --------------------------------------------------------------------------
 
     @property
-    def config(self) -> CheckpointConfig:  # type: ignore[override]
-        """The current `CheckpointConfig` (the wrapped model's own config is `cm.model.config`)."""
-        return _ModelAwareConfig.bind(self._controller.config, getattr(self.model, "config", None))
+    def checkpoint_config(self) -> CheckpointConfig:
+        """The current `CheckpointConfig`. `cm.config` is the wrapped model's own config (delegated,
+        as `PeftModel.config` is), which Trainer, TRL and PEFT read and write."""
+        return self._controller.config
 
     @property
     def checkpoint_map(self) -> CheckpointMap:
@@ -349,7 +324,7 @@ class CheckpointedModel(nn.Module):
         A refused config (bad layer indices, a swap that cannot be made) changes nothing.
 
         Keywords are `CheckpointConfig` fields changed on that config: `cm.enable(every_n_layers=3)`
-        is `cm.enable(cm.config.replace(every_n_layers=3))` (the other fields, `layer_policies`
+        is `cm.enable(cm.checkpoint_config.replace(every_n_layers=3))` (the other fields, `layer_policies`
         included, stay as they are)."""
         config = self._controller.config if config is None else config
         if not isinstance(config, CheckpointConfig):
@@ -446,7 +421,8 @@ class CheckpointedModel(nn.Module):
         if was_enabled:
             logger.warning(
                 "cm.%s(): remat is now disabled on this wrapper (the adapters it was planned with are gone); the "
-                "returned model is plain. Wrap it again to checkpoint it: CheckpointedModel(model, cm.config)",
+                "returned model is plain. Wrap it again to checkpoint it: "
+                "CheckpointedModel(model, cm.checkpoint_config)",
                 name,
             )
         return result
@@ -481,51 +457,18 @@ class CheckpointedModel(nn.Module):
         repeats: int = 3,
     ) -> Profile:
         """Measure this model on `batch` once, for plans at any budget without running it again:
-        `profile.plan(budget, scope="activations" | "step", tokens=None)`, `profile.frontier()`,
-        `profile.plot()`. A few training steps (13.6 steps' worth on the benchmark's small preset
-        with `repeats=3`, 14.5 with an optimizer; a progress bar unless `progress=False`). `loss_fn(outputs,
-        batch)` gives the loss for a model whose output has none; `optimizer` adds the peak of a
-        whole step (for `scope="step"`). Everything is left as it was: the model (config,
-        gradients, buffers, counters, RNG), the optimizer, tensors outside the model. See
-        `remat.planner`."""
-        from .planner import profile_model
+        `profile.plan(budget, scope="activations" | "step", tokens=None)` returns the fastest map
+        whose held activations (or, with `scope="step"`, the peak of a whole training step) fit
+        `budget` (bytes, or a size like "6GiB"), a `CheckpointConfig` that prints its prediction,
+        for `cm.enable(planned)`; also `profile.frontier()`, `profile.plot()`. A few training
+        steps (13.6 steps' worth on the benchmark's small preset with `repeats=3`, 14.5 with an
+        optimizer; a progress bar unless `progress=False`). `loss_fn(outputs, batch)` gives the
+        loss for a model whose output has none; `optimizer` adds the peak of a whole step (for
+        `scope="step"`). Everything is left as it was: the model (config, gradients, buffers,
+        counters, RNG), the optimizer, tensors outside the model. See `remat.planner`."""
+        from .planner import ProfileOptions, profile_model
 
-        return profile_model(
-            self._controller, batch, loss_fn=loss_fn, optimizer=optimizer, progress=progress, repeats=repeats
-        )
-
-    def plan_for_budget(
-        self,
-        batch: Mapping[str, Any],
-        budget: int | str,
-        repeats: int = 3,
-        *,
-        scope: str = "activations",
-        tokens: int | None = None,
-        loss_fn: LossFn | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        progress: bool = True,
-    ) -> PlannedConfig:
-        """`cm.profile(batch, ...).plan(budget, scope=scope, tokens=tokens)` in one line: the
-        fastest map whose activations held for backward (or, with `scope="step"`, the peak of a
-        whole training step) fit `budget` on the device (bytes, or a size like "6GiB"), chosen per
-        layer among "none", "selective", "recompute" and, on an accelerator, "offload". Returns a
-        `CheckpointConfig` (print it for the plan: per layer the policy, predicted bytes and
-        time); `cm.enable(planned)` applies it. Raises ValueError naming the smallest budget that
-        fits if none does; a budget no map can meet is refused before measuring."""
-        from .planner import plan_for_budget
-
-        return plan_for_budget(
-            self._controller,
-            batch,
-            budget,
-            scope=scope,
-            tokens=tokens,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            progress=progress,
-            repeats=repeats,
-        )
+        return profile_model(self._controller, batch, ProfileOptions(loss_fn, optimizer, progress, repeats))
 
     # -- save / load ---------------------------------------------------------------------------
 
@@ -551,4 +494,4 @@ class CheckpointedModel(nn.Module):
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"config={self._controller.config!r}, map={self.checkpoint_map!r}, enabled={self.is_enabled}"
+        return f"checkpoint_config={self._controller.config!r}, map={self.checkpoint_map!r}, enabled={self.is_enabled}"

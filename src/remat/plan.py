@@ -24,20 +24,22 @@ from .policies import policy as policy_named
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """What happens to one layer: its place in the stack, its name, its policy and why.
-    `offloaded`: its saved input waits in host memory (the "offload" policy, or "selective"
-    with `offload=True`)."""
+    """What happens to one layer: its place in the stack, its name, its policy and why."""
 
     index: int
     name: str
     policy: str
     swapped: bool = False
     reason: str = ""
-    offloaded: bool = False
 
     @property
     def checkpointed(self) -> bool:
         return self.policy in CHECKPOINTED
+
+    @property
+    def offloaded(self) -> bool:
+        """Its saved input waits in host memory."""
+        return policy_named(self.policy).input_on_host
 
 
 class CheckpointMap(Sequence[LayerPlan]):
@@ -148,8 +150,6 @@ def plan_layers(
         )
     swapped = set(swapped_indices(config, num_layers))
     checkpoint_policy = config.checkpoint_policy
-    if checkpoint_policy == "recompute" and config.offload:
-        checkpoint_policy = "offload"
     n = config.every_n_layers
 
     plans = []
@@ -164,8 +164,5 @@ def plan_layers(
             policy, reason = "none", f"every_n_layers={n} skips it"
         if index in swapped and policy == "none":
             policy, reason = checkpoint_policy, f"swapped layers are always checkpointed ({reason})"
-        offloaded = policy_named(policy).offloads_input(config.offload)
-        if offloaded and reason.startswith("every"):
-            reason += ", offload=True"
-        plans.append(LayerPlan(index, name, policy, index in swapped, reason, offloaded))
+        plans.append(LayerPlan(index, name, policy, index in swapped, reason))
     return CheckpointMap(plans)

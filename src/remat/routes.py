@@ -11,7 +11,8 @@ What a route call means:
   is an error, never passed silently into layer calls;
 - a value equal to remat's default (`every_n_layers=1`, `offload=False`, `selective=False`, ...)
   expresses no wish: Trainer and PEFT pass those on every call, so they keep the wrapper's config;
-- a non-default value updates the config, and the change is logged.
+- a non-default value updates the config, and the change is logged; `offload=True` (transformers'
+  own option) asks for the "offload" policy, `checkpoint_policy="offload"`.
 
 `selective=True` is TRL's switch for op-level selective checkpointing, and chooses remat's
 "selective" policy for every checkpointed layer (`checkpoint_policy="selective"`, non-reentrant).
@@ -48,11 +49,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger("remat")
 
 ROUTE_OPTIONS = ("every_n_layers", "offload", "use_reentrant", "preserve_rng_state", "selective")
+_POLICY_SWITCHES = ("selective", "offload")  # True asks for that checkpoint_policy
 _DEFAULTS = CheckpointConfig()
 
 
 def _is_default(key: str, value: Any) -> bool:
-    default = False if key == "selective" else getattr(_DEFAULTS, key)
+    default = False if key in _POLICY_SWITCHES else getattr(_DEFAULTS, key)
     return type(value) is type(default) and value == default
 
 
@@ -106,12 +108,17 @@ def config_from_route(
             "unknown keys into layer calls.)"
         )
     changes = {key: value for key, value in options.items() if not _is_default(key, value)}
-    if "selective" in changes:
-        if not isinstance(changes["selective"], bool):
-            raise ConfigTypeError(f"{route}: selective must be True or False, got {changes['selective']!r}")
-        del changes["selective"]  # False is the default, filtered out above
-        changes["checkpoint_policy"] = "selective"
-        if options.get("use_reentrant") is False:  # asked for together with selective, which needs it
+    switched = [name for name in _POLICY_SWITCHES if name in changes]  # False, the default, is filtered out
+    for name in switched:
+        if not isinstance(changes.pop(name), bool):
+            raise ConfigTypeError(f"{route}: {name} must be True or False, got {options[name]!r}")
+    if len(switched) > 1:
+        raise ConfigError(
+            f"{route}: selective=True and offload=True ask for two policies; pass one. Nothing was changed."
+        )
+    if switched:
+        changes["checkpoint_policy"] = switched[0]
+        if switched == ["selective"] and options.get("use_reentrant") is False:  # asked with selective, which needs it
             changes["use_reentrant"] = False
     if not changes:
         return current  # the same config object: a planned config keeps its prediction

@@ -4,7 +4,7 @@ transformers' Trainer and TRL decide what to do by what the model is: `isinstanc
 (PreTrainedModel, PeftModel))` to save and resume, `is_peft_model(model)` for TRL's PEFT paths
 (the reference adapter, input gradients, a fused LM head on the base model). A wrapper is
 neither, and remat patches no class, so no check can be made to see through it. Instead,
-`RematTrainerMixin` hands the trainer the wrapped model itself: given `model=cm`, the trainer
+`_RematTrainerMixin` hands the trainer the wrapped model itself: given `model=cm`, the trainer
 is built with `cm.model`, and every check it (or TRL) makes sees what it would see without
 remat: a PeftModel where the user has one. Nothing else is needed, because everything remat
 installs lives on `cm.model`: the routes that TRL's generation toggles call, the
@@ -15,19 +15,17 @@ A TRL trainer given `peft_config=` builds a PeftModel around `cm.model` while it
 the wrapper then adopts it (`Controller.adopt`: the same layers under their new names, the map
 kept), so checkpoints carry the adapters the trainer trains. At train begin the map that runs
 goes into the trainer's logs under `remat/` keys, and training arguments that replace the
-wrapper's config say so once, as a WARNING. `torch.compile(cm)` is refused (Trainer would not see
-the model it saves); `cm.compile()` compiles `cm.model`, which the trainer trains.
+wrapper's config say so once, as a WARNING.
 
 Beyond that the mixin only covers what the model cannot: it writes `checkpoint_config.json`
 after each save even while the wrapper is disabled, applies the saved config after resuming a
 model without PEFT (Trainer loads its weights with `load_state_dict`), and loads folders that a
 plain `Trainer(model=cm)` wrote (the whole wrapper under `model.`-prefixed names) into the
-wrapper. `RematTrainer` is the mixin over `transformers.Trainer`; `remat_trainer_class(cls)`
-puts it in front of any Trainer subclass.
+wrapper. Two names, one thing: `RematTrainer` is transformers' Trainer with the mixin in front,
+`remat_trainer_class(cls)` any other Trainer class (`remat_trainer_class(Trainer) is RematTrainer`).
 
-`TrainingArguments(gradient_checkpointing=False)` (the default of transformers' Trainer) means
-what it means for any model: Trainer does not touch checkpointing. The wrapper's map is what
-the user configured, so it applies; `cm.disable()` trains without checkpointing.
+`TrainingArguments(gradient_checkpointing=False)`, Trainer's default, leaves checkpointing alone
+for any model: the wrapper's map applies; `cm.disable()` trains without checkpointing.
 """
 
 from __future__ import annotations
@@ -58,15 +56,13 @@ from .saving.folder import CONFIG_NAME, recover
 logger = logging.getLogger("remat")
 _WRAPPER_PREFIX = "model."
 
-__all__ = ["RematTrainer", "RematTrainerMixin", "remat_trainer_class"]
+__all__ = ["RematTrainer", "remat_trainer_class"]
 
 
-class RematTrainerMixin:
-    """Mix in before a `transformers.Trainer` (sub)class: `class T(RematTrainerMixin, SFTTrainer)`.
-
-    With `model=cm` the trainer holds `cm.model` (`trainer.model`) and `trainer.checkpointed_model`
-    is `cm`; any other model goes through the base class untouched.
-    """
+class _RematTrainerMixin:
+    """What `RematTrainer` and `remat_trainer_class(cls)` put in front of a Trainer class. With
+    `model=cm` the trainer holds `cm.model` (`trainer.model`) and `trainer.checkpointed_model` is
+    `cm`; any other model goes through the base class untouched."""
 
     model: Any
     args: Any
@@ -267,17 +263,20 @@ def _apply_saved_config(cm: Any, folder: str | None, cause: str) -> None:
     apply_saved_config(controller_of_wrapper(cm), folder, cause)
 
 
-@functools.cache
-def remat_trainer_class(base: type[Trainer]) -> type[Trainer]:
-    """`base` with `RematTrainerMixin` in front, e.g. `remat_trainer_class(trl.GRPOTrainer)`."""
-    if not (isinstance(base, type) and issubclass(base, Trainer)):
-        raise ConfigTypeError(f"remat_trainer_class needs a transformers.Trainer subclass, got {base!r}")
-    if issubclass(base, RematTrainerMixin):
-        return base
-    return type(f"Remat{base.__name__}", (RematTrainerMixin, base), {"__module__": __name__})
-
-
-class RematTrainer(RematTrainerMixin, Trainer):
+class RematTrainer(_RematTrainerMixin, Trainer):
     """`transformers.Trainer` given `model=cm`: trains, saves and resumes `cm.model` as Trainer
     does for a PeftModel (adapters, not full weights), with `checkpoint_config.json` in every
     checkpoint and the saved map applied on resume."""
+
+
+@functools.cache
+def remat_trainer_class(base: type[Trainer]) -> type[Trainer]:
+    """`base` made remat-aware as `RematTrainer` is `Trainer`: `remat_trainer_class(trl.GRPOTrainer)`.
+    `remat_trainer_class(Trainer)` is `RematTrainer`."""
+    if not (isinstance(base, type) and issubclass(base, Trainer)):
+        raise ConfigTypeError(f"remat_trainer_class needs a transformers.Trainer subclass, got {base!r}")
+    if base is Trainer:
+        return RematTrainer
+    if issubclass(base, _RematTrainerMixin):
+        return base
+    return type(f"Remat{base.__name__}", (_RematTrainerMixin, base), {"__module__": __name__})

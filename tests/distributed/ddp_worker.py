@@ -26,7 +26,10 @@ def run_case(rank: int, world: int, out_dir: str, case: str) -> None:
     torch.manual_seed(0)
     model = add_lora(tiny_model(attention_dropout=0.0), dropout=0.0)
     config = CheckpointConfig(
-        every_n_layers=int(every_n), offload=offload == "1", swap_layers=int(swap), use_reentrant="reentrant" in rest
+        every_n_layers=int(every_n),
+        checkpoint_policy="offload" if offload == "1" else "recompute",
+        swap_layers=int(swap),
+        use_reentrant="reentrant" in rest,
     )
     if wrap == "fsdp" and int(swap):
         _refuse_swap_under_fsdp(rank, out_dir, case, model, config)

@@ -56,7 +56,7 @@ def main() -> None:
     result = {
         "rank": trainer.args.process_index,
         "world": trainer.args.world_size,
-        "restored": resumed.config == saved,
+        "restored": resumed.checkpoint_config == saved,
         "files": sorted(os.listdir(os.path.join(out, "checkpoint-2"))),
         "engine": type(trainer.model_wrapped).__name__,
     }

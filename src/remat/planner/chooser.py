@@ -325,7 +325,8 @@ def check_scope(m: Measurements, scope: str) -> None:
         raise ConfigError(f"scope must be one of {SCOPES}, got {scope!r}")
     if scope == "step" and m.step is None:
         raise ConfigError(
-            'scope="step" needs the peak of a whole step, which this profile did not measure: profile with optimizer='
+            'scope="step" needs the peak of a whole step, which this profile did not measure: profile with the '
+            "optimizer, cm.profile(batch, optimizer=optimizer)"
         )
 
 

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import CheckpointConfig
-from ..errors import StateError
+from ..errors import ConfigError, ConfigTypeError, StateError
 from ..loss import LossFn, check_loss_source, own_inputs, step_loss
 from ..policies import LayerProfile, policy
 from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, memory_report
@@ -53,6 +53,23 @@ from .timing import FlopTally, LayerClock, Work, price_time, synchronize
 CANDIDATES = ("none", "selective", "recompute", "offload")
 BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+@dataclass(frozen=True)
+class ProfileOptions:
+    """How a profile measures: `cm.profile`'s keyword arguments (documented there), checked here
+    once and passed down whole."""
+
+    loss_fn: LossFn | None
+    optimizer: torch.optim.Optimizer | None
+    progress: bool
+    repeats: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
+            raise ConfigError(f"repeats must be an int >= 1, got {self.repeats!r}")
+        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise ConfigTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
 
 
 class Controlled(Measured, Protocol):
@@ -126,7 +143,7 @@ class _Steps:
         self.peak = StepPeak(self.model, batch, optimizer, self.device)
         self.extras: dict[tuple[str, bool], int] = {}  # (last layer's policy, checkpointing) -> peak - held
         self.n = len(state.checkpoint_map)
-        self.base = state.config.replace(offload=False, layer_policies=dict.fromkeys(range(self.n), "recompute"))
+        self.base = state.config.replace(layer_policies=dict.fromkeys(range(self.n), "recompute"))
 
     def use(self, policies: Mapping[int, str]) -> None:
         self.state.enable(self.base.replace(layer_policies={**self.base.layer_policies, **policies}))
@@ -186,18 +203,12 @@ class _Steps:
         return self._run(policies, step)
 
 
-def measure(
-    state: Controlled,
-    batch: Mapping[str, Any],
-    *,
-    loss_fn: LossFn | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    repeats: int = 3,
-    progress: bool = True,
-) -> tuple[Measurements, list[str]]:
+def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions) -> tuple[Measurements, list[str]]:
     """See the module docstring. Returns the measurements, and notes on what was left out or
     done differently."""
     from transformers.utils.logging import tqdm
+
+    loss_fn, optimizer, repeats = options.loss_fn, options.optimizer, options.repeats
 
     names, notes = candidates(state)
     n = len(state.checkpoint_map)
@@ -210,7 +221,7 @@ def measure(
     counting = 1 + ("selective" in names)
     total = memory_steps * (1 if short is None else 2) + counting + repeats * timed
     with (
-        tqdm(total=total, desc="remat: profiling", disable=not progress, leave=False) as bar,
+        tqdm(total=total, desc="remat: profiling", disable=not options.progress, leave=False) as bar,
         _left_as_it_was(state),
     ):
         steps = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar)

@@ -1,13 +1,5 @@
 """`Profile`: what `cm.profile(batch)` measured, and the plans chosen from it without running
-the model; `PlannedConfig`: a plan as a `CheckpointConfig` that remembers its prediction.
-
-A profile describes one state of the model (`remat.planner.state.ModelState`: dtypes, devices,
-trainable parameters, adapters, swapped layers, the checkpoint settings that change what is
-measured). Each plan is chosen for the wrapper as it is when planning: a profile of another
-state is refused (`StaleProfileError`, naming what changed), and the plan is the wrapper's
-current config with only the per-layer policies chosen, so applying it never undoes block swap,
-offload thresholds or any other setting made since the profile.
-"""
+the model; `PlannedConfig`: a plan as a `CheckpointConfig` that remembers its prediction."""
 
 from __future__ import annotations
 
@@ -25,7 +17,7 @@ _MIB = 2**20
 
 
 class PlannedConfig(CheckpointConfig):
-    """What `profile.plan` and `plan_for_budget` return: a `CheckpointConfig` (equal to, saved
+    """What `profile.plan` returns: a `CheckpointConfig` (equal to, saved
     and loaded like, the plain config with the same fields) that also remembers its prediction;
     `str()` shows it."""
 
@@ -80,8 +72,9 @@ class Profile:
 
     Plans are chosen for the wrapper as it is when `plan`, `frontier` or `plot` is called: they
     raise `StaleProfileError` (a ValueError) naming what changed when the model is no longer in
-    the state measured (`state`), and each plan is the wrapper's current config with only the
-    per-layer policies chosen (see the module doc).
+    the state measured (`state`: dtypes, devices, trainable parameters, adapters, swapped layers,
+    the settings that change a measurement), and each plan is the wrapper's current config with
+    only the per-layer policies chosen, so applying it keeps every other setting made since.
 
     Attributes:
         measurements: the per-layer bytes and seconds per policy (`remat.planner.chooser`).
@@ -126,9 +119,7 @@ class Profile:
         limit = parse_bytes(budget, "budget")
         if limit <= 0:
             raise ConfigError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
-        config = self._base(scope)
-        m = self.measurements.scaled(_tokens(tokens))
-        check_scope(m, scope)
+        config, m = self._base(scope, tokens)
         chosen = choose(m, limit, scope)
         if chosen is None:
             least = smallest(m, scope)
@@ -147,8 +138,7 @@ class Profile:
     def frontier(self, *, scope: str = "activations", tokens: int | None = None) -> list[PlannedConfig]:
         """Every undominated plan: ascending in predicted bytes (of `scope`), each predicted faster
         than the one before. Each is a `PlannedConfig` whose budget is its own predicted bytes."""
-        config = self._base(scope)
-        m = self.measurements.scaled(_tokens(tokens))
+        config, m = self._base(scope, tokens)
         return [self._config(p, p.device_bytes, m.tokens, config) for p in frontier(m, scope)]
 
     def plot(
@@ -167,8 +157,7 @@ class Profile:
         (the `plot` extra); without it, an ImportError says how to install it."""
         from .plot import frontier_figure
 
-        self._base(scope)
-        m = self.measurements.scaled(_tokens(tokens))
+        _, m = self._base(scope, tokens)
         points = [(p.device_bytes, p.seconds) for p in frontier(m, scope)]
         marks = _native_points(m, scope, self.native_every_n) if native else {}
         limit = None if budget is None else parse_bytes(budget, "budget")
@@ -176,18 +165,22 @@ class Profile:
         chosen = None if best is None else (best.device_bytes, best.seconds)
         return frontier_figure(points, marks, scope=scope, tokens=m.tokens, budget=limit, chosen=chosen)
 
-    def _base(self, scope: str) -> CheckpointConfig:
-        """The config plans are built on: the wrapper's current one, when the model is still in
-        the state measured (else `StaleProfileError`, naming what changed); the config measured
-        under when the wrapper is gone or the state unknown."""
+    def _base(self, scope: str, tokens: int | None) -> tuple[CheckpointConfig, Measurements]:
+        """The config plans are built on and the measurements scaled to `tokens`. The config is the
+        wrapper's current one, when the model is still in the state measured (else
+        `StaleProfileError`, naming what changed); the one measured under when the wrapper is gone
+        or the state unknown."""
         check_scope(self.measurements, scope)  # a scope this profile cannot plan is said first
+        m = self.measurements.scaled(
+            None if tokens is None else parse_count(tokens, "tokens", "batch x sequence length")
+        )
         controller = self._wrapper()
         try:
             model = None if controller is None else controller.model
         except RuntimeError:  # the model is gone
             model = None
         if model is None or self.state is None:
-            return self.config
+            return self.config, m
         names = tuple(plan.name for plan in controller.checkpoint_map)
         now = ModelState.of(model, controller.config, len(names))
         measured_offload = any("offload" in options for options in self.measurements.options)
@@ -199,10 +192,10 @@ class Profile:
                 f"this profile measured the model in another state: {'; '.join(changes)}. Its figures do not hold for "
                 "the model as it is now: call cm.profile(batch) again and plan from the new profile"
             )
-        return controller.config
+        return controller.config, m
 
     def _config(self, chosen: Plan, budget: int, tokens: int, config: CheckpointConfig) -> PlannedConfig:
-        planned = config.replace(layer_policies={c.index: c.policy for c in chosen.choices}, offload=False)
+        planned = config.replace(layer_policies={c.index: c.policy for c in chosen.choices})
         return PlannedConfig.of(
             planned,
             choices=chosen.choices,
@@ -243,10 +236,6 @@ class _WeakSource:
 
     def __reduce__(self) -> Any:
         return (_WeakSource, (None,))
-
-
-def _tokens(tokens: int | None) -> int | None:
-    return None if tokens is None else parse_count(tokens, "tokens", "batch x sequence length")
 
 
 def _native_points(m: Measurements, scope: str, every_n: tuple[int, ...]) -> dict[str, tuple[float, float]]:

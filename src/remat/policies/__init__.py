@@ -19,9 +19,8 @@ from .selective import SELECTIVE
 REGISTRY: dict[str, Policy] = {policy.name: policy for policy in (NONE, RECOMPUTE, OFFLOAD, SELECTIVE)}
 NAMES = tuple(REGISTRY)
 CHECKPOINTED = tuple(name for name, policy in REGISTRY.items() if policy.checkpointed)
-CHECKPOINT_POLICIES = ("recompute", "selective")
-"""What `CheckpointConfig.checkpoint_policy` may choose for every checkpointed layer ("offload"
-is recompute with `offload=True`)."""
+CHECKPOINT_POLICIES = ("recompute", "offload", "selective")
+"""What `CheckpointConfig.checkpoint_policy` may choose for every checkpointed layer."""
 
 
 def policy(name: str) -> Policy:

@@ -39,14 +39,14 @@ class Policy:
         name: the name in `layer_policies` and the map.
         checkpointed: the layer's activations are dropped after forward and recomputed in
             backward (its shim is installed); "none" is the only policy that is not.
-        input_on_host: where the layer's saved input waits for backward: True (host memory),
-            False (the device), None (as `CheckpointConfig.offload` says).
+        input_on_host: the layer's saved input waits for backward in host memory (else on the
+            device).
         needs_non_reentrant: torch supports the policy only in non-reentrant checkpointing.
     """
 
     name: str
     checkpointed: bool
-    input_on_host: bool | None
+    input_on_host: bool
     needs_non_reentrant: bool = False
 
     def checkpoint_options(self, index: int) -> dict[str, Any]:
@@ -63,6 +63,3 @@ class Policy:
         """This policy's cost for the layer, from what was measured under it."""
         device, host = profile.held[self.name]
         return Cost(device, host, profile.seconds.get(self.name, 0.0))
-
-    def offloads_input(self, config_offload: bool) -> bool:
-        return self.checkpointed and (config_offload if self.input_on_host is None else self.input_on_host)

@@ -8,8 +8,7 @@ weighted-value matmuls and the softmax between them, whose outputs grow with the
 sequence length), and low-rank expansions such as LoRA's B product. This is Korthikanti et
 al.'s (2022) selective recompute: the expensive GEMMs run once, and what is recomputed is cheap
 to run and costly to keep. It holds more than
-"recompute" and far less than "none". The layer input waits on the device, or in host memory
-with `offload=True`.
+"recompute" and far less than "none". The layer input waits on the device.
 
 Which ops are kept is decided at the dispatcher: the aten ops below, whatever module or kernel
 calls them. Dropout masks are recomputed from the replayed RNG state, so gradients are exact.
@@ -47,7 +46,7 @@ class SelectivePolicy(Policy):
 SELECTIVE = SelectivePolicy(
     name="selective",
     checkpointed=True,
-    input_on_host=None,
+    input_on_host=False,
     needs_non_reentrant=True,
 )
 

@@ -120,7 +120,7 @@ class _Refusal:
         return (
             f"cannot {what}: block swap keeps the frozen weights of layer {self.index} ({self.name}) in host "
             "memory, and its parameters hold placeholders. Bring the weights home first with "
-            "cm.enable(cm.config.replace(swap_layers=0)) or cm.disable(); nothing was copied"
+            "cm.enable(cm.checkpoint_config.replace(swap_layers=0)) or cm.disable(); nothing was copied"
         )
 
     def deepcopy(self, memo: Any = None) -> Any:
@@ -185,6 +185,6 @@ class ModelGuards:
         layers = list(swapper.layers) if swapper is not None else []
         raise StateError(
             f"block swap keeps the frozen weights of layers {layers} in host memory, and merging "
-            "adapters into them is not supported. Bring them home first: cm.enable(cm.config.replace(swap_layers=0)) "
-            "(or cm.disable()), then merge. Nothing was merged."
+            "adapters into them is not supported. Bring them home first: "
+            "cm.enable(cm.checkpoint_config.replace(swap_layers=0)) (or cm.disable()), then merge. Nothing was merged."
         )
