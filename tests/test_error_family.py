@@ -42,8 +42,8 @@ def test_a_bad_config_value_or_type_is_a_remat_error_and_the_builtin():
     with pytest.raises(RematError, match="every_n_layers must be >= 1") as info:
         CheckpointConfig(every_n_layers=0)
     _is(info.value, ValueError)
-    with pytest.raises(RematError, match="offload must be True or False") as info:
-        CheckpointConfig(offload="yes")
+    with pytest.raises(RematError, match="use_reentrant must be True or False") as info:
+        CheckpointConfig(use_reentrant="yes")
     _is(info.value, TypeError)
 
 

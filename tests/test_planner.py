@@ -106,8 +106,9 @@ def test_profiling_is_a_bounded_number_of_steps_and_choosing_runs_nothing(profil
 
 
 def test_identical_layers_are_priced_alike_and_one_noisy_repeat_changes_nothing():
-    """Time comes from medians over alternated repeats, each layer's share from the median
-    forward time of its kind: one step slowed by 5 s (a hiccup of the machine) moves no price."""
+    """Every price is a count times one rate (the median of every timed layer call): one step
+    slowed by 5 s (a hiccup of the machine) moves no price apart from the others, and layers
+    that do the same work cost the same."""
     cm, data = _llama()
     forwards = Forwards(cm.model)
 
@@ -118,9 +119,13 @@ def test_identical_layers_are_priced_alike_and_one_noisy_repeat_changes_nothing(
     handle = cm.model.register_forward_pre_hook(hiccup)
     profile = cm.profile(data, repeats=3, progress=False)
     handle.remove()
-    layers = profile.measurements.layers
-    for name in ("recompute", "selective"):
-        assert len({p.seconds[name] for p in layers}) == 1, name  # the same price for the same layer
+    layers, counts = profile.measurements.layers, profile.measurements.time
+    rate = counts.seconds_per_flop
+    for i, p in enumerate(layers):
+        assert p.seconds["recompute"] == pytest.approx(rate * counts.work[i])
+        assert p.seconds["selective"] == pytest.approx(rate * counts.selective_work[i])
+    assert len({p.seconds["recompute"] for p in layers}) == 1  # the same layer, the same price
+    assert len(set(counts.selective_work)) == len({p.seconds["selective"] for p in layers})
     assert all(0 <= p.seconds[name] < 1.0 for p in layers for name in p.seconds)
     assert all(0 <= plan.predicted_seconds < 2.5 for plan in profile.frontier())
 

@@ -12,7 +12,6 @@ import re
 from typing import Any
 
 from .errors import ConfigError, ConfigTypeError
-from .transport import OffloadTransport, WeightMover
 
 # Decimal units with a B are powers of 1000 (the SI, as disk makers and `du --si` write them);
 # binary units are powers of 1024: with an "i" (KiB, MiB, GiB, TiB; Ki, Mi, Gi, Ti as Kubernetes
@@ -121,6 +120,8 @@ class WrapperOptions:
 
     def host_budget(self) -> int | None:
         """Checks each option, naming the one that is wrong; returns the host budget in bytes."""
+        from .transport import OffloadTransport, WeightMover  # torch's: `import remat.config` stays without it
+
         if self.offload_transport is not None:
             check_implements(self.offload_transport, OffloadTransport, "offload_transport")
         if self.swap_mover is not None:

@@ -141,8 +141,11 @@ def _without_offload_flag(data: Mapping[str, Any], source: str) -> Mapping[str, 
     "offload" ones (said so now), and kept "selective" layers' inputs on the host, which no policy
     does now (refused, naming the fix)."""
     data = dict(data)
-    if data.pop("offload", False) is False:
+    flag = data.pop("offload", False)
+    if flag is False:
         return data
+    if flag is not True:
+        raise ConfigError(f'{source}: "offload" must be true or false, got {flag!r}')
     policies = data.get("layer_policies")
     chosen = {data.get("checkpoint_policy", "recompute"), *(policies.values() if isinstance(policies, Mapping) else ())}
     if "selective" in chosen:

@@ -287,14 +287,21 @@ def undominated(found: list[Combination], by_last_policy: bool = False) -> list[
     key = lambda c: (c.owed_bytes, c.policies[-1] if by_last_policy and c.policies else "")
     for group_key in sorted({key(c) for c in found}):
         group: list[Combination] = []
-        for c in sorted((c for c in found if key(c) == group_key), key=lambda c: (c.device_bytes, c.seconds)):
-            if not group or c.seconds < group[-1].seconds:
+        for c in sorted((c for c in found if key(c) == group_key), key=lambda c: (c.device_bytes, _time(c))):
+            if not group or _time(c) < _time(group[-1]):
                 group.append(c)
         if len(group) > FRONT_LIMIT:  # thin evenly; the ends (least bytes, fastest) always stay
             step = len(group) / FRONT_LIMIT
             group = [group[int(i * step)] for i in range(FRONT_LIMIT)] + [group[-1]]
         kept += group
     return kept
+
+
+def _time(c: Combination) -> float:
+    """Seconds as compared: to the picosecond. Prices are counts times one measured rate, and two
+    maps of equal counts summed in another order can differ in the last bit; which one wins must
+    not depend on the rate the machine gave."""
+    return round(c.seconds, 12)
 
 
 def checkpoints(policies: Sequence[str]) -> bool:
@@ -336,7 +343,7 @@ def choose(m: Measurements, budget: int, scope: str = "activations") -> Plan | N
     fitting = [c for c in combinations(m) if scoped_bytes(m, c, scope) <= budget]
     if not fitting:
         return None
-    return _plan(m, min(fitting, key=lambda c: (c.seconds, c.device_bytes + c.owed_bytes)), scope)
+    return _plan(m, min(fitting, key=lambda c: (_time(c), c.device_bytes + c.owed_bytes)), scope)
 
 
 def smallest(m: Measurements, scope: str = "activations") -> float:
@@ -350,14 +357,14 @@ def frontier(m: Measurements, scope: str = "activations") -> list[Plan]:
     check_scope(m, scope)
     ranked = sorted(
         ((scoped_bytes(m, c, scope), c) for c in combinations(m)),
-        key=lambda pair: (pair[0], pair[1].seconds),
+        key=lambda pair: (pair[0], _time(pair[1])),
     )
     kept: list[Combination] = []
     best = float("inf")
     for nbytes, c in ranked:
-        if nbytes != float("inf") and c.seconds < best:
+        if nbytes != float("inf") and _time(c) < best:
             kept.append(c)
-            best = c.seconds
+            best = _time(c)
     return [_plan(m, c, scope) for c in kept]
 
 

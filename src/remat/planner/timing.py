@@ -72,15 +72,17 @@ class Balance(NamedTuple):
     flops_per_policed_op: float
 
 
-# cpu: 2-core x86 (AVX-512), torch 2.13: 150-170 GFLOP/s on a 256-512 square matmul, 25-200
-# GB/s on an elementwise multiply (memory or cache), about 10 us an op through modules and
-# autograd, about 40 us more under selective's policy (steps of a 4-layer model in
-# `benchmarks/plan_stability.py --preset tiny`, none / selective / recompute alternated).
+# cpu: fitted on this project's 2-core x86 (AVX-512), torch 2.13, idle, from the extra time a
+# layer's recompute and selective add to a step of the benchmark's tiny and small presets
+# (4 layers, fp32; none / selective / recompute alternated, medians) against their counts: about
+# 150 GFLOP/s, 10 GB/s for the small ops, 37 us an op through checkpointing and autograd, 21 us
+# more for each op under selective's policy. The fit predicts selective at 2.77 and 0.98 of a
+# recompute where 2.80 and 0.93 were measured. (benchmarks/RESULTS.md, "the CPU's balance".)
 # cuda: H100/H200 datasheets, dense bf16 against HBM3(e): ~990 TFLOP/s over 3.4-4.8 TB/s; a
 # launch of about 1 us; the policy's host time assumed hidden behind the kernels queued before
 # it (not measured here: no GPU was lent).
 BALANCES = {
-    "cpu": Balance(flops_per_byte=8.0, flops_per_op=1.5e6, flops_per_policed_op=6e6),
+    "cpu": Balance(flops_per_byte=15.0, flops_per_op=5.5e6, flops_per_policed_op=3.1e6),
     "cuda": Balance(flops_per_byte=250.0, flops_per_op=1e9, flops_per_policed_op=0.0),
 }
 
