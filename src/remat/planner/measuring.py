@@ -231,8 +231,7 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
         if prices.spread() > BUSY_SPREAD:
             notes.append(
                 f"time: the machine was busy while profiling (the rate's quartiles are {prices.spread():.0%} of it "
-                "apart): predicted seconds are that uncertain; the choice of map depends only on the counts and "
-                "selective's share"
+                "apart): predicted seconds are that uncertain; the choice of map depends only on the counts"
             )
         measured = _measurements(steps, names, found, swapped, seconds, base, prices)
         if short is not None:
