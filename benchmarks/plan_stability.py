@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import os
 import statistics
@@ -35,15 +34,10 @@ import transformers
 
 from remat import CheckpointedModel
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pareto import _run_module
+
 HERE = Path(__file__).resolve().parent
-
-
-def _run_module():
-    spec = importlib.util.spec_from_file_location("remat_benchmark_run", HERE / "run.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def load() -> float:

@@ -73,6 +73,17 @@ def _plans(profile, budgets):
     return out
 
 
+def _same_plans(calm, busy) -> list[int]:
+    """Two profiles give the same frontier and the same plan at 41 budgets spread over it."""
+    smallest = calm.frontier()[0].predicted_device_bytes
+    largest = calm.frontier()[-1].predicted_device_bytes
+    budgets = [smallest + (largest - smallest) * k // 40 for k in range(41)]
+    assert _plans(busy, budgets) == _plans(calm, budgets)
+    maps = lambda profile: [[c.policy for c in p.choices] for p in profile.frontier()]
+    assert maps(busy) == maps(calm)
+    return budgets
+
+
 def test_layers_slowed_in_some_timed_steps_change_no_plan_at_any_budget():
     """Two profiles of one model and batch, the second with the plain layers' forwards (less
     work than the LoRA layers') slowed by a sleep in two of its three repeats, as another
@@ -100,12 +111,7 @@ def test_layers_slowed_in_some_timed_steps_change_no_plan_at_any_budget():
         handle.remove()
     assert steps["count"] > memory_steps + 4
 
-    smallest = calm.frontier()[0].predicted_device_bytes
-    largest = calm.frontier()[-1].predicted_device_bytes
-    budgets = [smallest + (largest - smallest) * k // 40 for k in range(41)]
-    assert _plans(busy, budgets) == _plans(calm, budgets)
-    maps = lambda profile: [[c.policy for c in p.choices] for p in profile.frontier()]
-    assert maps(busy) == maps(calm)
+    budgets = _same_plans(calm, busy)
     assert len({_plans(calm, [b])[0] for b in budgets}) >= 3  # the budgets span several plans
 
 
@@ -149,12 +155,7 @@ def test_selective_slowed_while_timed_changes_no_plan_at_any_budget(monkeypatch)
     monkeypatch.setattr(_selective_ops, "fresh_contexts", fresh)
 
     assert "selective" in {c.policy for p in calm.frontier() for c in p.choices}  # it is in play
-    smallest = calm.frontier()[0].predicted_device_bytes
-    largest = calm.frontier()[-1].predicted_device_bytes
-    budgets = [smallest + (largest - smallest) * k // 40 for k in range(41)]
-    assert _plans(busy, budgets) == _plans(calm, budgets)
-    maps = lambda profile: [[c.policy for c in p.choices] for p in profile.frontier()]
-    assert maps(busy) == maps(calm)
+    _same_plans(calm, busy)
 
 
 def test_selective_costs_its_counted_work_however_slow_the_timed_steps():
