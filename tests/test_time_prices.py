@@ -7,7 +7,9 @@ Checked against what shares no code with remat: `FlopCounterMode` over whole tra
 with and without a layer recomputed (what a recompute really repeats), and plans from a profile
 whose timed steps were slowed on purpose (a hook that sleeps in some layers' forwards)."""
 
+import contextlib
 import itertools
+import statistics
 import time
 
 import pytest
@@ -241,3 +243,58 @@ def test_the_demo_says_which_settings_the_machine_was_too_busy_to_rank():
     ]
     (said,) = unranked(rows)
     assert said.startswith("no checkpointing and every second layer: 50 ms apart, within the spread")
+
+
+def test_the_base_comes_from_the_steps_timed_without_the_layer_timers():
+    """The layer timers' hooks cost time that no real step pays: steps timed with them (30 ms
+    slower here) give the rate, and the step with nothing recomputed comes from the steps timed
+    without them only, so the timers do not inflate every prediction."""
+    held = {"none": {0: (10, 0), 1: (10, 0)}, "selective": {0: (6, 0), 1: (6, 0)}, "recompute": {0: (1, 0), 1: (1, 0)}}
+    names = ["none", "selective", "recompute"]
+    counts = Counts([Work(10**7)] * 2, [Work(9 * 10**6)] * 2, [Work(10**6)] * 2)
+    balance = BALANCES["cpu"]
+    plain_only = [(policies, seconds, None) for policies, seconds, _ in _runs(0.0, 0)]
+    hooked = [(policies, seconds + 0.030, calls) for policies, seconds, calls in _runs(0.0, 0)]
+    mixed = _prices(2, names, held, counts, balance, hooked + plain_only, [])
+    hooked_only = _prices(2, names, held, counts, balance, hooked, [])
+    assert mixed[2].seconds_per_flop == hooked_only[2].seconds_per_flop  # the rate: from the timed calls
+    assert hooked_only[1] - mixed[1] == pytest.approx(0.030)
+    expected = statistics.median(
+        seconds - sum(mixed[0][p][i] for i, p in policies.items()) for policies, seconds, _ in plain_only
+    )
+    assert mixed[1] == pytest.approx(expected)
+
+
+def test_every_other_timed_step_runs_without_the_layer_timers(monkeypatch):
+    """A profile times each mixed map both with the layer timers and without them, and no timer
+    hook is left on any layer outside a timed step."""
+    from remat.planner import timing
+
+    hooked, plain = [], []
+    original = timing.LayerClock.step
+
+    @contextlib.contextmanager
+    def counting(self):
+        with original(self):
+            hooks = sum(len(m._forward_pre_hooks) for layer in self.layers for m in (layer, *layer.children()))
+            hooked.append(hooks)
+            yield
+
+    monkeypatch.setattr(timing.LayerClock, "step", counting)
+    cm = CheckpointedModel(_partly_lora())
+    layers = decoder_layers(cm.model)
+    before = sum(len(m._forward_pre_hooks) for layer in layers for m in (layer, *layer.children()))
+    from remat.planner import measuring
+
+    timed = measuring._Steps.timed
+
+    def counted_timed(self, policies, clock):
+        if clock is None:
+            plain.append(sum(len(m._forward_pre_hooks) for layer in layers for m in (layer, *layer.children())))
+        return timed(self, policies, clock)
+
+    monkeypatch.setattr(measuring._Steps, "timed", counted_timed)
+    cm.profile(batch(size=2, seq=16), repeats=2, progress=False)
+    assert len(hooked) == len(plain) == 3  # 3 maps x 2 repeats, half of them each way
+    assert all(count > before for count in hooked)
+    assert plain == [before] * 3

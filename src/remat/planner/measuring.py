@@ -191,11 +191,11 @@ class _Steps:
 
         return self._run(policies, step)
 
-    def timed(self, policies: Mapping[int, str], clock: LayerClock) -> float | None:
+    def timed(self, policies: Mapping[int, str], clock: LayerClock | None) -> float | None:
         def step() -> float:
             synchronize(self.device)
             start = time.perf_counter()
-            with clock.step():
+            with clock.step() if clock is not None else contextlib.nullcontext():
                 step_loss(self.model, self.batch, self.loss_fn).backward()
             synchronize(self.device)
             return time.perf_counter() - start

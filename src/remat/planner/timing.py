@@ -20,15 +20,15 @@ profiles of one batch. So every price is what can be counted, times one rate:
   on a CPU it makes "selective" dearer than a recompute for small layers). "offload" costs a
   recompute and the copies out and back (on an accelerator: the median of steps with every
   layer offloaded, beyond their prediction as recompute, shared by input bytes).
-- The step with nothing recomputed: the median over the timed steps of the step's time less
-  its map's prices, with quartiles.
+- The step with nothing recomputed: the median over the timed steps run without the layer
+  timers (every other one) of the step's time less its map's prices, with quartiles.
 
 So the ranking of maps is fixed by counts: noise in the rate moves every map's added seconds
 alike, and the plan at every budget is the same however busy the machine (offload aside, whose
 copies are timed). The timed steps are mixed maps: step k gives layer i the policy number
 (i + k) of the timed ones (alternated over `repeats`), so every policy is timed in every step,
-against the same load. A timer on each layer (CUDA events on an accelerator, so nothing
-synchronizes mid-step; the host clock on a CPU) gives each call's time: the first call of a
+against the same load. A timer on each layer, in every other step (CUDA events on an accelerator, so
+nothing synchronizes mid-step; the host clock on a CPU) gives each call's time: the first call of a
 layer in a step is its forward, the second its recompute in backward.
 """
 
@@ -218,20 +218,20 @@ def price_time(
     ]
     offloading = "offload" in names
     clock = LayerClock(modules, steps.device)
-    runs: list[tuple[dict[int, str], float, list[list[float]]]] = []
+    runs: list[tuple[dict[int, str], float, list[list[float]] | None]] = []
     offloaded: list[float] = []
-    try:
-        for _ in range(repeats):
-            for policies in maps:
-                seconds = steps.timed(policies, clock)
-                if seconds is not None:
-                    runs.append((policies, seconds, clock.last))
-            if offloading:
-                seconds = steps.timed({i: "offload" for i in held["offload"]}, clock)
-                if seconds is not None:
-                    offloaded.append(seconds)
-    finally:
-        clock.remove()
+    for repeat in range(repeats):
+        for k, policies in enumerate(maps):
+            # every other step without the layer timers (alternating per repeat, so that each map
+            # is timed both ways): the base comes from those, as their hooks are no part of a step
+            hooked = (k + repeat) % 2 == 0
+            seconds = steps.timed(policies, clock if hooked else None)
+            if seconds is not None:
+                runs.append((policies, seconds, clock.last if hooked else None))
+        if offloading:
+            seconds = steps.timed({i: "offload" for i in held["offload"]}, None)
+            if seconds is not None:
+                offloaded.append(seconds)
     if not runs:
         raise StateError("profiling: every timed step ran out of memory; profile with a smaller batch")
     counts = Counts(forward, recompute, selective)
@@ -244,7 +244,7 @@ def _prices(
     held: dict[str, dict[int, tuple[int, int]]],
     counts: Counts,
     balance: Balance,
-    runs: list[tuple[dict[int, str], float, list[list[float]]]],
+    runs: list[tuple[dict[int, str], float, list[list[float]] | None]],
     offloaded: list[float],
 ) -> tuple[dict[str, dict[int, float]], float, TimePrices, list[str]]:
     notes: list[str] = []
@@ -253,7 +253,7 @@ def _prices(
     repeated = [r.units(balance) or f for r, f in zip(counts.recompute, forward, strict=True)]
     rates: list[float] = []
     for policies, _, calls in runs:
-        for i, (first, second) in enumerate(calls):
+        for i, (first, second) in enumerate(calls or ()):
             if policies[i] in ("none", "recompute") and first is not None:
                 rates.append(first / forward[i])
             if policies[i] == "recompute" and second is not None:
@@ -271,7 +271,9 @@ def _prices(
         if not selective:
             notes.append("time: the selective recompute of these layers could not be counted; priced as a recompute")
         out["selective"] = {i: rate * selective[i] if selective else recompute[i] for i in held["selective"]}
-    bases = [seconds - sum(out.get(p, recompute)[i] for i, p in policies.items()) for policies, seconds, _ in runs]
+    # the step with nothing recomputed, from the steps timed without hooks where there are any
+    plain = [run for run in runs if run[2] is None] or runs
+    bases = [seconds - sum(out.get(p, recompute)[i] for i, p in policies.items()) for policies, seconds, _ in plain]
     base_low, base, base_high = quartiles(bases)
     if "offload" in names:
         inputs = {i: max(1, sum(held["recompute"].get(i, (1, 0)))) for i in held["offload"]}
@@ -297,20 +299,15 @@ class LayerClock:
     recompute of it (from the first call of one of its children after that forward to the
     last: transformers checkpoints a layer's `forward`, inside the hooks on the layer itself,
     so its children are what shows the recompute). CUDA events on an accelerator (nothing
-    synchronizes mid-step), the host clock on a CPU. `last` holds the step just timed: per
-    layer, [forward seconds, recompute seconds], None where there was no such call."""
+    synchronizes mid-step), the host clock on a CPU. The hooks exist only inside `step()`.
+    `last` holds the step just timed: per layer, [forward seconds, recompute seconds], None
+    where there was no such call."""
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device):
         self.cuda = device.type == "cuda"
+        self.layers = list(layers)
         self.last: list[list[Any]] = []
         self._marks: list[list[Any]] = [[] for _ in layers]  # forward start, end; recompute start, end
-        self._handles = []
-        for i, layer in enumerate(layers):
-            self._handles.append(layer.register_forward_pre_hook(self._layer(i, 0)))
-            self._handles.append(layer.register_forward_hook(self._layer(i, 1), always_call=True))
-            for child in layer.children():
-                self._handles.append(child.register_forward_pre_hook(self._child(i, 2)))
-                self._handles.append(child.register_forward_hook(self._child(i, 3), always_call=True))
 
     def _now(self) -> Any:
         if self.cuda:
@@ -339,9 +336,19 @@ class LayerClock:
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        for marks in self._marks:
-            marks.clear()
-        yield
+        handles = []
+        for i, layer in enumerate(self.layers):
+            self._marks[i].clear()
+            handles.append(layer.register_forward_pre_hook(self._layer(i, 0)))
+            handles.append(layer.register_forward_hook(self._layer(i, 1), always_call=True))
+            for child in layer.children():
+                handles.append(child.register_forward_pre_hook(self._child(i, 2)))
+                handles.append(child.register_forward_hook(self._child(i, 3), always_call=True))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
         self.last = [[self._seconds(marks, call) for call in range(CALLS)] for marks in self._marks]
 
     def _seconds(self, marks: list[Any], call: int) -> float | None:
@@ -349,10 +356,6 @@ class LayerClock:
             return None
         start, end = marks[2 * call], marks[2 * call + 1]
         return start.elapsed_time(end) / 1e3 if self.cuda else end - start
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
 
 
 def synchronize(device: torch.device) -> None:
