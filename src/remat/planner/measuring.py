@@ -1,30 +1,17 @@
 """Measuring a profile: a few training steps under chosen maps, then put back as it was.
 
-What is measured, on the batch given (`measure`):
+1. Bytes (`_bytes`, each step one `memory_report`): every layer recomputed gives each layer's
+   input and the bytes outside the layers; then each other policy on every layer, in mixed maps
+   (step k gives layer i policy number (i + k): on transformers 4.57 a "none" layer holds more
+   while another is checkpointed), split by policy, then by halves, when one runs out of memory;
+   "offload" on every layer at once; nothing checkpointed, on its own, when no layer is swapped.
+2. The step's peak, with `optimizer`: each of those steps also takes an optimizer step under
+   `remat.planner.peak`'s count of live storages.
+3. A second length: for plain text, 1. and 2. again at half the sequence length, so that bytes
+   growing with its square are modelled (`Measurements.scaled`).
+4. Time: `remat.planner.timing`.
 
-1. Bytes. One step with every layer recomputed gives each layer's input (what a checkpointed
-   layer keeps at the least) and the bytes outside the layers while something is checkpointed.
-   Then each other policy runs on every layer, spread over as few steps as there are policies:
-   step k gives layer i the policy number (i + k) of them, so every step is a mixed map (a
-   "none" layer holds more while another layer is checkpointed on transformers 4.57: its KV
-   cache is off, the causal mask is built, SDPA repeats grouped K/V) and every (layer, policy)
-   pair is seen once. A map that runs out of memory is split: by policy, then halves of its
-   layers, down to single layers. "offload" runs on every layer at once, so that the last
-   checkpointed layer is the last layer (whose input stays on the device). One step with
-   nothing checkpointed prices that map on its own (offered only if it fit, and no layer is
-   swapped). Each of these is one `remat.report.memory_report`.
-2. The step's peak, with `optimizer`: each of those steps also takes an optimizer step under a
-   count of live storages (`remat.planner.peak`), kept per (last layer's policy, checkpointing).
-3. A second length, for `tokens`: when the batch is plain text (every tensor of two or more
-   dimensions is (batch, sequence, ...)), the steps of 1. and 2. run again on its first half
-   (`shorter_batch`), at about half the cost, so that bytes that grow with the square of the
-   sequence length (eager attention's scores, SDPA's mask) are modelled (`Measurements.scaled`).
-4. Time (`remat.planner.timing`): FLOPs counted per layer, priced by a rate from `repeats` x 3
-   timed steps of mixed maps, with its quartiles as the spread shown with each prediction.
-
-Everything is put back afterwards (`remat.snapshot.model_left_as_it_was` for gradients, buffers,
-counters and RNG; here the config and on/off state, the offload and swap counters, and the
-optimizer's state and the parameters it stepped). Tensors of the batch that require grad get
+Everything is put back afterwards (`_left_as_it_was`); tensors of the batch that require grad get
 fresh leaves (`remat.loss.own_inputs`), so a soft prompt's gradient is never touched.
 """
 
@@ -57,8 +44,7 @@ OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 @dataclass(frozen=True)
 class ProfileOptions:
-    """How a profile measures: `cm.profile`'s keyword arguments (documented there), checked here
-    once and passed down whole."""
+    """`cm.profile`'s keyword arguments (documented there), checked once."""
 
     loss_fn: LossFn | None
     optimizer: torch.optim.Optimizer | None
@@ -102,8 +88,7 @@ def check_measurable(state: Controlled, batch: Mapping[str, Any], loss_fn: LossF
 
 
 def batch_tokens(batch: Mapping[str, Any]) -> int:
-    """Batch x sequence length: of `input_ids`, else of `inputs_embeds` (its last dimension is the
-    hidden size), else of the first tensor with two dimensions or more."""
+    """Batch x sequence length: of `input_ids`, `inputs_embeds`, or the first tensor of 2+ dims."""
     ids = batch.get("input_ids")
     if isinstance(ids, torch.Tensor):
         return ids.numel()
@@ -161,8 +146,7 @@ class _Steps:
         return found
 
     def held(self, policies: Mapping[int, str]) -> Any:
-        """The memory report of one step (with an optimizer, under `StepPeak`'s live count and
-        with the optimizer's step, whose peak beyond the held bytes goes into `extras`)."""
+        """One step's memory report (with an optimizer: its step too, its peak into `extras`)."""
 
         def step() -> Any:
             with self.peak() as optimizer:
@@ -179,7 +163,6 @@ class _Steps:
         return self._run(policies, step)
 
     def counted(self, policies: Mapping[int, str], tally: FlopTally) -> tuple[list[Work], list[Work]] | None:
-        """Per layer, the work of its forward and of backward's recompute of it, counted by `tally`."""
 
         def step() -> tuple[list[Work], list[Work]]:
             try:
@@ -249,9 +232,8 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
 
 @dataclass
 class _Bytes:
-    """What the memory steps measured: per policy and layer (device, host) bytes held, each
-    layer's input, the bytes outside the layers by checkpointing, the map that checkpoints
-    nothing (None: not offered), and the step's extras (`StepMemory`)."""
+    """Per policy and layer (device, host) bytes held; each layer's input; bytes outside the layers
+    by checkpointing; the map that checkpoints nothing (None: not offered); the step's extras."""
 
     held: dict[str, dict[int, tuple[int, int]]]
     inputs: dict[int, int]
@@ -362,9 +344,8 @@ def _measurements(
 
 
 def shorter_batch(batch: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The batch at half its sequence length, when it is plain text: every tensor of two or more
-    dimensions is (batch, sequence, ...) with the same sizes (input_ids, attention_mask, labels,
-    inputs_embeds, position_ids). None otherwise (images, audio: cutting them means nothing)."""
+    """The batch at half its sequence length when it is plain text (every tensor of 2+ dims is
+    (batch, sequence, ...) of the same sizes); None otherwise (images, audio)."""
     shapes = {tuple(v.shape[:2]) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2}
     if len(shapes) != 1:
         return None
@@ -377,9 +358,8 @@ def shorter_batch(batch: Mapping[str, Any]) -> dict[str, Any] | None:
 
 @contextlib.contextmanager
 def _left_as_it_was(state: Controlled) -> Iterator[None]:
-    """Measuring runs training steps: put back, whatever happens, what `model_left_as_it_was`
-    puts back, and the config and on/off state and the offload and swap counters (each restored
-    on its own). The optimizer's state is put back after each step that used it (`_PeakFactory`)."""
+    """Put back, whatever happens, what `model_left_as_it_was` does, the config, the on/off state
+    and the counters (the optimizer's state: after each step, by `StepPeak`)."""
     config, off_by = state.config, state.off_by
     try:
         with (

@@ -1,35 +1,20 @@
-"""Pricing time: what each policy adds to a step, from counts turned into seconds by one rate.
+"""Pricing time: what each policy adds to a step, as counted work times one timed rate.
 
-A busy machine makes every wall-clock figure move: three profiles that priced a recompute by
-differences of step times gave +66, +84 and +545 ms a layer and three different frontiers, and
-a measured ratio (what "selective" costs of a recompute) came out 0.26, 1.35 and 2.13 in three
-profiles of one batch. So every price is what can be counted, times one rate:
+Wall clocks move on a busy machine (three profiles priced a recompute at +66, +84 and +545 ms a
+layer), so every price is a count and only the rate is timed:
 
-- Counted (`FlopTally`, one step with every layer recomputed and one with every layer
-  selective, under a dispatch mode): per layer, the work of its forward, of what a recompute
-  repeats and of what "selective" repeats. Work is FLOPs (torch's own formulas,
-  `torch.utils.flop_counter`), plus, for the ops torch has no formula for (softmax, norms,
-  activations, copies: what "selective" mostly repeats), their bytes read and written and
-  their launches, in FLOPs at the device's fixed balance (`BALANCES`). Identical layers get
-  identical counts; nothing about them is timed apart.
-- One rate, seconds per unit of work: the median over every layer's forward and recompute in
-  every timed step (all layers pooled: dozens of samples, so a slow minority moves nothing),
-  with its quartiles as the spread.
-- "recompute" costs its counted work at that rate; "selective" the work it repeats plus its
-  policy's own cost on every op it dispatches, forward and recompute (a Python dispatch mode:
-  on a CPU it makes "selective" dearer than a recompute for small layers). "offload" costs a
-  recompute and the copies out and back (on an accelerator: the median of steps with every
-  layer offloaded, beyond their prediction as recompute, shared by input bytes).
-- The step with nothing recomputed: the median over the timed steps run without the layer
-  timers (every other one) of the step's time less its map's prices, with quartiles.
+- `FlopTally` counts per layer the work of its forward, of what a recompute repeats and of what
+  "selective" repeats: FLOPs by torch's formulas (`torch.utils.flop_counter`), plus bytes and
+  launches of the other ops at the device's fixed `Balance`.
+- The rate (seconds per unit of work) is the median over every layer call timed by `LayerClock`
+  in every other timed step; its quartiles are the spread shown with each prediction.
+- "selective" costs the work it repeats plus its policy's cost per dispatched op; "offload" a
+  recompute plus its copies (timed steps with every layer offloaded, beyond their prediction).
+- The step with nothing recomputed: the median, over the steps timed without layer timers, of
+  the step's time less its map's prices.
 
-So the ranking of maps is fixed by counts: noise in the rate moves every map's added seconds
-alike, and the plan at every budget is the same however busy the machine (offload aside, whose
-copies are timed). The timed steps are mixed maps: step k gives layer i the policy number
-(i + k) of the timed ones (alternated over `repeats`), so every policy is timed in every step,
-against the same load. A timer on each layer, in every other step (CUDA events on an accelerator, so
-nothing synchronizes mid-step; the host clock on a CPU) gives each call's time: the first call of a
-layer in a step is its forward, the second its recompute in backward.
+So the ranking of maps is fixed by counts: noise moves every price alike (offload's copies
+aside). The timed maps are mixed: step k gives layer i timed policy number (i + k).
 """
 
 from __future__ import annotations
@@ -60,27 +45,20 @@ def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
 
 
 class Balance(NamedTuple):
-    """A device's time for what is not a FLOP, in FLOPs it could have done instead: moving a
-    byte, launching an op, and running an op under "selective"'s policy (a Python dispatch mode
-    that decides per op what to keep, in the forward and again in the recompute). It turns
-    counts of bytes and ops into the unit of FLOPs (a roofline with its launch costs). Fixed per
-    device kind, not timed per profile, so the prices' ratios are counts: a busy machine moves
-    the rate, never the ranking."""
+    """A device's time for what is not a FLOP, in FLOPs: moving a byte, launching an op, and an
+    op under "selective"'s policy (a Python dispatch mode). Fixed per device kind, never timed
+    per profile, so the prices' ratios are counts and a busy machine moves only the rate."""
 
     flops_per_byte: float
     flops_per_op: float
     flops_per_policed_op: float
 
 
-# cpu: fitted on this project's 2-core x86 (AVX-512), torch 2.13, idle, from the extra time a
-# layer's recompute and selective add to a step of the benchmark's tiny and small presets
-# (4 layers, fp32; none / selective / recompute alternated, medians) against their counts: about
-# 150 GFLOP/s, 10 GB/s for the small ops, 37 us an op through checkpointing and autograd, 21 us
-# more for each op under selective's policy. The fit predicts selective at 2.77 and 0.98 of a
-# recompute where 2.80 and 0.93 were measured. (benchmarks/RESULTS.md, "the CPU's balance".)
-# cuda: H100/H200 datasheets, dense bf16 against HBM3(e): ~990 TFLOP/s over 3.4-4.8 TB/s; a
-# launch of about 1 us; the policy's host time assumed hidden behind the kernels queued before
-# it (not measured here: no GPU was lent).
+# cpu: fitted on this project's idle 2-core x86, torch 2.13, from the time recompute and selective
+# add to the benchmark's tiny and small presets against their counts (150 GFLOP/s, 10 GB/s for small
+# ops, 37 us an op, 21 us more under selective's policy; benchmarks/RESULTS.md).
+# cuda: H100/H200 datasheets (bf16, HBM3), ~1 us a launch, the policy hidden behind queued kernels;
+# not measured here (no GPU was lent).
 BALANCES = {
     "cpu": Balance(flops_per_byte=15.0, flops_per_op=5.5e6, flops_per_policed_op=3.1e6),
     "cuda": Balance(flops_per_byte=250.0, flops_per_op=1e9, flops_per_policed_op=0.0),
@@ -92,9 +70,8 @@ def balance_of(device: torch.device) -> Balance:
 
 
 class Work(NamedTuple):
-    """What some ops did: FLOPs (torch's formulas); the bytes read and written by the ops torch
-    counts no FLOPs for (views move nothing); the ops launched (views aside); every op
-    dispatched (views too: what a dispatch mode sees)."""
+    """FLOPs (torch's formulas); bytes read and written by the other non-view ops; ops launched
+    (views aside); every op dispatched (views too: what a dispatch mode sees)."""
 
     flops: int = 0
     bytes: int = 0
@@ -102,16 +79,25 @@ class Work(NamedTuple):
     dispatched: int = 0
 
     def units(self, balance: Balance) -> float:
-        """In FLOPs: the FLOPs, plus the bytes and launches at the device's balance."""
         return self.flops + self.bytes * balance.flops_per_byte + self.ops * balance.flops_per_op
 
 
+def _hook_layers(layers: Sequence[nn.Module], on_layer: Callable, on_child: Callable) -> list[Any]:
+    """Hooks before and after each layer and each of its direct children: transformers
+    checkpoints a layer's `forward` inside the hooks on the layer itself, so its children are
+    what shows the recompute. `on_layer(i, start)` and `on_child(i, start)` make the hooks."""
+    handles = []
+    for i, layer in enumerate(layers):
+        for module, make in ((layer, on_layer), *((child, on_child) for child in layer.children())):
+            handles.append(module.register_forward_pre_hook(make(i, True)))
+            handles.append(module.register_forward_hook(make(i, False), always_call=True))
+    return handles
+
+
 class FlopTally(TorchDispatchMode):
-    """Counts the work of one training step per layer, in its forward (the layer's first call)
-    and in backward's recompute of it (its children's calls after that forward: what torch
-    really runs again, which may stop before the layer's last ops when backward needs nothing
-    from them): FLOPs as torch's `FlopCounterMode` counts them (its formulas, per op), and the
-    bytes and launches of the other ops. Runs every op as it is (no decomposition)."""
+    """Counts one training step's `Work` per layer: in its forward (the layer's first call) and
+    in backward's recompute (its children's calls after that forward: what torch really runs
+    again). Runs every op as it is."""
 
     def __init__(self, layers: Sequence[nn.Module]):
         super().__init__()
@@ -122,13 +108,7 @@ class FlopTally(TorchDispatchMode):
         self.recomputed = [[0, 0, 0, 0] for _ in layers]
         self._phase = [0] * len(layers)  # 0 before the forward, 1 in it, 2 after it
         self._counting: list[int] | None = None
-        self._handles = []
-        for i, layer in enumerate(layers):
-            self._handles.append(layer.register_forward_pre_hook(self._layer(i, start=True)))
-            self._handles.append(layer.register_forward_hook(self._layer(i, start=False), always_call=True))
-            for child in layer.children():
-                self._handles.append(child.register_forward_pre_hook(self._child(i, start=True)))
-                self._handles.append(child.register_forward_hook(self._child(i, start=False), always_call=True))
+        self._handles = _hook_layers(layers, self._layer, self._child)
 
     def _layer(self, i: int, start: bool) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -162,7 +142,6 @@ class FlopTally(TorchDispatchMode):
         return out
 
     def work(self) -> tuple[list[Work], list[Work]]:
-        """Per layer: the work of its forward, and of backward's recompute of it."""
         return [Work(*c) for c in self.forward], [Work(*c) for c in self.recomputed]
 
     def remove(self) -> None:
@@ -171,22 +150,15 @@ class FlopTally(TorchDispatchMode):
 
 
 def timed_maps(n: int, names: Sequence[str], swapped: set[int]) -> list[dict[int, str]]:
-    """The mixed maps the timed steps run: step k gives layer i policy number (i + k) of the
-    timed ones ("none", "selective", "recompute" where offered; a swapped layer recomputes
-    where it would be "none")."""
+    """Step k gives layer i policy number (i + k) of the timed ones offered (a swapped layer
+    recomputes where it would be "none")."""
     timed = [name for name in ("none", "selective", "recompute") if name in names] or ["recompute"]
-    return [
-        {
-            i: ("recompute" if timed[(i + k) % len(timed)] == "none" and i in swapped else timed[(i + k) % len(timed)])
-            for i in range(n)
-        }
-        for k in range(len(timed))
-    ]
+    pick = lambda p, i: "recompute" if p == "none" and i in swapped else p
+    return [{i: pick(timed[(i + k) % len(timed)], i) for i in range(n)} for k in range(len(timed))]
 
 
 class Counts(NamedTuple):
-    """Work per layer: of its forward, of what a recompute of it repeats, and of what
-    "selective" repeats (each from a counted step; empty where the step could not run)."""
+    """Work per layer of its forward, of a recompute, of "selective" (empty: could not run)."""
 
     forward: list[Work]
     recompute: list[Work]
@@ -295,13 +267,10 @@ def _prices(
 
 
 class LayerClock:
-    """Each layer's calls in a timed step: its forward (the layer's first call), and backward's
-    recompute of it (from the first call of one of its children after that forward to the
-    last: transformers checkpoints a layer's `forward`, inside the hooks on the layer itself,
-    so its children are what shows the recompute). CUDA events on an accelerator (nothing
-    synchronizes mid-step), the host clock on a CPU. The hooks exist only inside `step()`.
-    `last` holds the step just timed: per layer, [forward seconds, recompute seconds], None
-    where there was no such call."""
+    """Times each layer's forward (its first call) and backward's recompute of it (its
+    children's calls after that forward) in a step: CUDA events on an accelerator (nothing
+    synchronizes mid-step), the host clock on a CPU. The hooks exist only inside `step()`;
+    `last` holds, per layer, [forward seconds, recompute seconds] (None: no such call)."""
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device):
         self.cuda = device.type == "cuda"
@@ -310,40 +279,34 @@ class LayerClock:
         self._marks: list[list[Any]] = [[] for _ in layers]  # forward start, end; recompute start, end
 
     def _now(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-    def _layer(self, i: int, mark: int) -> Callable[..., None]:
+    def _layer(self, i: int, start: bool) -> Callable[..., None]:
         def hook(*_: Any) -> None:
-            marks = self._marks[i]
-            if len(marks) == mark:  # the first call only
-                marks.append(self._now())
+            if len(self._marks[i]) == (0 if start else 1):  # the first call only
+                self._marks[i].append(self._now())
 
         return hook
 
-    def _child(self, i: int, mark: int) -> Callable[..., None]:
+    def _child(self, i: int, start: bool) -> Callable[..., None]:
         def hook(*_: Any) -> None:
             marks = self._marks[i]
-            if len(marks) == mark:  # after the forward: the recompute starts
+            if len(marks) == (2 if start else 3):  # after the forward: the recompute starts
                 marks.append(self._now())
-            elif mark == 3 and len(marks) == 4:  # a later child ends: the recompute goes on
+            elif not start and len(marks) == 4:  # a later child ends: the recompute goes on
                 marks[3] = self._now()
 
         return hook
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
-        handles = []
-        for i, layer in enumerate(self.layers):
-            self._marks[i].clear()
-            handles.append(layer.register_forward_pre_hook(self._layer(i, 0)))
-            handles.append(layer.register_forward_hook(self._layer(i, 1), always_call=True))
-            for child in layer.children():
-                handles.append(child.register_forward_pre_hook(self._child(i, 2)))
-                handles.append(child.register_forward_hook(self._child(i, 3), always_call=True))
+        for marks in self._marks:
+            marks.clear()
+        handles = _hook_layers(self.layers, self._layer, self._child)
         try:
             yield
         finally:
