@@ -17,9 +17,8 @@ _MIB = 2**20
 
 
 class PlannedConfig(CheckpointConfig):
-    """What `profile.plan` returns: a `CheckpointConfig` (equal to, saved
-    and loaded like, the plain config with the same fields) that also remembers its prediction;
-    `str()` shows it."""
+    """A `CheckpointConfig` (equal to, saved and loaded like, the plain one with the same fields)
+    that remembers its prediction; `str()` shows it."""
 
     choices: tuple[LayerChoice, ...]
     outside_bytes: int
@@ -166,10 +165,8 @@ class Profile:
         return frontier_figure(points, marks, scope=scope, tokens=m.tokens, budget=limit, chosen=chosen)
 
     def _base(self, scope: str, tokens: int | None) -> tuple[CheckpointConfig, Measurements]:
-        """The config plans are built on and the measurements scaled to `tokens`. The config is the
-        wrapper's current one, when the model is still in the state measured (else
-        `StaleProfileError`, naming what changed); the one measured under when the wrapper is gone
-        or the state unknown."""
+        """The wrapper's current config (the one measured under when it is gone or the state is
+        unknown; `StaleProfileError` if the model changed) and the measurements at `tokens`."""
         check_scope(self.measurements, scope)  # a scope this profile cannot plan is said first
         m = self.measurements.scaled(
             None if tokens is None else parse_count(tokens, "tokens", "batch x sequence length")
@@ -217,8 +214,7 @@ class Profile:
 
 
 class _WeakSource:
-    """The controller a profile measured, held weakly (a profile never keeps a model alive);
-    a copy of the profile refers to the same controller, a pickled one to none."""
+    """The controller measured, held weakly; a copy refers to it too, a pickled one to none."""
 
     __slots__ = ("_ref",)
 
