@@ -35,7 +35,7 @@ from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, me
 from ..snapshot import model_left_as_it_was
 from .chooser import Measurements, Outside, StepMemory, TimePrices
 from .peak import StepPeak
-from .timing import FlopTally, LayerClock, Work, price_time, synchronize
+from .timing import price_time, synchronize
 
 CANDIDATES = ("none", "selective", "recompute", "offload")
 BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
@@ -162,23 +162,14 @@ class _Steps:
 
         return self._run(policies, step)
 
-    def counted(self, policies: Mapping[int, str], tally: FlopTally) -> tuple[list[Work], list[Work]] | None:
+    def timed(self, policies: Mapping[int, str], within: contextlib.AbstractContextManager) -> float | None:
+        """Seconds of one forward and backward under `policies`, inside `within` (a counter or
+        the layer timers); None if it ran out of memory."""
 
-        def step() -> tuple[list[Work], list[Work]]:
-            try:
-                with tally:
-                    step_loss(self.model, self.batch, self.loss_fn).backward()
-                return tally.work()
-            finally:
-                tally.remove()
-
-        return self._run(policies, step)
-
-    def timed(self, policies: Mapping[int, str], clock: LayerClock | None) -> float | None:
         def step() -> float:
             synchronize(self.device)
             start = time.perf_counter()
-            with clock.step() if clock is not None else contextlib.nullcontext():
+            with within:
                 step_loss(self.model, self.batch, self.loss_fn).backward()
             synchronize(self.device)
             return time.perf_counter() - start

@@ -172,17 +172,24 @@ def price_time(
     the rate and counts behind them, and notes. See the module docstring."""
     n = steps.n
     modules = [layer.module for layer in steps.state.discovery.layers]
-    found = steps.counted(dict.fromkeys(range(n), "recompute"), FlopTally(modules))
+
+    def counted(policies: dict[int, str]) -> tuple[list[Work], list[Work]] | None:
+        tally = FlopTally(modules)
+        try:
+            return None if steps.timed(policies, tally) is None else tally.work()
+        finally:
+            tally.remove()
+
+    found = counted(dict.fromkeys(range(n), "recompute"))
     if found is None:
         raise StateError(
             "profiling: the step with every layer recomputed ran out of memory while counted; profile a smaller batch"
         )
     forward, recompute = found
     selective: list[Work] = []
-    if "selective" in names:
-        found = steps.counted({i: "selective" for i in held["selective"]}, FlopTally(modules))
-        if found is not None:  # what it repeats, and the policy's own cost on each op, forward and recompute
-            selective = [r._replace(dispatched=f.dispatched + r.dispatched) for f, r in zip(*found, strict=True)]
+    if "selective" in names and (found := counted({i: "selective" for i in held["selective"]})) is not None:
+        # what it repeats, and the policy's own cost on each op, forward and recompute
+        selective = [r._replace(dispatched=f.dispatched + r.dispatched) for f, r in zip(*found, strict=True)]
     # a layer that cannot run a policy (it ran out of memory measuring it) recomputes instead
     maps = [
         {i: p if p == "recompute" or i in held.get(p, {}) else "recompute" for i, p in m.items()}
@@ -197,11 +204,11 @@ def price_time(
             # every other step without the layer timers (alternating per repeat, so that each map
             # is timed both ways): the base comes from those, as their hooks are no part of a step
             hooked = (k + repeat) % 2 == 0
-            seconds = steps.timed(policies, clock if hooked else None)
+            seconds = steps.timed(policies, clock.step() if hooked else contextlib.nullcontext())
             if seconds is not None:
                 runs.append((policies, seconds, clock.last if hooked else None))
         if offloading:
-            seconds = steps.timed({i: "offload" for i in held["offload"]}, None)
+            seconds = steps.timed({i: "offload" for i in held["offload"]}, contextlib.nullcontext())
             if seconds is not None:
                 offloaded.append(seconds)
     if not runs:
