@@ -15,7 +15,7 @@ import pytest
 from conftest import lora_value, marked_lora_cm, tiny_model
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.saving import STAGING_PREFIX, locks
+from remat.saving import STAGING_PREFIX, files
 
 TESTS = os.path.dirname(__file__)
 
@@ -222,7 +222,7 @@ def test_a_folder_this_process_cannot_create_the_lock_file_in_is_read_unlocked_n
             raise PermissionError(13, "Permission denied", name)  # what a non-writable folder says
         return real_open(name, flags, *args)
 
-    monkeypatch.setattr(locks.os, "open", fake_open)
+    monkeypatch.setattr(files.os, "open", fake_open)
     outcome = {}
 
     def load():

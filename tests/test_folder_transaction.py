@@ -627,7 +627,7 @@ def test_another_adapter_config_beside_the_weights_is_refused(tmp_path):
 def test_the_adapter_layout_is_the_one_peft_writes(tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    from remat.persistence.peft_names import ADAPTER_CONFIG, adapter_folder
+    from remat.persistence.pair_format import ADAPTER_CONFIG, adapter_folder
 
     model = get_peft_model(tiny_model(), LoraConfig(r=2, target_modules=["q_proj"]))
     model.add_adapter("second", LoraConfig(r=2, target_modules=["v_proj"]))

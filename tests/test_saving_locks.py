@@ -11,7 +11,7 @@ import os
 import pytest
 
 from remat import CheckpointConfig
-from remat.saving import locks
+from remat.saving import files
 
 
 def _refuse_write_opens_of(path, monkeypatch):
@@ -24,18 +24,18 @@ def _refuse_write_opens_of(path, monkeypatch):
             raise PermissionError(errno.EACCES, "Permission denied", name)
         return real_open(name, flags, *args)
 
-    monkeypatch.setattr(locks.os, "open", fake_open)
+    monkeypatch.setattr(files.os, "open", fake_open)
 
 
 def test_a_lock_file_another_account_made_is_locked_read_only_and_still_excludes(tmp_path, monkeypatch):
     path = str(tmp_path / ".remat-lock")
     open(path, "w").close()
     _refuse_write_opens_of(path, monkeypatch)
-    first = locks.take_lock(path, wait=True, remove=False)
+    first = files.take_lock(path, wait=True, remove=False)
     assert first is not None and first.held
-    assert locks.take_lock(path, wait=False, remove=False) is None  # the second waits its turn
+    assert files.take_lock(path, wait=False, remove=False) is None  # the second waits its turn
     first.release()
-    again = locks.take_lock(path, wait=False, remove=False)
+    again = files.take_lock(path, wait=False, remove=False)
     assert again is not None and again.held
     again.release()
 
@@ -45,8 +45,8 @@ def test_without_native_locks_a_save_and_a_load_go_ahead_with_one_warning(tmp_pa
     def no_locks(*args, **kwargs):
         raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
 
-    monkeypatch.setattr(locks.filelock, "lock_descriptor", no_locks)
-    monkeypatch.setattr(locks, "_warned_no_locks", False)
+    monkeypatch.setattr(files.filelock, "lock_descriptor", no_locks)
+    monkeypatch.setattr(files, "_warned_no_locks", False)
     with caplog.at_level(logging.WARNING, logger="remat"):
         CheckpointConfig(every_n_layers=3).save_pretrained(tmp_path)
         assert CheckpointConfig.from_pretrained(tmp_path).every_n_layers == 3
@@ -60,6 +60,6 @@ def test_any_other_lock_error_is_raised(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError(errno.EIO, "I/O error")
 
-    monkeypatch.setattr(locks.filelock, "lock_descriptor", broken)
+    monkeypatch.setattr(files.filelock, "lock_descriptor", broken)
     with pytest.raises(OSError, match="I/O error"):
         CheckpointConfig(every_n_layers=3).save_pretrained(tmp_path)

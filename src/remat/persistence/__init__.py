@@ -1,52 +1,32 @@
-"""Saving and loading a `CheckpointedModel`: the adapters exactly as PEFT writes them, plus
-`checkpoint_config.json` (the config, the layers it was planned for, the architecture, and the
-fingerprints of every file PEFT reads to rebuild each adapter). This joins, for the wrapper,
-the folder transaction (`remat.saving`) with the files beside this one: the format
-(`pair_format`), PEFT's names (`peft_names`), PEFT loading (`peft_loading`) and its rollback
-(`rollback`), and the model's own save/load while wrapped (`overrides`).
-
-`save_checkpointed_model(owner, folder)` writes its files into `folder` and touches nothing
-else there; a crash at any moment leaves the previous save or the new one; saves from several
-processes commit one after another, the last one whole. `load_checkpointed_model` reads one
-whole save and checks it (architecture, layers, layer indices, fingerprints, the wrapper's
-arguments, the structure of adapters the model already has) before anything changes, then
-PEFT reads those same files in place while the folder's shared lock keeps commits out; what PEFT
-itself does while loading is undone if it fails halfway, or if wrapping fails after it.
-
-`owner` is what the wrapper hands down (its controller: `.model`, `.config`,
-`.checkpoint_map`); the class to build is handed in by `CheckpointedModel.from_pretrained`.
-Nothing here imports the wrapper.
+"""Saving and loading a `CheckpointedModel`: PEFT's adapters as PEFT writes them, plus
+`checkpoint_config.json` (`pair_format`), through the folder transaction (`remat.saving`). A load
+checks the whole save before anything changes; what PEFT then does is undone if it fails halfway or
+wrapping fails after it. The wrapped model's own `save_pretrained` and `load_adapter` (Trainer's) go
+the same way. `owner` is the wrapper's controller; the class to build is handed in (no import).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
 
+from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ..arguments import WrapperOptions
-from ..config import CheckpointConfig
 from ..errors import ConfigError, FolderChangedError, NotSavedError
-from .overrides import SaveLoadOverrides
-from .pair_format import Expected, PairOwner, expected_for, read_model_pair, save_model_pair
-from .peft_loading import check_loadable_into, check_trainable_load, load_adapters
-from .peft_names import is_peft_model, original_method
-from .rollback import ModelChanges
+from ..patches import InstancePatches
+from ..saving.folder import CONFIG_NAME, is_staging, recover
+from .pair_format import Expected, PairOwner, is_peft_model, original_method, read_model_pair, save_model_pair
+from .peft_loading import check_peft_load, load_adapters, undone_on_failure
 
 logger = logging.getLogger("remat")
 
 _READ_AGAIN = 10  # loads of a folder this process cannot lock: how often a commit during PEFT's read is retried
 
 __all__ = ["SaveLoadOverrides", "apply_saved_config", "load_checkpointed_model", "save_checkpointed_model"]
-
-
-def _adapter_layers(model: nn.Module) -> list[str]:
-    """PEFT layers inside a model that is not a PeftModel (PEFT applied after wrapping)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return [name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
 
 
 def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike, **kwargs: Any) -> None:
@@ -56,19 +36,18 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
         return  # the main process writes the save; the others write nothing
     model = owner.model
     peft = is_peft_model(model)
-    stray = [] if peft else _adapter_layers(model)
-    if stray:
+    if not peft and (stray := [n for n, module in model.named_modules() if isinstance(module, BaseTunerLayer)]):
         raise ConfigError(
             f"cm.model has PEFT adapter layers ({stray[0]}, ...) but is not a PeftModel, so there is no PEFT "
-            "model to save them with and they would be lost. Wrap the PeftModel instead: "
-            "peft_model = get_peft_model(model, lora_config); cm = CheckpointedModel(peft_model). Nothing was saved."
+            "model to save them with and they would be lost. Wrap the PeftModel instead: peft_model = "
+            "get_peft_model(model, lora_config); cm = CheckpointedModel(peft_model). Nothing was saved."
         )
     target = os.path.abspath(os.fspath(save_directory))
     if os.path.isfile(target):
         raise ConfigError(f"save_pretrained needs a folder, but {target} is a file: pass a folder")
 
     def write(staging: str) -> None:
-        if peft:
+        if peft:  # else the config alone
             original_method(model, "save_pretrained")(staging, **kwargs)
 
     committed = save_model_pair(owner, target, write, selected=kwargs.get("selected_adapters"))
@@ -88,43 +67,89 @@ def load_checkpointed_model(
     # are found once, planned once; again only in the PeftModel PEFT builds around a base model
     # (its layers, with any its tuner adds), whose swap is checked after PEFT froze the weights.
     discovery = cls._discover(model, options)
-    base = model
     for attempt in range(1, _READ_AGAIN + 1):
-        with read_model_pair(folder, Expected.of(base, discovery.names)) as loaded:
-            fresh = bool(loaded.adapters) and not is_peft_model(base)
-            checkpoint_map = None if fresh else cls._plan(base, discovery, loaded.saved.config)
-            if is_peft_model(base):
-                check_loadable_into(base, loaded)
-            check_trainable_load(base, loaded, is_trainable)
-            undo = ModelChanges(base)
+        with read_model_pair(folder, Expected.of(model, discovery.names)) as loaded:
+            fresh = bool(loaded.adapters) and not is_peft_model(model)
+            checkpoint_map = None if fresh else cls._plan(model, discovery, loaded.saved.config)
+            check_peft_load(model, loaded, is_trainable)
             try:
-                model = base
-                if loaded.adapters:
-                    model = load_adapters(base, loaded, is_trainable, kwargs)
-                    loaded.snapshot.unchanged()  # PEFT read the files checked (FolderChangedError: undone)
-                found = discovery
-                if fresh:
-                    found = cls._discover(model, options)
-                    Expected.of(model, found.names).check(loaded.saved)
-                    checkpoint_map = cls._plan(model, found, loaded.saved.config)
-                cm = cls(model, loaded.saved.config, **vars(options), _prepared=(found, checkpoint_map))
+                with undone_on_failure(model):
+                    built, found = model, discovery
+                    if loaded.adapters:
+                        built = load_adapters(model, loaded, is_trainable, kwargs)
+                        loaded.snapshot.unchanged()  # PEFT read the files checked (a FolderChangedError is undone)
+                    if fresh:
+                        found = cls._discover(built, options)
+                        Expected.of(built, found.names).check(loaded.saved)
+                        checkpoint_map = cls._plan(built, found, loaded.saved.config)
+                    cm = cls(built, loaded.saved.config, **vars(options), _prepared=(found, checkpoint_map))
             except FolderChangedError:
-                undo.revert()
                 if loaded.snapshot.locked or attempt == _READ_AGAIN:
                     raise
                 loaded.snapshot.close()  # a folder read without its lock: a commit came in; read again
                 continue
-            except BaseException:
-                undo.revert()
-                raise
         break
     return cm.for_training() if is_trainable else cm.for_inference()
 
 
-def apply_saved_config(owner: Any, folder: str, cause: str) -> CheckpointConfig:
-    """Read and check the pair in `folder` for `owner`'s model, then apply its config (Trainer
-    resume, best model at the end). Returns the config applied."""
-    with read_model_pair(folder, expected_for(owner)) as loaded:
+def apply_saved_config(owner: Any, folder: str, cause: str) -> None:
+    """Read and check the pair in `folder` for `owner`'s model, then apply its config (Trainer's
+    resume, its best model at the end)."""
+    with read_model_pair(folder, Expected.for_owner(owner)) as loaded:
         config = loaded.saved.config
     owner.adopt_saved_config(config, f"{cause} from {folder}")
-    return config
+
+
+def _save_with_config(owner: Any, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+    """The model's own save and `checkpoint_config.json`, committed as one; as is inside a save
+    that already stages (a Trainer checkpoint) or on a process that is not the main one."""
+    save = original_method(owner.model, "save_pretrained")
+    if not kwargs.get("is_main_process", True) or is_staging(save_directory):
+        return save(save_directory, *args, **kwargs)
+    results = []
+    write = lambda staging: results.append(save(staging, *args, **kwargs))
+    save_model_pair(owner, save_directory, write, selected=kwargs.get("selected_adapters"))
+    return results[0]
+
+
+class _LoadAdapterWithConfig:
+    """The pair checked before PEFT loads anything, then the saved config applied. `loaded_from`
+    tells Trainer support which folder it just applied."""
+
+    def __init__(self, owner: Any):
+        self.owner = owner
+        self.loaded_from: str | None = None
+
+    def __call__(self, model_id: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
+        folder, model = os.fspath(model_id), self.owner.model
+        load = original_method(model, "load_adapter")
+        self.loaded_from = None
+        recover(folder)  # a first save that crashed mid-commit may not have its config in place yet
+        if not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+            with undone_on_failure(model):  # not a remat save; PEFT failing halfway is undone all the same
+                return load(model_id, *args, **kwargs)
+        with read_model_pair(folder, Expected.for_owner(self.owner)) as loaded:
+            wanted = os.path.normpath(kwargs.get("subfolder") or "")
+            wanted = "" if wanted == "." else wanted
+            if loaded.saved.adapters is not None and wanted not in {a.folder for a in loaded.adapters}:
+                raise ConfigError(
+                    f"{loaded.saved.file} names no adapter in {os.path.join(folder, wanted)}; load one of "
+                    f"{sorted(a.name for a in loaded.adapters)} from the folder they were saved in. Nothing was loaded"
+                )
+            with undone_on_failure(model):
+                result = load(loaded.snapshot.folder, *args, **kwargs)
+                loaded.snapshot.unchanged()  # PEFT read the files checked (a `FolderChangedError` is undone)
+        self.loaded_from = os.path.abspath(folder)
+        self.owner.adopt_saved_config(loaded.saved.config, f"load_adapter({folder})")
+        return result
+
+
+class SaveLoadOverrides(InstancePatches):
+    """The model's own `save_pretrained` and (a PeftModel's) `load_adapter`, overridden on the instance."""
+
+    def install(self, owner: Any, model: Any) -> None:
+        self.set(model, "save_pretrained", functools.partial(_save_with_config, owner))
+        if is_peft_model(model):
+            self.set(model, "load_adapter", _LoadAdapterWithConfig(owner))
+
+    uninstall = InstancePatches.undo

@@ -1,6 +1,9 @@
-"""Files that are whole or absent: atomic writes with the umask's permissions, strict JSON reads
-that name the file, fingerprints, fsync. Only regular files are opened for reading, checked
-without blocking: a FIFO or a device in a shared folder would make `open()` wait forever.
+"""Files that are whole or absent, and locks on them. Only regular files are opened, checked without
+blocking (a FIFO or device in a shared folder would make `open()` wait forever): atomic writes (the
+umask's permissions), strict JSON reads that name the file, fingerprints. Locks are `filelock`'s
+(flock; LockFileEx on Windows, shared ones taken exclusive) on a descriptor opened without following a
+link. A holder may remove the file on release (a shared one only as the last), so a waiter then locked
+on the removed file takes the one at the path. No write access or no native locks: the lock is not held.
 """
 
 from __future__ import annotations
@@ -9,34 +12,42 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import secrets
 import stat
+import time
 from typing import Any
 
-from ..errors import NotSavedError, SavedFileError
+import filelock
+
+from ..errors import LockFileError, NotSavedError, SavedFileError
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
+
+logger = logging.getLogger("remat")
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 MAX_JSON_DEPTH = 64  # remat's own files nest 4 levels; json raises RecursionError near 1000
-
-
-def not_regular(path: str, mode: int | None) -> SavedFileError:
-    """The error for a FIFO, a socket, a device, a folder or (not followed) a symlink where a file
-    is expected: remat does not open it."""
-    return SavedFileError(f"{path} is {_kind(mode)}, not a regular file; remat reads only regular files (remove it)")
-
-
+_FIX = "; correct the file, or save again"
 _KINDS = {stat.S_IFDIR: "a folder", stat.S_IFIFO: "a FIFO (named pipe)", stat.S_IFSOCK: "a socket"}
 _KINDS |= {stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device", stat.S_IFLNK: "a symlink"}
+_POLL_SECONDS = 0.005
+_warned_no_locks = False
+# flock's answers where the file system has no locks (ENOLCK: NFSv3 without lockd; EINVAL: FUSE)
+_NO_NATIVE_LOCKS = {errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL}
+_NOT_A_FILE = "not a regular file where remat's lock file goes"
 
 
-def _kind(mode: int | None) -> str:
-    return "a symlink" if mode is None else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
-
-
-_FIX = "; correct the file, or save again"
+def _not_regular(path: str, mode: int | None) -> SavedFileError:
+    """The error for anything but a regular file (`mode` None: a symlink not followed)."""
+    kind = "a symlink" if mode is None else _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    return SavedFileError(f"{path} is {kind}, not a regular file; remat reads only regular files (remove it)")
 
 
 def open_regular(path: str, *, follow_links: bool = True) -> int:
@@ -44,55 +55,53 @@ def open_regular(path: str, *, follow_links: bool = True) -> int:
     a `SavedFileError` for anything else (a symlink too, unless `follow_links`)."""
     info = os.stat(path) if follow_links else os.lstat(path)
     if not stat.S_ISREG(info.st_mode):
-        raise not_regular(path, info.st_mode)
+        raise _not_regular(path, info.st_mode)
     try:
         fd = os.open(path, os.O_RDONLY | NONBLOCK | CLOEXEC | (0 if follow_links else NOFOLLOW))
     except OSError as err:
         if err.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # replaced since the stat
-            raise not_regular(path, None if err.errno == errno.ELOOP else 0) from None
+            raise _not_regular(path, None if err.errno == errno.ELOOP else 0) from None
         raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):  # replaced between the stat and the open
+    if not stat.S_ISREG(mode := os.fstat(fd).st_mode):  # replaced between the stat and the open
         os.close(fd)
-        raise not_regular(path, mode)
+        raise _not_regular(path, mode)
     return fd
 
 
-def read_regular(path: str, *, follow_links: bool = True) -> bytes:
-    with os.fdopen(open_regular(path, follow_links=follow_links), "rb") as handle:
-        return handle.read()
-
-
-def parse_json(data: bytes | str, name: str) -> Any:
-    """The JSON value in `data`, or a ValueError naming `name` (never a RecursionError)."""
+def json_object(data: bytes, name: str) -> dict[str, Any]:
+    """The JSON object in `data`, or a `SavedFileError` naming `name` (never a RecursionError)."""
+    if not data.strip():
+        raise SavedFileError(f"{name}: the file is empty{_FIX}")
     try:
-        text = data.decode("utf-8") if isinstance(data, bytes) else data
-        value = json.loads(text)
+        value = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError as err:
         raise SavedFileError(f"{name}: not UTF-8 text ({err}){_FIX}") from None
     except json.JSONDecodeError as err:
         raise SavedFileError(f"{name}: not valid JSON ({err}){_FIX}") from None
     except RecursionError:
         raise SavedFileError(f"{name}: nested too deeply to be a file remat wrote{_FIX}") from None
-    if _depth_beyond(value, MAX_JSON_DEPTH):
-        raise SavedFileError(
-            f"{name}: nested more than {MAX_JSON_DEPTH} levels deep, which no file remat writes is{_FIX}"
-        )
+    stack = [(value, 1)]  # walked without recursion
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise SavedFileError(
+                    f"{name}: nested more than {MAX_JSON_DEPTH} levels deep, which no file remat writes is{_FIX}"
+                )
+            stack += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
+    if not isinstance(value, dict):
+        raise SavedFileError(f"{name}: expected a JSON object, got {type(value).__name__}{_FIX}")
     return value
 
 
-def _depth_beyond(value: Any, limit: int) -> bool:
-    """Whether `value` nests more than `limit` deep (walked without recursion)."""
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
-        for child in children:
-            if isinstance(child, (dict, list)):
-                if depth + 1 > limit:
-                    return True
-                stack.append((child, depth + 1))
-    return False
+def read_json_object(path: str, *, follow_links: bool = True) -> dict[str, Any]:
+    """The JSON object in the regular file `path`, or an error naming the file."""
+    try:
+        fd = open_regular(path, follow_links=follow_links)
+    except FileNotFoundError:
+        raise NotSavedError(f"no checkpoint config at {path}; save one with save_pretrained") from None
+    with os.fdopen(fd, "rb") as handle:
+        return json_object(handle.read(), path)
 
 
 def write_file_atomically(path: str, text: str) -> None:
@@ -113,39 +122,12 @@ def write_file_atomically(path: str, text: str) -> None:
     fsync_folder(folder)
 
 
-def read_json_object(path: str, name: str | None = None) -> dict[str, Any]:
-    """The JSON object in `path`, or an error naming the file (as `name`, if given)."""
-    name = name or path
-    try:
-        data = read_regular(path)
-    except FileNotFoundError:
-        raise NotSavedError(f"no checkpoint config at {name}; save one with save_pretrained") from None
-    return json_object(data, name)
-
-
-def json_object(data: bytes, name: str) -> dict[str, Any]:
-    if not data.strip():
-        raise SavedFileError(f"{name}: the file is empty{_FIX}")
-    data = parse_json(data, name)
-    if not isinstance(data, dict):
-        raise SavedFileError(f"{name}: expected a JSON object, got {type(data).__name__}{_FIX}")
-    return data
-
-
 def sha256_file(path: str) -> str:
     digest = hashlib.sha256()
     with os.fdopen(open_regular(path), "rb") as handle:
         for block in iter(lambda: handle.read(1 << 22), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def fsync_file(path: str) -> None:
-    fd = open_regular(path)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fsync_folder(path: str) -> None:
@@ -155,3 +137,106 @@ def fsync_folder(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _open_lock_file(path: str) -> int:
+    """A descriptor on the lock file, made if missing; read-only if another account made it
+    (flock locks it all the same, so two accounts sharing a folder still take turns)."""
+    flags = NOFOLLOW | CLOEXEC | NONBLOCK
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o666)
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM):
+            raise
+        try:
+            fd = os.open(path, os.O_RDONLY | flags)
+        except FileNotFoundError:  # none there, and none can be made here: no lock to take
+            raise err from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced by something else since the lstat
+        os.close(fd)
+        raise LockFileError(errno.EINVAL, _NOT_A_FILE, path)
+    return fd
+
+
+def _lock_descriptor(fd: int, *, shared: bool, wait: bool) -> bool:
+    if not shared or fcntl is None:
+        return filelock.lock_descriptor(fd, blocking=wait, poll_interval=_POLL_SECONDS)
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return True
+        except OSError as err:
+            if err.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                raise
+        if not wait:
+            return False
+        time.sleep(_POLL_SECONDS)
+
+
+class Lock:
+    """A held lock on a file (`fd` None: none could be taken). `remove`: the holder deletes the
+    file before letting go."""
+
+    def __init__(self, fd: int | None, path: str, remove: bool, shared: bool = False):
+        self.fd, self.path, self.remove, self.shared = fd, path, remove, shared
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
+    def __enter__(self) -> Lock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        fd, self.fd = self.fd, None
+        try:  # a shared holder removes the file only if its lock turns exclusive at once (it is the last)
+            with contextlib.suppress(OSError):  # gone already; or Windows, which keeps an open file
+                if self.remove and (not self.shared or filelock.lock_descriptor(fd, blocking=False)):
+                    os.unlink(self.path)
+        finally:
+            with contextlib.suppress(OSError):
+                filelock.unlock_descriptor(fd)
+            os.close(fd)
+
+
+def take_lock(path: str, *, wait: bool, remove: bool, shared: bool = False) -> Lock | None:
+    """The lock on `path` (made if missing), or None if `wait` is False and another holds it."""
+    global _warned_no_locks
+    while True:
+        with contextlib.suppress(FileNotFoundError):
+            if not stat.S_ISREG(mode := os.lstat(path).st_mode):
+                kind = "a symlink" if stat.S_ISLNK(mode) else "not a regular file"
+                raise LockFileError(errno.ELOOP, f"{kind} where remat's lock file goes", path)
+        try:
+            fd = _open_lock_file(path)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):  # replaced since the lstat
+                raise LockFileError(err.errno, _NOT_A_FILE, path) from None
+            if err.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                return Lock(None, path, remove, shared)
+            raise
+        try:
+            got = _lock_descriptor(fd, shared=shared, wait=wait)
+        except OSError as err:
+            os.close(fd)
+            if err.errno not in _NO_NATIVE_LOCKS:
+                raise
+            if not _warned_no_locks:
+                _warned_no_locks = True
+                logger.warning("no file locks here: saves into one folder from several processes are not ordered")
+            return Lock(None, path, remove, shared)
+        if not got:
+            os.close(fd)
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                return Lock(fd, path, remove, shared)
+        # The holder before us deleted the file we locked: take the one at the path now.
+        with contextlib.suppress(OSError):
+            filelock.unlock_descriptor(fd)
+        os.close(fd)

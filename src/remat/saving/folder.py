@@ -1,51 +1,17 @@
-"""A folder is a transaction: saves commit whole, in order; loads read one whole save.
+"""A folder is a transaction: saves commit whole, in order; loads read one whole save (the README's
+"Saving, loading, Trainer" says what that promises). Files, not models: every save goes through
+`save_pair`, every load through `read_pair`.
 
-It knows files, not models, so that every save (`cm.save_pretrained`, a Trainer / TRL checkpoint,
-`CheckpointConfig.save_pretrained`) goes through `save_pair` and every load (`from_pretrained`,
-`load_adapter` on Trainer resume, `CheckpointConfig.from_pretrained`) through `read_pair`.
-
-A save writes only its own files into the folder it is given, and never deletes or moves
-anything else there (a training log, `checkpoint-500/`, the user's README), except the stale
-weight shards that transformers' own `save_pretrained` would have removed there (see
-`save_pair`'s `remove`):
-
-1. every file of the save is written into a staging folder inside the target folder
-   (`.remat-staging-<random>/`, whose `LOCK` its writer holds), so the renames stay on one
-   file system; `checkpoint_config.json` is written last;
-2. under the folder's lock (`.remat-lock`, held only for this step), crashed saves are finished
-   or dropped (recovery), a manifest (`COMMIT`) naming the files and the state of the files
-   they replace is written, and each file is renamed into place; the staging folder goes.
-
-A load takes the same lock, shared (loads read side by side; a commit waits until they are
-done, and they wait for a commit), recovers, opens the files it needs in place (the config
-first, then the files it names; regular files only, checked without blocking), checks them
-(fingerprints) and, still holding the lock, lets PEFT read them from the folder; then it lets
-go. Nothing is copied: a load writes nothing anywhere (the system's temporary folder may be
-full, read-only or missing), and a load killed at any moment leaves nothing behind but, until
-the next save or load, the folder's lock file. So every load returns one whole save, the save
-that commits last wins whole, and a load waits for one commit at most (a commit waits for the
-loads already reading).
-
-A crash before the manifest leaves the folder untouched (the staging folder is dropped by the
-next save or load); a crash after it is finished by the next save or load ("rolled forward")
-unless a newer save has written those files since. A staging folder whose writer still holds
-its `LOCK` is left alone. Recovery never leaves the folder: it follows no symlink (a staging
-folder, a `LOCK`, a manifest or a manifest entry that is a link makes the staging folder one
-remat did not write: it is dropped), never opens anything but a regular file (a FIFO, socket,
-device or folder where remat's `LOCK`, manifest or a file it names goes drops the staging
-folder: nothing in a folder can make a save or load wait), and a manifest that is missing,
-unreadable, nested too deep or has missing or mistyped fields is an unfinished save: dropped
-with one warning. A staging folder a live writer is still filling is never reported: it is made
-and locked under the folder's lock, so recovery (which holds that lock) finds it locked; one
-with nothing written in it (its writer died at once) is removed without a word.
-
-Files get the permissions any file the process creates gets (the umask), like PEFT's own.
-
-What the lock promises (`flock` / `LockFileEx` through `filelock`; on network file systems only
-where locks pass between machines) is the README's "What the lock promises". Where the folder
-cannot be written a load takes no lock: it reads, checks, and reads again if a commit came in
-between (`FolderChangedError` when PEFT's read overlapped one). Without native locks saves and loads
-go on unlocked (one warning says so).
+A save writes its files into a staging folder inside the target (`.remat-staging-<random>/`, so
+renames stay on one file system; made and its `LOCK` taken under the folder's lock, so recovery
+never takes a live writer for a dead one), the config last. Then, under the folder's lock
+(`.remat-lock`, held for this step only), crashed saves are recovered, a manifest (`COMMIT`) names
+the files and the state of those they replace, and each is renamed into place: a crash before the
+manifest leaves the folder as it was, after it recovery finishes the commit unless a newer save
+overtook it. A load takes the lock shared, recovers, and checks the files in place where PEFT then
+reads them, still under the lock; unlocked (a folder it cannot write) it reads again if a commit
+came in between. Recovery never leaves the folder: a link or anything but a regular file where a
+`LOCK`, manifest or manifest entry goes, or a malformed manifest, drops that staging folder.
 """
 
 from __future__ import annotations
@@ -54,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import stat
 import tempfile
@@ -63,9 +30,8 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..errors import FolderChangedError, LockFileError
-from .files import fsync_file, fsync_folder, json_object, open_regular, parse_json, read_regular, write_file_atomically
-from .locks import Lock
-from .locks import take_lock as _take_lock
+from .files import Lock, fsync_folder, json_object, open_regular, read_json_object, write_file_atomically
+from .files import take_lock as _take_lock
 
 logger = logging.getLogger("remat")
 
@@ -77,6 +43,7 @@ _STAGING_LOCK = "LOCK"
 _OURS = (_MANIFEST, _STAGING_LOCK, FOLDER_LOCK)
 _READ_ATTEMPTS = 50  # unlocked loads only: how often a load reads again after a commit came in between
 _UNLOCKED_STALE_SECONDS = 600.0  # without native locks, recovery drops only staging folders this old
+_SHARD_LIKE = re.compile(r"-\d{5}-of-\d{5}")  # transformers only ever removes such files
 
 
 def _take_folder_lock(folder: str, *, shared: bool = False) -> Lock:
@@ -98,8 +65,7 @@ def _take_folder_lock(folder: str, *, shared: bool = False) -> Lock:
 
 @contextlib.contextmanager
 def _reading_lock(folder: str) -> Iterator[Lock]:
-    """The folder's shared lock for one load, or its exclusive lock if a crashed commit had to
-    be finished first (then the load reads under that)."""
+    """The folder's shared lock for one load; exclusive if a crashed commit had to be finished first."""
     lock = _take_folder_lock(folder, shared=True)
     try:
         if lock.held and _recover(folder, exclusive=False):
@@ -117,24 +83,21 @@ _live: set[str] = set()  # this process's staging folders, from creation to comm
 
 
 def is_staging(path: str | os.PathLike) -> bool:
-    """Whether this thread is writing the staging folder `path` (a save inside a save, e.g. the
-    model's `save_pretrained` inside a Trainer checkpoint, writes in place)."""
+    """Whether this thread writes the staging folder `path` (a save inside one, as in a Trainer checkpoint)."""
     return os.path.abspath(os.fspath(path)) in getattr(_writing, "folders", set())
 
 
 def save_pair(
     target: str | os.PathLike,
     config_text: Callable[[str], str],
-    write: Callable[[str], Iterable[str] | None] | None = None,
+    write: Callable[[str], object] | None = None,
     *,
-    keep: Iterable[str] = (),
-    remove: Callable[[], Iterable[str]] | None = None,
+    keep: tuple[str, ...] = (),
+    stale_shards: bool = False,
 ) -> list[str]:
-    """The one save: `write(staging)` writes the save's files and returns those to commit in
-    order (None: all it wrote), `config_text(staging)` returns `checkpoint_config.json`; then all
-    is committed into `target`. Files in `keep` that `target` has are not replaced (the user's
-    README.md). `remove()` names earlier files to delete once committed, under the same lock
-    (`stale_shards`). Returns the relative paths committed."""
+    """The one save: `write(staging)` writes the files, `config_text(staging)` returns the config; all is
+    committed into `target`, but for the files in `keep` it has (the user's README.md). `stale_shards`:
+    `write` is transformers' save of a full model, whose clean-up `target` gets. Returns the paths committed."""
     target = os.path.abspath(os.fspath(target))
     os.makedirs(target, exist_ok=True)
     staging, staging_lock = _new_staging(target)
@@ -143,25 +106,25 @@ def save_pair(
         folders = _writing.__dict__.setdefault("folders", set())
         folders.add(staging)
         try:
-            order = write(staging) if write is not None else None
+            with _shard_stand_ins(staging) if stale_shards else contextlib.nullcontext([]) as replaced:
+                if write is not None:
+                    write(staging)
             write_file_atomically(os.path.join(staging, CONFIG_NAME), config_text(staging))
         finally:
             folders.discard(staging)
-        files = [f for f in (order if order is not None else _files_under(staging)) if f != CONFIG_NAME]
-        files.append(CONFIG_NAME)
+        files = [f for f in _files_under(staging) if f != CONFIG_NAME] + [CONFIG_NAME]
         for relative in files:
-            fsync_file(os.path.join(staging, relative))
+            with os.fdopen(open_regular(os.path.join(staging, relative)), "rb") as handle:
+                os.fsync(handle.fileno())
         with _take_folder_lock(target):
             _recover(target)
-            kept = set(keep)
-            files = [f for f in files if not (f in kept and os.path.lexists(os.path.join(target, f)))]
+            files = [f for f in files if not (f in keep and os.path.lexists(os.path.join(target, f)))]
             # recovery finishes this commit only if nothing newer replaced those files since
             manifest = [{"path": f, "replaces": _state(os.path.join(target, f))} for f in files]
             write_file_atomically(os.path.join(staging, _MANIFEST), json.dumps({"files": manifest}))
             committing = True  # from here on an interruption is finished by recovery
             _commit(staging, target, files)
-            if remove is not None:
-                _remove_replaced(target, remove(), set(files))
+            _remove_replaced(target, replaced, set(files))
     except BaseException:
         if not committing:
             shutil.rmtree(staging, ignore_errors=True)
@@ -184,23 +147,18 @@ def _commit(staging: str, target: str, files: list[str]) -> None:
     shutil.rmtree(staging, ignore_errors=True)  # the manifest, the lock and what was not committed
 
 
-def _remove_replaced(target: str, names: Iterable[str], committed: set[str]) -> None:
-    """Remove files of earlier saves from the top of `target` (never one just committed, a
-    folder, or remat's own); one that cannot be removed stays, with a warning."""
-    removed = False
-    for name in names:
+def _remove_replaced(target: str, names: list[str], committed: set[str]) -> None:
+    """Remove the earlier save's files `names` from `target` (never one just committed, nor a folder)."""
+    for name in sorted(set(names) - committed):
         path = os.path.join(target, name)
-        if name in committed or os.sep in name or name.startswith(STAGING_PREFIX) or name in _OURS:
-            continue
         try:
             if not stat.S_ISDIR(os.lstat(path).st_mode):
                 os.unlink(path)
-                removed = True
         except FileNotFoundError:
             continue
         except OSError as err:
             logger.warning("%s: could not remove %s, a file of an earlier save (%s)", target, name, err)
-    if removed:
+    if names:
         fsync_folder(target)
 
 
@@ -210,19 +168,15 @@ def _rename(source: str, destination: str) -> None:
 
 
 def _new_staging(target: str, attempts: int = 10) -> tuple[str, Lock]:
-    """A new staging folder in `target` and its lock, made and locked under the folder's lock, so
-    that no recovery ever sees it unlocked (unlocked: its writer died)."""
+    """A new staging folder in `target` and its lock, both made under the folder's lock (see above)."""
     for _ in range(attempts):
         with _take_folder_lock(target):
             staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=target)
             _live.add(staging)
-            try:
+            with contextlib.suppress(FileNotFoundError):  # removed before its lock file was made: again
                 lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=True, remove=False)
-            except FileNotFoundError:
-                _live.discard(staging)
-                continue  # removed before its lock file was made
-        if lock is not None and (lock.held or os.path.isdir(staging)):
-            return staging, lock
+                if lock is not None and (lock.held or os.path.isdir(staging)):
+                    return staging, lock
         _live.discard(staging)
     raise OSError(f"{target}: could not make a staging folder for the save (other processes removed {attempts})")
 
@@ -237,24 +191,22 @@ def _files_under(folder: str) -> list[str]:
 
 def _state(path: str) -> list[int] | None:
     """Size and modification time, to tell later whether the file was rewritten."""
-    try:
-        return list(_version(os.lstat(path)))
-    except FileNotFoundError:
-        return None
+    with contextlib.suppress(FileNotFoundError):
+        return _version(os.lstat(path))
+    return None
 
 
-def _version(info: os.stat_result) -> tuple[int, int]:
-    return info.st_size, info.st_mtime_ns
+def _version(info: os.stat_result) -> list[int]:
+    return [info.st_size, info.st_mtime_ns]
 
 
 def recover(target: str | os.PathLike) -> None:
     """Finish or drop what crashed saves left in `target` (no lock without staging folders)."""
     target = os.path.abspath(os.fspath(target))
-    if not os.path.isdir(target) or not any(n.startswith(STAGING_PREFIX) for n in os.listdir(target)):
-        return
-    with _take_folder_lock(target) as lock:
-        if lock.held:
-            _recover(target)
+    if os.path.isdir(target) and any(n.startswith(STAGING_PREFIX) for n in os.listdir(target)):
+        with _take_folder_lock(target) as lock:
+            if lock.held:
+                _recover(target)
 
 
 def _recover(target: str, *, exclusive: bool = True) -> bool:
@@ -262,39 +214,28 @@ def _recover(target: str, *, exclusive: bool = True) -> bool:
     folders are dropped; a crashed commit to finish returns True, to recover again exclusive."""
     for name in sorted(os.listdir(target)):
         staging = os.path.join(target, name)
-        if not name.startswith(STAGING_PREFIX) or os.path.islink(staging) or not os.path.isdir(staging):
-            continue  # not a staging folder remat made (a link is left alone, never followed)
-        if staging in _live:
-            continue  # this process is writing it
+        made_by_remat = name.startswith(STAGING_PREFIX) and not os.path.islink(staging) and os.path.isdir(staging)
+        if not made_by_remat or staging in _live:
+            continue  # not a staging folder remat made (a link is never followed), or one this process writes
         try:
-            inside = os.listdir(staging)
+            empty = set(os.listdir(staging)) <= {_STAGING_LOCK}
             age = time.time() - os.lstat(staging).st_mtime
-        except OSError:
-            continue  # removed meanwhile (another load's recovery), or not ours to read
-        empty = not [n for n in inside if n != _STAGING_LOCK]
-        try:
             lock = _take_lock(os.path.join(staging, _STAGING_LOCK), wait=False, remove=False)
         except LockFileError:
             logger.warning("%s: dropping %s, which remat did not write (its LOCK is not a regular file)", target, name)
             shutil.rmtree(staging, ignore_errors=True)
             continue
         except OSError:
-            continue  # it cannot be locked from here (another account's), or is being removed: leave it
-        if lock is None:
-            continue  # its writer is alive
-        if not lock.held and age < _UNLOCKED_STALE_SECONDS:
-            continue  # no native locks: it may be a live writer's
-        try:
+            continue  # removed meanwhile (another recovery), or another account's, which cannot be locked here
+        if lock is None or (not lock.held and age < _UNLOCKED_STALE_SECONDS):
+            continue  # its writer is alive (without native locks: may be, unless it is this old)
+        with lock:
+            entries = [] if empty else _read_manifest(staging, target)
+            remaining = [e for e in entries or () if os.path.lexists(os.path.join(staging, e["path"]))]
             if empty:
                 logger.debug("%s: removing %s, a save that crashed before writing anything", target, name)
-                shutil.rmtree(staging, ignore_errors=True)
-                continue
-            entries = _read_manifest(staging, target)
-            remaining = [e for e in entries or () if os.path.lexists(os.path.join(staging, e["path"]))]
-            if entries is None:
-                logger.warning(
-                    "%s: dropping %s, a save that did not finish (no complete, well-formed manifest)", target, name
-                )
+            elif entries is None:
+                logger.warning("%s: dropping %s, a save that did not finish (no well-formed manifest)", target, name)
             elif any(_state(os.path.join(target, e["path"])) != e["replaces"] for e in remaining):
                 logger.warning("%s: a newer save overtook an interrupted one (%s); dropping the older", target, name)
             elif not exclusive:
@@ -304,74 +245,59 @@ def _recover(target: str, *, exclusive: bool = True) -> bool:
                 _commit(staging, target, [e["path"] for e in remaining])
                 continue
             shutil.rmtree(staging, ignore_errors=True)
-        finally:
-            lock.release()
     return False
 
 
 def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
-    """The manifest's entries, or None if there is none or it is not one remat wrote (a link,
-    not JSON, a field missing or mistyped, a path leaving either folder or through a link)."""
+    """The manifest's entries, or None if there is none or it is not one remat wrote."""
     try:
-        data = parse_json(read_regular(os.path.join(staging, _MANIFEST), follow_links=False), _MANIFEST)
-    except (OSError, ValueError):
+        entries = read_json_object(os.path.join(staging, _MANIFEST), follow_links=False)["files"]
+    except (OSError, ValueError, KeyError):
         return None
-    entries = data.get("files") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
+    if not isinstance(entries, list) or not all(_well_formed(entry, staging, target) for entry in entries):
         return None
-    roots = {staging: os.path.realpath(staging), target: os.path.realpath(target)}
-    for entry in entries:
-        if not isinstance(entry, dict) or set(entry) != {"path", "replaces"}:
-            return None
-        path, replaces = entry["path"], entry["replaces"]
-        if replaces is not None and not (
-            isinstance(replaces, list)
-            and len(replaces) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in replaces)
-        ):
-            return None
-        if not isinstance(path, str) or not path or os.path.isabs(path) or os.path.normpath(path) != path:
-            return None
-        parts = path.split(os.sep)
-        if ".." in parts or parts[0].startswith(STAGING_PREFIX) or parts[-1] in _OURS:
-            return None
-        for root, real in roots.items():
-            parent = os.path.realpath(os.path.dirname(os.path.join(root, path)))
-            if parent != real and not parent.startswith(real + os.sep):
-                return None
-        with contextlib.suppress(FileNotFoundError):  # a file already moved is fine
-            if not stat.S_ISREG(os.lstat(os.path.join(staging, path)).st_mode):
-                return None
-        if not _can_land(target, path):
-            return None
     return entries
 
 
-def _can_land(target: str, path: str) -> bool:
-    """Whether a file can be renamed to `path` in `target` (else the commit would fail at every
-    recovery, and the folder could never be loaded or saved again)."""
+def _well_formed(entry: Any, staging: str, target: str) -> bool:
+    """Whether a manifest entry is one remat writes: a path leaving neither folder (nor through a link)
+    to a regular file that can land (else every recovery would fail on it, and the folder with it)."""
+    if not isinstance(entry, dict) or set(entry) != {"path", "replaces"}:
+        return False
+    path, replaces = entry["path"], entry["replaces"]
+    if replaces is not None and not (isinstance(replaces, list) and [type(v) for v in replaces] == [int, int]):
+        return False
+    if not isinstance(path, str) or not path or os.path.isabs(path) or os.path.normpath(path) != path:
+        return False
     parts = path.split(os.sep)
-    for depth in range(1, len(parts) + 1):
+    if ".." in parts or parts[0].startswith(STAGING_PREFIX) or parts[-1] in _OURS:
+        return False
+    for root in (staging, target):
+        real, parent = os.path.realpath(root), os.path.realpath(os.path.dirname(os.path.join(root, path)))
+        if parent != real and not parent.startswith(real + os.sep):
+            return False
+    with contextlib.suppress(FileNotFoundError):  # a file already moved is fine
+        if not stat.S_ISREG(os.lstat(os.path.join(staging, path)).st_mode):
+            return False
+    for depth in range(1, len(parts) + 1):  # in `target`, each parent a folder (or missing), the file none
         try:
             mode = os.lstat(os.path.join(target, *parts[:depth])).st_mode
         except FileNotFoundError:
             return True
-        if (depth < len(parts) and not stat.S_ISDIR(mode)) or (depth == len(parts) and stat.S_ISDIR(mode)):
+        if stat.S_ISDIR(mode) != (depth < len(parts)):
             return False
     return True
 
 
 class Snapshot:
-    """What one load read, in place: `config` (the parsed `checkpoint_config.json`, None if
-    absent), `locked` (read under the folder's lock) and the regular files it opened, held open
-    until the load ends."""
+    """What one load read, in place: `config` (the parsed `checkpoint_config.json`, None if absent),
+    `locked` (read under the folder's lock) and the regular files it opened, held open until the end."""
 
     def __init__(self, folder: str, locked: bool):
         self.folder, self.locked = folder, locked
         self.config: dict[str, Any] | None = None
         self._opened: dict[str, tuple[int, os.stat_result]] = {}
         self._absent: set[str] = set()
-        self._closed = False
 
     def path(self, relative: str) -> str:
         return os.path.join(self.folder, relative)
@@ -383,7 +309,7 @@ class Snapshot:
 
     def open(self, relative: str) -> int | None:
         """A descriptor on `relative` if it is a regular file (links followed, as PEFT does), None
-        if absent; anything else is a ValueError naming it (PEFT's `open()` could block on it)."""
+        if absent; anything else is an error naming it (PEFT's `open()` could block on it)."""
         if relative in self._opened:
             return self._opened[relative][0]
         if os.path.isabs(relative) or ".." in relative.split(os.sep) or relative in self._absent:
@@ -399,28 +325,20 @@ class Snapshot:
     def unchanged(self) -> None:
         """Raise `FolderChangedError` if a file read was replaced or rewritten since it was opened, or
         one that was absent appeared (a commit without the lock, another program)."""
-        if self._closed:
-            return
         for relative, (fd, before) in self._opened.items():
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 now = os.stat(self.path(relative))
-            except FileNotFoundError:
-                now = None
-            after = os.fstat(fd)
-            if now is None or not os.path.samestat(now, before) or _version(after) != _version(before):
-                raise FolderChangedError(
-                    f"{self.name(relative)} was replaced or rewritten while it was being loaded (a save without "
-                    "the folder's lock, or another program); load again"
-                )
-        for relative in self._absent:
-            if os.path.lexists(self.path(relative)):
-                raise FolderChangedError(
-                    f"{self.name(relative)} appeared while the folder was being loaded; load again"
-                )
+                if os.path.samestat(now, before) and _version(os.fstat(fd)) == _version(before):
+                    continue
+            raise FolderChangedError(
+                f"{self.path(relative)} was replaced or rewritten while it was being loaded (a save without "
+                "the folder's lock, or another program); load again"
+            )
+        if appeared := [r for r in self._absent if os.path.lexists(self.path(r))]:
+            raise FolderChangedError(f"{self.path(appeared[0])} appeared while the folder was being loaded; load again")
 
     def close(self) -> None:
-        self._closed = True
-        opened, self._opened = self._opened, {}
+        opened, self._opened, self._absent = self._opened, {}, set()
         for fd, _ in opened.values():
             os.close(fd)
 
@@ -431,41 +349,47 @@ def read_pair(
     files: Callable[[dict[str, Any] | None], Iterable[str]] = lambda config: (),
     verify: Callable[[Snapshot], Any] = lambda snapshot: None,
 ) -> Iterator[Snapshot]:
-    """The one load, in place: open `checkpoint_config.json` and the files `files(config)` names,
-    `verify(snapshot)`, and yield the snapshot with the lock still held, so PEFT reads inside
-    the `with` what was verified; checked unchanged on leaving. Unlocked, a `FolderChangedError`
-    before the yield reads again."""
+    """The one load, in place: open the config and the files `files(config)` names, `verify(snapshot)`,
+    and yield the snapshot with the lock still held, so PEFT reads inside the `with` what was verified;
+    checked unchanged on leaving. Unlocked, a `FolderChangedError` before the yield reads again."""
     folder = os.path.abspath(os.fspath(folder))
     for attempt in range(1, _READ_ATTEMPTS + 1):
-        with _reading_lock(folder) as lock:
-            snapshot = Snapshot(folder, lock.held)
+        with _reading_lock(folder) as lock, contextlib.closing(Snapshot(folder, lock.held)) as snapshot:
             try:
-                fd = snapshot.open(CONFIG_NAME)
-                if fd is not None:
-                    snapshot.config = json_object(_read_all(fd), snapshot.name(CONFIG_NAME))
+                if (fd := snapshot.open(CONFIG_NAME)) is not None:
+                    with os.fdopen(os.dup(fd), "rb") as handle:  # the descriptor's offset is still 0
+                        snapshot.config = json_object(handle.read(), snapshot.path(CONFIG_NAME))
                 for relative in files(snapshot.config):
                     snapshot.open(relative)
                 verify(snapshot)
             except FolderChangedError:
-                snapshot.close()
                 if lock.held or attempt == _READ_ATTEMPTS:
                     raise
                 time.sleep(0.01 * attempt)
                 continue
-            except BaseException:
-                snapshot.close()
-                raise
-            try:
-                yield snapshot
-                snapshot.unchanged()
-            finally:
-                snapshot.close()
+            yield snapshot
+            snapshot.unchanged()
             return
 
 
-def _read_all(fd: int) -> bytes:
-    os.lseek(fd, 0, os.SEEK_SET)
-    chunks = []
-    while chunk := os.read(fd, 1 << 20):
-        chunks.append(chunk)
-    return b"".join(chunks)
+@contextlib.contextmanager
+def _shard_stand_ins(staging: str) -> Iterator[list[str]]:
+    """transformers' `save_pretrained` removes an earlier save's shards the new one does not rewrite;
+    staged, it would see an empty folder. So each shard of the target gets an empty stand-in: the list
+    yielded names, after the block, those transformers removed (to remove from the target once
+    committed); those it left go. The folder ends as transformers' own save would leave it."""
+    target, removed = os.path.dirname(staging), []
+    shards = [n for n in os.listdir(target) if _SHARD_LIKE.search(n) and not n.startswith(STAGING_PREFIX)]
+    shards = [n for n in shards if os.path.isfile(os.path.join(target, n))]
+    for name in shards:
+        open(os.path.join(staging, name), "xb").close()
+    try:
+        yield removed
+    finally:
+        removed += [n for n in shards if not os.path.lexists(os.path.join(staging, n))]
+        for name in shards:  # the stand-ins transformers left
+            path = os.path.join(staging, name)
+            with contextlib.suppress(FileNotFoundError):
+                info = os.lstat(path)
+                if info.st_size == 0 and stat.S_ISREG(info.st_mode):
+                    os.unlink(path)
