@@ -180,9 +180,14 @@ def test_saves_killed_at_random_moments_always_leave_a_loadable_pair(tmp_path):
     rng = random.Random(0)
     cm = _first_save(tmp_path / "out")
     seen = set()
-    for _ in range(25):
+    # 25 kills at random moments; then, on a machine too busy for a save in 0.3 s, longer lives
+    # until some child has committed a save (so the kills are known to have hit saves in flight)
+    waits = [rng.uniform(0.0, 0.3) for _ in range(25)] + [1.0 + k for k in range(8)]
+    for k, wait in enumerate(waits):
+        if k >= 25 and len(seen) > 1:
+            break
         pid = _save_forever_in_a_child(cm, tmp_path / "out")
-        time.sleep(rng.uniform(0.0, 0.3))
+        time.sleep(wait)
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         seen.add(_check_consistent(tmp_path / "out"))
