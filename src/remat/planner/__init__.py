@@ -5,24 +5,12 @@
     planned = profile.plan("20GiB", scope="step", tokens=8192)   # (scope="step" needs optimizer=)
     profile.frontier(); profile.plot()           # every undominated map; a matplotlib Figure
 
-Four rooms with one job each:
-
-- `measuring`: the training steps (bytes per layer and policy; the step's peak, in `peak`; time
-  as counted FLOPs times a measured rate, in `timing`), and putting the model back as it was.
-- `chooser`: a pure function of the measurements (no torch, no model): every undominated
-  combination of per-layer policies, the fastest one that fits a budget, the frontier.
-- `profile`: `Profile` (measurements + `plan` / `frontier` / `plot`) and `PlannedConfig`, the
-  `CheckpointConfig` a plan is, which remembers its prediction and prints it.
-- `state`: `ModelState`, the state of the model a profile holds for: a plan from a profile of
-  another state is refused (`StaleProfileError`, a ValueError naming what changed).
-
-The planner is handed the wrapper's controller (`remat.controller.Controller`), never the
-wrapper: data flows down from `remat.model`.
-
-What a plan promises: its predicted held activations (`planned.predicted_device_bytes`), and
-with `scope="step"` the peak of a whole step as `MemTracker` counts it (`predicted_peak_bytes`),
-match a measurement of the planned map within a few percent and fit the budget. How time is
-priced: `timing`; what profiling costs: `measuring` and the README.
+Rooms: `measuring` runs the steps and puts the model back (the step's peak in `peak`, time as
+counted FLOPs times a measured rate in `timing`); `chooser` is a pure function of the measurements;
+`profile` holds them (`Profile`, and `PlannedConfig`: a config that remembers its prediction);
+`state` refuses a plan for a model changed since (`StaleProfileError`). The planner is handed the
+wrapper's controller, never the wrapper. A plan's predicted held activations (with scope="step",
+its step's peak as `MemTracker` counts it) match a measurement within a few percent and fit the budget.
 """
 
 from __future__ import annotations
@@ -38,8 +26,7 @@ from .state import ModelState
 
 
 def profile_model(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions) -> Profile:
-    """Measure the controller's model on `batch` (see `remat.planner.measuring`) and return the
-    `Profile`. Refuses before any work what cannot be measured."""
+    """Measure the controller's model on `batch` (`remat.planner.measuring`), refusing first what cannot be."""
     batch = dict(batch)
     check_measurable(state, batch, options.loss_fn, "profile")
     config = state.config
@@ -53,8 +40,7 @@ def profile_model(state: Controlled, batch: Mapping[str, Any], options: ProfileO
 
 
 def _native_every_n() -> tuple[int, ...]:
-    """The `every_n_layers` transformers' own enable offers on this version (every layer only,
-    before 5.16): the native options `profile.plot()` marks."""
+    """The `every_n_layers` transformers' own enable offers here (only 1 before 5.16), as `plot()` marks them."""
     import inspect
 
     import transformers
