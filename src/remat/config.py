@@ -47,8 +47,8 @@ class FrozenPolicies(Mapping[int, str]):
 
     __slots__ = ("_items",)
 
-    def __init__(self, items: Mapping[int, str] | None = None):
-        object.__setattr__(self, "_items", dict(sorted((items or {}).items())))
+    def __init__(self, items: Mapping[int, str]):
+        object.__setattr__(self, "_items", dict(sorted(items.items())))
 
     def __getitem__(self, key: int) -> str:
         return self._items[key]
@@ -77,9 +77,9 @@ class FrozenPolicies(Mapping[int, str]):
         return (type(self), (dict(self._items),))
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigTypeError(f"CheckpointConfig.{name} must be True or False, got {value!r} ({type(value).__name__})")
+def _check_in(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"CheckpointConfig.{name} must be one of {allowed}, got {value!r}")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -167,19 +167,15 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _check_int("every_n_layers", self.every_n_layers, 1)
         _check_int("offload_min_bytes", self.offload_min_bytes, 0)
-        _check_bool("use_reentrant", self.use_reentrant)
-        _check_bool("preserve_rng_state", self.preserve_rng_state)
-        if self.swap_placement not in SWAP_PLACEMENTS:
-            raise ConfigError(
-                f"CheckpointConfig.swap_placement must be one of {SWAP_PLACEMENTS}, got {self.swap_placement!r}"
-            )
+        for name in ("use_reentrant", "preserve_rng_state"):
+            if not isinstance(value := getattr(self, name), bool):
+                raise ConfigTypeError(
+                    f"CheckpointConfig.{name} must be True or False, got {value!r} ({type(value).__name__})"
+                )
+        _check_in("swap_placement", self.swap_placement, SWAP_PLACEMENTS)
         object.__setattr__(self, "swap_layers", _validated_swap_layers(self.swap_layers))
         object.__setattr__(self, "layer_policies", _validated_layer_policies(self.layer_policies))
-        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
-            raise ConfigError(
-                f"CheckpointConfig.checkpoint_policy must be one of {CHECKPOINT_POLICIES}, "
-                f"got {self.checkpoint_policy!r}"
-            )
+        _check_in("checkpoint_policy", self.checkpoint_policy, CHECKPOINT_POLICIES)
         chosen = {self.checkpoint_policy, *self.layer_policies.values()}
         picky = sorted(name for name in chosen if _policy(name).needs_non_reentrant)
         if self.use_reentrant and picky:
@@ -221,14 +217,10 @@ class CheckpointConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values: lists for tuples, string keys for layer indices."""
-        out: dict[str, Any] = {}
-        for name in _FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, tuple):
-                value = list(value)
-            elif isinstance(value, Mapping):
-                value = {str(k): v for k, v in value.items()}
-            out[name] = value
+        out = {name: getattr(self, name) for name in _FIELDS}
+        swapped = self.swap_layers
+        out["swap_layers"] = list(swapped) if isinstance(swapped, tuple) else swapped
+        out["layer_policies"] = {str(k): v for k, v in self.layer_policies.items()}
         return out
 
     @classmethod
@@ -303,8 +295,7 @@ def _validated_layer_policies(value: Any) -> Mapping[int, str]:
     checked: dict[int, str] = {}
     for key, policy in value.items():
         index = _layer_index("layer_policies", key)
-        if policy not in POLICIES:
-            raise ConfigError(f"CheckpointConfig.layer_policies[{index}] must be one of {POLICIES}, got {policy!r}")
+        _check_in(f"layer_policies[{index}]", policy, POLICIES)
         if index in checked:
             raise ConfigError(f"CheckpointConfig.layer_policies names layer {index} twice; name it once")
         checked[index] = policy

@@ -1,16 +1,10 @@
-"""The planner: measure a profile once, then choose maps for any budget without running the model.
+"""The planner: measure a profile once (`cm.profile(batch)`), then choose maps for any budget
+without running the model (`profile.plan("6GiB")`, `.frontier()`, `.plot()`).
 
-    profile = cm.profile(batch)                  # a few training steps, with a progress bar
-    planned = profile.plan("6GiB")               # the fastest map whose held activations fit
-    planned = profile.plan("20GiB", scope="step", tokens=8192)   # (scope="step" needs optimizer=)
-    profile.frontier(); profile.plot()           # every undominated map; a matplotlib Figure
-
-Rooms: `measuring` runs the steps and puts the model back (the step's peak in `peak`, time as
-counted FLOPs times a measured rate in `timing`); `chooser` is a pure function of the measurements;
-`profile` holds them (`Profile`, and `PlannedConfig`: a config that remembers its prediction);
-`state` refuses a plan for a model changed since (`StaleProfileError`). The planner is handed the
-wrapper's controller, never the wrapper. A plan's predicted held activations (with scope="step",
-its step's peak as `MemTracker` counts it) match a measurement within a few percent and fit the budget.
+`measuring` runs the steps and puts the model back (the step's peak in `peak`, time as counted
+FLOPs times a measured rate in `timing`); `chooser` is a pure function of the measurements;
+`profile` holds them (`Profile`, `PlannedConfig`); `state` refuses a plan for a model changed since.
+The planner is handed the wrapper's controller, never the wrapper: data flows down.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .chooser import LayerChoice, Measurements, Outside, Plan, StepMemory
+from .chooser import LayerChoice, Measurements
 from .measuring import Controlled, ProfileOptions, check_measurable, measure
 from .profile import PlannedConfig, Profile
 from .state import ModelState
@@ -52,15 +46,4 @@ def _native_every_n() -> tuple[int, ...]:
     return (1, 2, 3, 4) if takes else (1,)
 
 
-__all__ = [
-    "LayerChoice",
-    "Measurements",
-    "ModelState",
-    "Outside",
-    "Plan",
-    "PlannedConfig",
-    "Profile",
-    "ProfileOptions",
-    "StepMemory",
-    "profile_model",
-]
+__all__ = ["LayerChoice", "Measurements", "ModelState", "PlannedConfig", "Profile", "ProfileOptions", "profile_model"]

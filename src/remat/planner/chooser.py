@@ -1,9 +1,9 @@
 """Choosing a map from measurements: a pure function (no torch, no model), tested with hand-made ones.
 
-A map's bytes and seconds are sums over its layers' (`Measurements`), with one exact correction:
-with offload, the input of the last checkpointed layer stays on the device (backward needs it
-first). Layer by layer the chooser keeps every combination no other beats in both bytes and time
-(with what it may still owe for that correction kept apart), then picks the fastest that fits.
+A map's bytes and seconds are sums over its layers, with one exact correction: with offload, the
+input of the last checkpointed layer stays on the device (backward needs it first). Layer by
+layer the chooser keeps every combination no other beats in both bytes and time (what it may
+still owe for that correction kept apart), then picks the fastest that fits.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ..arguments import parse_count
 from ..errors import ConfigError
 from ..policies import LayerProfile, policy
 
@@ -33,11 +34,9 @@ class Outside(NamedTuple):
 
 @dataclass(frozen=True)
 class StepMemory:
-    """What a whole step needs besides the held activations (weights, gradients, optimizer state,
-    backward's and the optimizer's moments), as `MemTracker` counts it: `peak - held`, by (the last
-    layer's policy, whether any layer is checkpointed). The peak comes early in backward, at the
-    head and the last layer, so the rest of the map does not change it (measured on Llama and
-    Qwen3: equal to the byte for every map with the same key)."""
+    """What a whole step needs besides the held activations, as `MemTracker` counts it (`peak -
+    held`), by (the last layer's policy, whether any layer is checkpointed): the peak comes early
+    in backward, so the rest of the map does not change it (on Llama and Qwen3, to the byte)."""
 
     extras: Mapping[tuple[str, bool], int]
 
@@ -49,11 +48,10 @@ class StepMemory:
 
 @dataclass(frozen=True)
 class TimePrices:
-    """What a layer's seconds were made of (`remat.planner.timing`): counts per layer of what a
-    recompute and what "selective" repeat (FLOPs, and `work`: FLOPs plus other ops' bytes and
-    launches at the device's balance; None where selective was not counted); one rate (seconds
-    per unit of work, the median of `samples` timed calls, with its quartiles); the quartiles of
-    the step with nothing recomputed over `steps` steps: the spread a prediction is shown with."""
+    """What a layer's seconds were made of (`remat.planner.timing`): per layer, the FLOPs and the
+    `work` (FLOPs plus other ops' bytes and launches at the device's balance) a recompute and
+    "selective" repeat (None: selective not counted); one rate per unit of work (the median of
+    `samples` timed calls) and its quartiles, and those of the plain step over `steps` steps."""
 
     flops: tuple[int, ...]
     selective_flops: tuple[int, ...] | None
@@ -93,41 +91,35 @@ class TimePrices:
             f"time: {rate * 1e12:.3g} ms per GFLOP of a layer's forward (bytes and op launches counted as FLOPs; "
             f"half the {self.samples} timed layer calls between {low * 1e12:.3g} and {high * 1e12:.3g})"
         )
-        if self.selective_share is not None:
-            text += f"; selective costs {self.selective_share:.2f} of a recompute"
-        return text
+        share = self.selective_share
+        return text if share is None else f"{text}; selective costs {share:.2f} of a recompute"
 
 
 @dataclass(frozen=True)
 class Measurements:
-    """Everything the chooser needs, measured on one batch of `tokens` tokens. `alone` is what each
-    layer holds when none is checkpointed (transformers 4.57 keeps more in a "none" layer while
-    another is checkpointed, so that map is priced by its own run); `step` what a whole step needs
-    besides (for `scope="step"`)."""
+    """Everything the chooser needs, measured on one batch of `tokens` tokens."""
 
     layers: tuple[LayerProfile, ...]
     names: tuple[str, ...]
     options: tuple[tuple[str, ...], ...]  # the policies each layer may take
     outside: Outside
-    alone: tuple[tuple[int, int], ...] | None  # per layer, held with nothing checkpointed; None: not offered
+    # per layer, held with nothing checkpointed (transformers 4.57 keeps more in a "none" layer
+    # while another is checkpointed, so that map is priced by its own run); None: not offered
+    alone: tuple[tuple[int, int], ...] | None
     base_seconds: float  # the step with nothing recomputed
     tokens: int
-    step: StepMemory | None = None
+    step: StepMemory | None = None  # for scope="step"
     time: TimePrices | None = None  # how the seconds were priced; None for hand-made measurements
-
     shorter: Measurements | None = None  # the same bytes at a shorter length, when measured
 
     def scaled(self, tokens: int | None) -> Measurements:
-        """The same measurements for a batch of `tokens` tokens. Bytes: with a second length
-        measured (`shorter`), fitted through both (`_fit`: attention scores and masks grow with the
-        square of the sequence length); else in proportion. Seconds: in proportion. The step's
-        extras (weights, optimizer state) stay. `tokens` reads as the profiled batch size with
-        other sequence lengths; a larger batch grows in proportion, which over-estimates when
-        attention is quadratic (a safe side)."""
+        """For a batch of `tokens` tokens: bytes fitted through both lengths when `shorter` was
+        measured (`_fit`: attention's scores and masks grow with the square of the length), else
+        in proportion, as seconds are; the step's extras (weights, optimizer state) stay. A larger
+        batch of the same sequences grows in proportion, over-estimated where attention is quadratic."""
         if tokens is None or tokens == self.tokens:
             return self
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ConfigError(f"tokens must be an int >= 1 (batch x sequence length), got {tokens!r}")
+        tokens = parse_count(tokens, "tokens", "batch x sequence length")
         ratio, short = tokens / self.tokens, self.shorter
 
         def grow(value: int, before: int | None) -> int:
@@ -147,7 +139,6 @@ class Measurements:
             for p, old in zip(self.layers, olds, strict=True)
         )
         alone = self.alone and tuple(map(pair, self.alone, (short and short.alone) or [None] * len(self.alone)))
-        outside = Outside(*map(grow, self.outside, short.outside if short else (None, None)))
         step = self.step
         if step and short and short.step:
             before = short.step.extras
@@ -156,7 +147,7 @@ class Measurements:
             self,
             layers=layers,
             alone=alone,
-            outside=outside,
+            outside=Outside(*map(grow, self.outside, short.outside if short else (None, None))),
             base_seconds=self.base_seconds * ratio,
             tokens=tokens,
             step=step,
@@ -166,8 +157,8 @@ class Measurements:
 
 
 def _fit(x1: int, y1: int, x2: int, y2: int, x: int) -> int:
-    """A figure measured at two sizes (x1 < x2), at size x: `a*x + b*x**2` through both when it
-    grows faster than the size, else the straight line through both; never below zero."""
+    """A figure measured at sizes x1 < x2, at size x: `a*x + b*x**2` through both when it grows
+    faster than the size, else the straight line; never below zero."""
     if x1 == x2:
         return round(y2 * x / x2)
     if y2 * x1 > y1 * x2:
@@ -178,8 +169,8 @@ def _fit(x1: int, y1: int, x2: int, y2: int, x: int) -> int:
 
 
 class Combination(NamedTuple):
-    """Policies for the first layers: their device bytes, the bytes still owed if the last
-    checkpointed layer is offloaded and no later one is checkpointed, and the seconds they add."""
+    """Policies for the first layers, with what they add; `owed_bytes`: what stays on the device
+    if the last checkpointed layer is offloaded and no later one is checkpointed."""
 
     device_bytes: int
     owed_bytes: int
@@ -201,8 +192,7 @@ class LayerChoice:
 
 @dataclass(frozen=True)
 class Plan:
-    """A chosen map and its prediction. `device_bytes` is what the scope bounds: held activations
-    (layers and outside them) for "activations", the peak of the whole step for "step"."""
+    """A chosen map and its prediction; `device_bytes` is what the scope bounds."""
 
     choices: tuple[LayerChoice, ...]
     outside_bytes: int
@@ -221,39 +211,40 @@ def combinations(m: Measurements) -> list[Combination]:
     for profile, names in zip(m.layers, m.options, strict=True):
         grown = []
         for name in names:
-            cost = policy(name).cost(profile)
-            # A checkpointed layer settles what the previous one owed. An offloaded layer owes what
-            # of its input went to the host, except the last, measured with its input on the device.
+            cost, settles = policy(name).cost(profile), policy(name).checkpointed
+            # A checkpointed layer settles what the one before owed. An offloaded layer owes what of
+            # its input went to the host, except the last, measured with its input on the device.
             owes = min(profile.input_bytes, cost.host_bytes) if name == "offload" and profile.index != last else 0
-            grown += [
-                Combination(
-                    c.device_bytes + cost.device_bytes,
-                    owes if policy(name).checkpointed else c.owed_bytes,
-                    c.seconds + cost.seconds,
-                    (*c.policies, name),
+            for c in front:
+                owed = owes if settles else c.owed_bytes
+                grown.append(
+                    Combination(c.device_bytes + cost.device_bytes, owed, c.seconds + cost.seconds, (*c.policies, name))
                 )
-                for c in front
-            ]
         # after the last layer, kept per last policy too: the step's peak depends on it
         front = undominated(grown, by_last_policy=profile.index == last)
     return front
 
 
 def undominated(found: list[Combination], by_last_policy: bool = False) -> list[Combination]:
-    """Per amount owed (and with `by_last_policy`, per last policy): sorted by bytes, each strictly
-    faster than every one with fewer bytes (of two as fast, the one holding less serves every
-    budget the other does)."""
+    """Those no other beats, per amount owed (and with `by_last_policy`, per last policy)."""
     kept: list[Combination] = []
     key = lambda c: (c.owed_bytes, c.policies[-1] if by_last_policy and c.policies else "")
     for group_key in sorted({key(c) for c in found}):
-        group: list[Combination] = []
-        for c in sorted((c for c in found if key(c) == group_key), key=lambda c: (c.device_bytes, _time(c))):
-            if not group or _time(c) < _time(group[-1]):
-                group.append(c)
+        group = _each_faster([(c.device_bytes, c) for c in found if key(c) == group_key])
         if len(group) > FRONT_LIMIT:  # thin evenly; the ends (least bytes, fastest) always stay
             step = len(group) / FRONT_LIMIT
             group = [group[int(i * step)] for i in range(FRONT_LIMIT)] + [group[-1]]
         kept += group
+    return kept
+
+
+def _each_faster(priced: list[tuple[float, Combination]]) -> list[Combination]:
+    """Ascending in bytes, each strictly faster than every one with fewer (of two as fast, the one
+    holding less serves every budget the other does)."""
+    kept: list[Combination] = []
+    for _, c in sorted(priced, key=lambda pair: (pair[0], _time(pair[1]))):
+        if not kept or _time(c) < _time(kept[-1]):
+            kept.append(c)
     return kept
 
 
@@ -268,17 +259,16 @@ def checkpoints(policies: Sequence[str]) -> bool:
 
 
 def activation_bytes(m: Measurements, c: Combination) -> float:
-    """Held device bytes: layers, what it owes, outside the layers; a map that checkpoints nothing
-    is priced by its own run (inf when that map was not offered)."""
-    if not checkpoints(c.policies):
-        if m.alone is None or len(m.alone) != len(c.policies):
-            return float("inf")
-        return m.outside.not_checkpointing + sum(d for d, _ in m.alone)
-    return c.device_bytes + c.owed_bytes + m.outside.checkpointing
+    """Held device bytes; a map that checkpoints nothing is priced by its own run (inf: not offered)."""
+    if checkpoints(c.policies):
+        return c.device_bytes + c.owed_bytes + m.outside.checkpointing
+    if m.alone is None or len(m.alone) != len(c.policies):
+        return float("inf")
+    return m.outside.not_checkpointing + sum(d for d, _ in m.alone)
 
 
 def scoped_bytes(m: Measurements, c: Combination, scope: str) -> float:
-    """What `scope` bounds for a combination: held activations, or the peak of the whole step."""
+    """Held activations, or with scope="step" the peak of the whole step (inf: not measured)."""
     held = activation_bytes(m, c)
     if scope == "activations":
         return held
@@ -304,7 +294,6 @@ def choose(m: Measurements, budget: int, scope: str = "activations") -> Plan | N
 
 
 def smallest(m: Measurements, scope: str = "activations") -> float:
-    """The fewest `scope` bytes any map holds."""
     check_scope(m, scope)
     return min(scoped_bytes(m, c, scope) for c in combinations(m))
 
@@ -312,12 +301,8 @@ def smallest(m: Measurements, scope: str = "activations") -> float:
 def frontier(m: Measurements, scope: str = "activations") -> list[Plan]:
     """Every undominated map: ascending in predicted bytes, each strictly faster than the one before."""
     check_scope(m, scope)
-    ranked = sorted(((scoped_bytes(m, c, scope), c) for c in combinations(m)), key=lambda p: (p[0], _time(p[1])))
-    kept: list[Combination] = []
-    for nbytes, c in ranked:
-        if nbytes != float("inf") and (not kept or _time(c) < _time(kept[-1])):
-            kept.append(c)
-    return [_plan(m, c, scope) for c in kept]
+    priced = [(scoped_bytes(m, c, scope), c) for c in combinations(m)]
+    return [_plan(m, c, scope) for c in _each_faster([(b, c) for b, c in priced if b != float("inf")])]
 
 
 def predicted(m: Measurements, policies: Sequence[str], scope: str = "activations") -> Plan:
@@ -351,10 +336,8 @@ def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
 def _layer_choices(m: Measurements, chosen: Sequence[str]) -> list[LayerChoice]:
     """Each layer's cost under its policy; the last checkpointed layer's input, when offloaded
     and not the last layer, stays on the device (measured so on the last layer only)."""
-    out = []
-    for p, name in zip(m.layers, chosen, strict=True):
-        cost = policy(name).cost(p)
-        out.append(LayerChoice(p.index, m.names[p.index], name, cost.device_bytes, cost.host_bytes, cost.seconds))
+    costs = [(p.index, name, policy(name).cost(p)) for p, name in zip(m.layers, chosen, strict=True)]
+    out = [LayerChoice(i, m.names[i], name, c.device_bytes, c.host_bytes, c.seconds) for i, name, c in costs]
     checkpointed = [x for x in out if policy(x.policy).checkpointed]
     if checkpointed and checkpointed[-1].policy == "offload" and checkpointed[-1].index != len(out) - 1:
         last = checkpointed[-1]

@@ -1,9 +1,7 @@
-"""`ModelState`: the state of the model a profile's figures hold for, recorded when measured and
-compared whenever a plan is chosen. Another dtype, device, trainable parameter, adapter or
-checkpoint implementation changes the bytes and seconds per layer (a float32 profile planned a
-float64 model at half its bytes), so such a plan is refused (`StaleProfileError`) naming what
-changed. The swap set counts too: swapped weights hold device slots across a step (2 of 4 layers of
-a tiny Llama: 31% of a plan's held bytes), and a swapped layer may not go without checkpointing.
+"""`ModelState`: what a profile's bytes and seconds per layer depend on, recorded when measured. A
+plan for a model changed since (cast, moved, another trainable parameter, adapter, swap set or
+checkpoint implementation) is refused, naming the change (`StaleProfileError`): a float32 profile
+planned a float64 model at half its bytes, and swapped weights hold device slots across a step.
 """
 
 from __future__ import annotations
