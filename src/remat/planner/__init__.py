@@ -9,10 +9,14 @@ The planner is handed the wrapper's controller, never the wrapper: data flows do
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Mapping
 from typing import Any
 
+import transformers
+
+from ..compat.transformers_compat import ENABLE_ROUTES
 from .chooser import LayerChoice, Measurements
 from .measuring import Controlled, ProfileOptions, check_measurable, measure
 from .profile import PlannedConfig, Profile
@@ -35,12 +39,6 @@ def profile_model(state: Controlled, batch: Mapping[str, Any], options: ProfileO
 
 def _native_every_n() -> tuple[int, ...]:
     """The `every_n_layers` transformers' own enable offers here (only 1 before 5.16), as `plot()` marks them."""
-    import inspect
-
-    import transformers
-
-    from ..compat.transformers_compat import ENABLE_ROUTES
-
     routes = [getattr(transformers.PreTrainedModel, name, None) for name in ENABLE_ROUTES]
     takes = any(r is not None and "every_n_layers" in inspect.signature(r).parameters for r in routes)
     return (1, 2, 3, 4) if takes else (1,)

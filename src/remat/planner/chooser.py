@@ -1,17 +1,14 @@
 """Choosing a map from measurements: a pure function (no torch, no model), tested with hand-made ones.
 
 A map's bytes and seconds are sums over its layers, with one exact correction: with offload, the
-input of the last checkpointed layer stays on the device (backward needs it first). Layer by
-layer the chooser keeps every combination no other beats in both bytes and time (what it may
-still owe for that correction kept apart), then picks the fastest that fits.
+input of the last checkpointed layer stays on the device (backward needs it first).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from ..arguments import parse_count
@@ -74,7 +71,7 @@ class TimePrices:
         """For `ratio` times the tokens: the counts grow with them, the rates stay."""
         grow = lambda counts: None if counts is None else tuple(type(c)(c * ratio) for c in counts)
         counts = {name: grow(getattr(self, name)) for name in ("flops", "selective_flops", "work", "selective_work")}
-        return dataclasses.replace(self, **counts, base_range=(self.base_range[0] * ratio, self.base_range[1] * ratio))
+        return replace(self, **counts, base_range=(self.base_range[0] * ratio, self.base_range[1] * ratio))
 
     def seconds_range(self, added: float) -> tuple[float, float]:
         """A prediction's spread: the base's quartiles, and what the layers add at the rate's."""
@@ -121,16 +118,14 @@ class Measurements:
             return self
         tokens = parse_count(tokens, "tokens", "batch x sequence length")
         ratio, short = tokens / self.tokens, self.shorter
-
-        def grow(value: int, before: int | None) -> int:
-            return round(value * ratio) if before is None else _fit(short.tokens, before, self.tokens, value, tokens)
-
-        def pair(now: tuple[int, int], before: tuple[int, int] | None) -> tuple[int, int]:
-            return (grow(now[0], before and before[0]), grow(now[1], before and before[1]))
-
+        # each figure with its measurement at the shorter length (None: not measured)
+        grow = lambda value, before: (
+            round(value * ratio) if before is None else _fit(short.tokens, before, self.tokens, value, tokens)
+        )
+        pair = lambda now, before: (grow(now[0], before and before[0]), grow(now[1], before and before[1]))
         olds = short.layers if short else [None] * len(self.layers)
         layers = tuple(
-            dataclasses.replace(
+            replace(
                 p,
                 input_bytes=grow(p.input_bytes, old and old.input_bytes),
                 held={k: pair(v, old and old.held.get(k)) for k, v in p.held.items()},
@@ -143,17 +138,9 @@ class Measurements:
         if step and short and short.step:
             before = short.step.extras
             step = StepMemory({k: grow(v, before[k]) if k in before else v for k, v in step.extras.items()})
-        return dataclasses.replace(
-            self,
-            layers=layers,
-            alone=alone,
-            outside=Outside(*map(grow, self.outside, short.outside if short else (None, None))),
-            base_seconds=self.base_seconds * ratio,
-            tokens=tokens,
-            step=step,
-            time=self.time and self.time.scaled(ratio),
-            shorter=None,
-        )
+        outside = Outside(*map(grow, self.outside, short.outside if short else (None, None)))
+        base_seconds, time = self.base_seconds * ratio, self.time and self.time.scaled(ratio)
+        return Measurements(layers, self.names, self.options, outside, alone, base_seconds, tokens, step, time)
 
 
 def _fit(x1: int, y1: int, x2: int, y2: int, x: int) -> int:
@@ -318,11 +305,9 @@ def predicted(m: Measurements, policies: Sequence[str], scope: str = "activation
 def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
     choices = _layer_choices(m, c.policies)
     checkpointing = checkpoints(c.policies)
-    if not checkpointing:
-        assert m.alone is not None  # a combination without checkpointing fits only when offered
-        choices = [
-            dataclasses.replace(x, device_bytes=m.alone[x.index][0], host_bytes=m.alone[x.index][1]) for x in choices
-        ]
+    if not checkpointing:  # priced by its own run, which fits only when offered
+        assert m.alone is not None
+        choices = [replace(x, device_bytes=d, host_bytes=h) for x, (d, h) in zip(choices, m.alone, strict=True)]
     outside = m.outside.of(checkpointing)
     held = outside + sum(x.device_bytes for x in choices)
     extra = m.step.extra(c.policies) if m.step is not None else None
@@ -342,7 +327,5 @@ def _layer_choices(m: Measurements, chosen: Sequence[str]) -> list[LayerChoice]:
     if checkpointed and checkpointed[-1].policy == "offload" and checkpointed[-1].index != len(out) - 1:
         last = checkpointed[-1]
         moved = min(m.layers[last.index].input_bytes, last.host_bytes)
-        out[last.index] = dataclasses.replace(
-            last, device_bytes=last.device_bytes + moved, host_bytes=last.host_bytes - moved
-        )
+        out[last.index] = replace(last, device_bytes=last.device_bytes + moved, host_bytes=last.host_bytes - moved)
     return out
