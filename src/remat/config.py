@@ -28,22 +28,18 @@ from .version import __version__
 
 logger = logging.getLogger("remat")
 SWAP_PLACEMENTS = ("spread", "tail")
-# The schema of `checkpoint_config.json`: 2 added `checkpoint_policy` and "selective" (a reader of 1
-# would run it as recompute), 3 `architecture` and each adapter's `config_sha256` (a reader of 2
-# would load into another model unchecked). Newer files are refused (their meaning may have
-# changed); keys a newer remat added within this version are ignored with a warning.
+# `checkpoint_config.json`'s schema: 2 added "selective" (read as recompute by 1), 3 `architecture`
+# and the adapters' `config_sha256` (unchecked by 2). Newer files are refused; older ones load.
 FORMAT_VERSION = 3
-# Keys of a saved file about the save, not the config (see `remat.persistence.pair_format`).
-META_KEYS = ("format_version", "remat_version", "layers", "adapters", "architecture")
+META_KEYS = ("format_version", "remat_version", "layers", "adapters", "architecture")  # about the save, not the config
 OFFLOAD_IS_A_POLICY = (
     'offload is a policy: checkpoint_policy="offload" for every checkpointed layer, or layer_policies={i: "offload"}'
 )
 
 
 class FrozenPolicies(Mapping[int, str]):
-    """The read-only `{layer index: policy}` a config holds. Not a dict, whose own methods
-    (`dict.__setitem__(m, ...)`, `m |= {...}`) would change it, the config's hash and the plan
-    in place. Equal to any mapping with the same items; hashable; copies and pickles as a value."""
+    """The read-only `{layer index: policy}` a config holds: not a dict, whose own methods
+    (`dict.__setitem__(m, ...)`, `m |= {...}`) would change the config's hash and plan in place."""
 
     __slots__ = ("_items",)
 

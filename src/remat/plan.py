@@ -8,7 +8,7 @@ every index the config names exists.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import overload
 
 from .config import CheckpointConfig
@@ -37,15 +37,18 @@ class LayerPlan:
         return policy_named(self.policy).input_on_host
 
 
+@dataclass(frozen=True, repr=False)
 class CheckpointMap(Sequence[LayerPlan]):
     """The per-layer plan, in layer order; `str()` renders a table. `off` says why none of it runs
     now (the wrapper is disabled): the plans stay what `enable()` applies again, and every
     rendering says that remat is off. Equality compares the plans only."""
 
-    def __init__(self, plans: Sequence[LayerPlan], *, off: str | None = None):
-        self._plans = tuple(plans)
-        self.off = off
-        for position, plan in enumerate(self._plans):
+    plans: Sequence[LayerPlan]
+    off: str | None = field(default=None, kw_only=True, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plans", tuple(self.plans))
+        for position, plan in enumerate(self.plans):
             if plan.index != position:
                 raise ConfigError(f"layer plans must be in order: position {position} holds index {plan.index}")
             if plan.swapped and not plan.checkpointed:
@@ -56,38 +59,32 @@ class CheckpointMap(Sequence[LayerPlan]):
     @overload
     def __getitem__(self, i: slice) -> Sequence[LayerPlan]: ...
     def __getitem__(self, i):  # type: ignore[no-untyped-def]
-        return self._plans[i]
+        return self.plans[i]
 
     def __len__(self) -> int:
-        return len(self._plans)
+        return len(self.plans)
 
     def __iter__(self) -> Iterator[LayerPlan]:
-        return iter(self._plans)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CheckpointMap) and self._plans == other._plans
-
-    def __hash__(self) -> int:
-        return hash(self._plans)
+        return iter(self.plans)
 
     def indices(self, *policies: str) -> list[int]:
         """Indices of the layers whose policy is one of `policies`."""
-        return [p.index for p in self._plans if p.policy in policies]
+        return [p.index for p in self.plans if p.policy in policies]
 
     @property
     def checkpointed(self) -> list[int]:
-        return [p.index for p in self._plans if p.checkpointed]
+        return [p.index for p in self.plans if p.checkpointed]
 
     def switched_off(self, why: str) -> CheckpointMap:
         """The same plans, marked as not running (`why`)."""
-        return CheckpointMap(self._plans, off=why)
+        return CheckpointMap(self.plans, off=why)
 
     def __repr__(self) -> str:
         # the classic three always (a log reader compares them), any other policy when used
         shown = [name for name in NAMES if name != "none" and (name in ("recompute", "offload") or self.indices(name))]
         shown.append("none")
         groups = ", ".join(f"{policy} {self.indices(policy)}" for policy in shown)
-        swapped = [p.index for p in self._plans if p.swapped]
+        swapped = [p.index for p in self.plans if p.swapped]
         off = f"; remat is OFF ({self.off}): nothing is checkpointed" if self.off else ""
         return f"CheckpointMap({len(self)} layers: {groups}, swapped {swapped}{off})"
 

@@ -57,12 +57,7 @@ def frontier_figure(
     ax.set(xlabel=f"predicted MiB ({what})", ylabel="predicted step ms", title=title)
     ax.legend(fontsize=8)
     figure.tight_layout()
-    left, right = ax.get_xlim()
-    for label in labels:  # near the right edge, a label reads leftwards so that it stays inside
-        if label.xy[0] > left + 0.8 * (right - left):
-            label.set_horizontalalignment("right")
-            label.xyann = (-label.xyann[0], label.xyann[1])
-    _separate(figure, labels)
+    _separate(figure, ax, labels)
     return figure
 
 
@@ -75,13 +70,17 @@ def _merge_coinciding(native: Mapping[str, tuple[float, float]]) -> list[tuple[s
     return [(" = ".join(names), point) for point, names in merged.items()]
 
 
-def _separate(figure: Any, labels: list[Any]) -> None:
-    """Move each label up, a step of its own height at a time, until it overlaps no label before it."""
+def _separate(figure: Any, ax: Any, labels: list[Any]) -> None:
+    """Near the right edge a label reads leftwards, to stay inside; then each moves up, a step of its
+    own height at a time, until it overlaps no label before it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    renderer = FigureCanvasAgg(figure).get_renderer()
+    renderer, (left, right) = FigureCanvasAgg(figure).get_renderer(), ax.get_xlim()
     placed = []
     for label in labels:
+        if label.xy[0] > left + 0.8 * (right - left):
+            label.set_horizontalalignment("right")
+            label.xyann = (-label.xyann[0], label.xyann[1])
         for _ in range(50):
             box = label.get_window_extent(renderer)
             if not any(box.overlaps(other) for other in placed):
