@@ -323,9 +323,8 @@ def _layer_choices(m: Measurements, chosen: Sequence[str]) -> list[LayerChoice]:
     and not the last layer, stays on the device (measured so on the last layer only)."""
     costs = [(p.index, name, policy(name).cost(p)) for p, name in zip(m.layers, chosen, strict=True)]
     out = [LayerChoice(i, m.names[i], name, c.device_bytes, c.host_bytes, c.seconds) for i, name, c in costs]
-    checkpointed = [x for x in out if policy(x.policy).checkpointed]
-    if checkpointed and checkpointed[-1].policy == "offload" and checkpointed[-1].index != len(out) - 1:
-        last = checkpointed[-1]
+    last = next((x for x in reversed(out) if policy(x.policy).checkpointed), None)
+    if last is not None and last.policy == "offload" and last.index != len(out) - 1:
         moved = min(m.layers[last.index].input_bytes, last.host_bytes)
         out[last.index] = replace(last, device_bytes=last.device_bytes + moved, host_bytes=last.host_bytes - moved)
     return out
