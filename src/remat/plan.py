@@ -1,13 +1,10 @@
-"""The checkpoint map, a pure function of (config, layer names) that the wrapper installs as it is.
-
-The contract's invariants live here, testable with no model: one policy per layer (none is
-checkpointed twice); a swapped layer is never "none" (its weights are fetched for the recompute);
-every index the config names exists.
-"""
+"""The checkpoint map: a pure function of (config, layer names), installed as it is. The contract's
+invariants live here, testable with no model: one policy per layer; a swapped layer is never "none"
+(its weights are fetched for the recompute); every index the config names exists."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import overload
 
@@ -63,9 +60,6 @@ class CheckpointMap(Sequence[LayerPlan]):
 
     def __len__(self) -> int:
         return len(self.plans)
-
-    def __iter__(self) -> Iterator[LayerPlan]:
-        return iter(self.plans)
 
     def indices(self, *policies: str) -> list[int]:
         """Indices of the layers whose policy is one of `policies`."""

@@ -1,11 +1,7 @@
-"""The planner: measure a profile once (`cm.profile(batch)`), then choose maps for any budget
-without running the model (`profile.plan("6GiB")`, `.frontier()`, `.plot()`).
-
-`measuring` runs the steps and puts the model back (the step's peak in `peak`, time as counted
-FLOPs times a measured rate in `timing`); `chooser` is a pure function of the measurements;
-`profile` holds them (`Profile`, `PlannedConfig`); `state` refuses a plan for a model changed since.
-The planner is handed the wrapper's controller, never the wrapper: data flows down.
-"""
+"""The planner: measure a profile once (`cm.profile(batch)`), then choose maps for any budget without
+running the model. `measuring` runs the steps (the peak in `peak`, time in `timing`); `chooser` is a
+pure function of the measurements; `profile` holds them (`Profile`, `PlannedConfig`); `state` refuses
+a plan for a model changed since. It is handed the wrapper's controller, never the wrapper."""
 
 from __future__ import annotations
 

@@ -6,10 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-MATPLOTLIB_MISSING = (
-    "profile.plot() draws with matplotlib, which is not installed here. Install remat's plot extra, "
-    "remat[plot] (pip install '.[plot]' in a clone of remat), or matplotlib itself: pip install 'matplotlib>=3.8'"
-)
 _SCOPE_WORDS = {"activations": "held activations", "step": "peak of a whole training step"}
 _MIB = 2**20
 
@@ -30,7 +26,10 @@ def frontier_figure(
     try:
         from matplotlib.figure import Figure
     except ImportError as missing:
-        raise ImportError(MATPLOTLIB_MISSING) from missing
+        raise ImportError(
+            "profile.plot() draws with matplotlib, which is not installed here. Install remat's plot extra, remat[plot]"
+            " (pip install '.[plot]' in a clone of remat), or matplotlib itself: pip install 'matplotlib>=3.8'"
+        ) from missing
 
     figure = Figure(figsize=(7.5, 4.8))
     ax = figure.add_subplot()
