@@ -1,9 +1,7 @@
 """`CheckpointConfig`: what a person asks remat to do, validated the moment it is made.
 
-The config is a frozen value. A `CheckpointedModel` plans its per-layer map from it, so a config
-that could be changed in place would let the map and the config drift apart; to change what runs,
-build a new config (``config.replace(every_n_layers=2)``) and hand it to ``cm.enable(config)``.
-It round-trips through JSON with a format version, the way PEFT's adapter configs do.
+A frozen value: the wrapper's map is planned from it, and a config changed in place would drift
+from that map; build a new one (``config.replace(every_n_layers=2)``) for ``cm.enable(config)``.
 """
 
 from __future__ import annotations
@@ -26,39 +24,27 @@ from .policies import NAMES as POLICIES
 from .policies import policy as _policy
 from .saving.files import read_json_object
 from .saving.folder import CONFIG_NAME, read_pair, save_pair
+from .version import __version__
 
 logger = logging.getLogger("remat")
-
-
 SWAP_PLACEMENTS = ("spread", "tail")
-
+# `checkpoint_config.json`'s schema: 2 added "selective" (read as recompute by 1), 3 `architecture`
+# and the adapters' `config_sha256` (unchecked by 2). Newer files are refused; older ones load.
 FORMAT_VERSION = 3
-"""The schema version written into `checkpoint_config.json`: 1 the first; 2 added
-`checkpoint_policy` and the "selective" policy (a remat that reads only 1 would run those
-layers as plain recompute); 3 added `architecture` and each adapter's `config_sha256` (a
-remat that reads only 2 would load a save into another architecture, or with another
-`adapter_config.json`, unchecked). A file from a newer schema is refused (its meaning may have
-changed); keys a newer remat added within this version are ignored with a warning. Older
-files load."""
-
-META_KEYS = ("format_version", "remat_version", "layers", "adapters", "architecture")
-"""Keys of a saved `checkpoint_config.json` that describe the save rather than the config:
-the layers it was planned for, the model's architecture and the adapter files it belongs
-with (see `remat.persistence.pair_format`)."""
+META_KEYS = ("format_version", "remat_version", "layers", "adapters", "architecture")  # about the save, not the config
+OFFLOAD_IS_A_POLICY = (
+    'offload is a policy: checkpoint_policy="offload" for every checkpointed layer, or layer_policies={i: "offload"}'
+)
 
 
 class FrozenPolicies(Mapping[int, str]):
-    """The read-only `{layer index: policy}` mapping a config holds.
-
-    Not a dict subclass: a dict's own methods (`dict.__setitem__(m, ...)`, `m |= {...}`) would
-    change it in place, and with it the config's hash and the plan built from it. Equal to any
-    mapping with the same items; hashable; copies and pickles as a plain value.
-    """
+    """The read-only `{layer index: policy}` a config holds: not a dict, whose own methods
+    (`dict.__setitem__(m, ...)`, `m |= {...}`) would change the config's hash and plan in place."""
 
     __slots__ = ("_items",)
 
-    def __init__(self, items: Mapping[int, str] | None = None):
-        object.__setattr__(self, "_items", dict(sorted((items or {}).items())))
+    def __init__(self, items: Mapping[int, str]):
+        object.__setattr__(self, "_items", dict(sorted(items.items())))
 
     def __getitem__(self, key: int) -> str:
         return self._items[key]
@@ -71,9 +57,6 @@ class FrozenPolicies(Mapping[int, str]):
 
     def __hash__(self) -> int:
         return hash(tuple(self._items.items()))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mapping) and dict(self.items()) == dict(other.items())
 
     def _refuse(self, *args: Any) -> None:
         raise ConfigTypeError(
@@ -90,26 +73,20 @@ class FrozenPolicies(Mapping[int, str]):
         return (type(self), (dict(self._items),))
 
 
-def _remat_version() -> str:
-    from .version import __version__
-
-    return __version__
-
-
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ConfigTypeError(f"CheckpointConfig.{name} must be True or False, got {value!r} ({type(value).__name__})")
+def _check_in(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"CheckpointConfig.{name} must be one of {allowed}, got {value!r}")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"CheckpointConfig.{name} must be a finite int, got {value!r}")
-    if isinstance(value, int) and not isinstance(value, bool) and value > MAX_COUNT:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigTypeError(f"CheckpointConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value > MAX_COUNT:
         raise ConfigError(
             f"CheckpointConfig.{name} must be at most {MAX_COUNT}, got an int of {len(str(value))} digits"
         )
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigTypeError(f"CheckpointConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < minimum:
         raise ConfigError(f"CheckpointConfig.{name} must be >= {minimum}, got {value}")
 
@@ -131,15 +108,9 @@ def _layer_index(name: str, key: Any) -> int:
     return key
 
 
-OFFLOAD_IS_A_POLICY = (
-    'offload is a policy: checkpoint_policy="offload" for every checkpointed layer, or layer_policies={i: "offload"}'
-)
-
-
 def _without_offload_flag(data: Mapping[str, Any], source: str) -> Mapping[str, Any]:
-    """A config saved when offload was also a flag: `"offload": true` made "recompute" layers
-    "offload" ones (said so now), and kept "selective" layers' inputs on the host, which no policy
-    does now (refused, naming the fix)."""
+    """A config saved when offload was a flag: `"offload": true` made "recompute" layers "offload"
+    ones (said so now), and kept "selective" inputs on the host, which no policy does (refused)."""
     data = dict(data)
     flag = data.pop("offload", False)
     if flag is False:
@@ -163,22 +134,15 @@ class CheckpointConfig:
     """How activation memory is paid for, layer by layer.
 
     Args:
-        every_n_layers: checkpoint layers 0, N, 2N, ... of all discovered layers, in module order
-            (transformers' rule). 1 checkpoints every layer.
-        offload_min_bytes: inputs of "offload" layers smaller than this stay on the device; the
-            copy costs more than it saves.
-        swap_layers: how many layers (int) or which layers (list of indices) keep their frozen
-            weights in host memory between uses.
-        swap_placement: where a count of swapped layers goes: "spread" evenly over the stack, or
-            "tail" (the last ones). Ignored when `swap_layers` is a list.
-        layer_policies: {layer index: "none" | "recompute" | "offload" | "selective"}, overrides for
-            single layers (see `remat.policies`).
-        checkpoint_policy: how every checkpointed layer not named in `layer_policies` runs:
-            "recompute" (the whole layer again in backward), "offload" (the same, its input
-            waiting in host memory: the one way to ask for offload) or "selective" (matmul and
-            attention outputs kept, the rest recomputed).
-        use_reentrant: use torch's reentrant checkpoint instead of the default non-reentrant one
-            (not with "selective", which torch supports only non-reentrantly).
+        every_n_layers: checkpoint layers 0, N, 2N, ... in module order (transformers' rule); 1: every layer.
+        offload_min_bytes: inputs of "offload" layers under this stay on the device (the copy costs more).
+        swap_layers: how many layers (int) or which ones (indices) keep their frozen weights in host memory.
+        swap_placement: where a count of swapped layers goes: "spread" over the stack, or "tail" (not for a list).
+        layer_policies: {layer index: "none" | "recompute" | "offload" | "selective"}: single-layer overrides.
+        checkpoint_policy: how every other checkpointed layer runs: "recompute" (the whole layer again in
+            backward), "offload" (the same, its input waiting in host memory: the one way to ask for
+            offload) or "selective" (matmul and attention outputs kept, the rest recomputed).
+        use_reentrant: torch's reentrant checkpoint, not the non-reentrant default (not with "selective").
         preserve_rng_state: replay the forward's RNG state during recompute, so dropout masks match.
     """
 
@@ -199,110 +163,60 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _check_int("every_n_layers", self.every_n_layers, 1)
         _check_int("offload_min_bytes", self.offload_min_bytes, 0)
-        _check_bool("use_reentrant", self.use_reentrant)
-        _check_bool("preserve_rng_state", self.preserve_rng_state)
-        if self.swap_placement not in SWAP_PLACEMENTS:
-            raise ConfigError(
-                f"CheckpointConfig.swap_placement must be one of {SWAP_PLACEMENTS}, got {self.swap_placement!r}"
-            )
-        object.__setattr__(self, "swap_layers", self._validated_swap_layers(self.swap_layers))
-        object.__setattr__(self, "layer_policies", self._validated_layer_policies(self.layer_policies))
-        if self.checkpoint_policy not in CHECKPOINT_POLICIES:
-            raise ConfigError(
-                f"CheckpointConfig.checkpoint_policy must be one of {CHECKPOINT_POLICIES}, "
-                f"got {self.checkpoint_policy!r}"
-            )
-        if self.use_reentrant:
-            chosen = {self.checkpoint_policy, *self.layer_policies.values()}
-            picky = sorted(name for name in chosen if _policy(name).needs_non_reentrant)
-            if picky:
-                raise ConfigError(
-                    f"CheckpointConfig.use_reentrant=True cannot run the {picky} policy: torch supports it only in "
-                    "non-reentrant checkpointing; use use_reentrant=False (the default)"
+        for name in ("use_reentrant", "preserve_rng_state"):
+            if not isinstance(value := getattr(self, name), bool):
+                raise ConfigTypeError(
+                    f"CheckpointConfig.{name} must be True or False, got {value!r} ({type(value).__name__})"
                 )
-
-    @staticmethod
-    def _validated_swap_layers(value: Any) -> int | tuple[int, ...]:
-        if isinstance(value, (list, tuple)):
-            indices = tuple(_layer_index("swap_layers", v) for v in value)
-            if len(set(indices)) != len(indices):
-                raise ConfigError(f"CheckpointConfig.swap_layers lists a layer twice: {list(value)}; list each once")
-            return tuple(sorted(indices))
-        _check_int("swap_layers", value, 0)
-        return value
-
-    @staticmethod
-    def _validated_layer_policies(value: Any) -> Mapping[int, str]:
-        if not isinstance(value, Mapping):
-            raise ConfigTypeError(
-                f"CheckpointConfig.layer_policies must be a dict {{layer index: policy}}, got {type(value).__name__}"
+        _check_in("swap_placement", self.swap_placement, SWAP_PLACEMENTS)
+        object.__setattr__(self, "swap_layers", _validated_swap_layers(self.swap_layers))
+        object.__setattr__(self, "layer_policies", _validated_layer_policies(self.layer_policies))
+        _check_in("checkpoint_policy", self.checkpoint_policy, CHECKPOINT_POLICIES)
+        chosen = {self.checkpoint_policy, *self.layer_policies.values()}
+        picky = sorted(name for name in chosen if _policy(name).needs_non_reentrant)
+        if self.use_reentrant and picky:
+            raise ConfigError(
+                f"CheckpointConfig.use_reentrant=True cannot run the {picky} policy: torch supports it only in "
+                "non-reentrant checkpointing; use use_reentrant=False (the default)"
             )
-        checked: dict[int, str] = {}
-        for key, policy in value.items():
-            index = _layer_index("layer_policies", key)
-            if policy not in POLICIES:
-                raise ConfigError(f"CheckpointConfig.layer_policies[{index}] must be one of {POLICIES}, got {policy!r}")
-            if index in checked:
-                raise ConfigError(f"CheckpointConfig.layer_policies names layer {index} twice; name it once")
-            checked[index] = policy
-        return FrozenPolicies(checked)
 
     def _values(self) -> tuple[Any, ...]:
-        return tuple(
-            tuple(sorted(v.items())) if isinstance(v, Mapping) else v
-            for v in (getattr(self, f.name) for f in dataclasses.fields(CheckpointConfig))
-        )
+        return tuple(getattr(self, name) for name in _FIELDS)  # layer_policies: a hashable FrozenPolicies
 
     def __eq__(self, other: object) -> bool:
         # isinstance, not class identity: a PlannedConfig equals the plain config with its fields.
-        if not isinstance(other, CheckpointConfig):
-            return NotImplemented
-        return self._values() == other._values()
+        return self._values() == other._values() if isinstance(other, CheckpointConfig) else NotImplemented
 
     def __hash__(self) -> int:
         return hash(self._values())
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(CheckpointConfig))
-        return f"CheckpointConfig({fields})"
-
-    # -- new configs from this one -------------------------------------------------------------
+        return f"CheckpointConfig({', '.join(f'{name}={getattr(self, name)!r}' for name in _FIELDS)})"
 
     def replace(self, **changes: Any) -> CheckpointConfig:
         """A new config with `changes` applied, validated like any other."""
-        names = [f.name for f in dataclasses.fields(CheckpointConfig)]
-        unknown = set(changes) - set(names)
+        unknown = set(changes) - set(_FIELDS)
         if "offload" in unknown:
             raise ConfigTypeError(f"CheckpointConfig has no field offload: {OFFLOAD_IS_A_POLICY}")
         if unknown:
-            first = sorted(unknown)[0]
-            close = difflib.get_close_matches(first, names, n=1)
+            close = difflib.get_close_matches(sorted(unknown)[0], _FIELDS, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise ConfigTypeError(
-                f"CheckpointConfig has no field(s) {sorted(unknown)}{hint}; its fields are {', '.join(names)}"
+                f"CheckpointConfig has no field(s) {sorted(unknown)}{hint}; its fields are {', '.join(_FIELDS)}"
             )
-        return CheckpointConfig(**{**{name: getattr(self, name) for name in names}, **changes})
+        return CheckpointConfig(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
 
     def changed_fields(self, other: CheckpointConfig) -> dict[str, tuple[Any, Any]]:
         """{field: (value here, value in other)} for every field that differs."""
-        return {
-            f.name: (getattr(self, f.name), getattr(other, f.name))
-            for f in dataclasses.fields(self)
-            if getattr(self, f.name) != getattr(other, f.name)
-        }
-
-    # -- JSON ----------------------------------------------------------------------------------
+        pairs = {name: (getattr(self, name), getattr(other, name)) for name in _FIELDS}
+        return {name: (a, b) for name, (a, b) in pairs.items() if a != b}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values: lists for tuples, string keys for layer indices."""
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, tuple):
-                value = list(value)
-            elif isinstance(value, Mapping):
-                value = {str(k): v for k, v in value.items()}
-            out[f.name] = value
+        out = {name: getattr(self, name) for name in _FIELDS}
+        swapped = self.swap_layers
+        out["swap_layers"] = list(swapped) if isinstance(swapped, tuple) else swapped
+        out["layer_policies"] = {str(k): v for k, v in self.layer_policies.items()}
         return out
 
     @classmethod
@@ -318,36 +232,34 @@ class CheckpointConfig:
             )
         if version > FORMAT_VERSION:
             raise SavedFileError(
-                f"{source} has format_version {version}, but this remat ({_remat_version()}) reads format_version "
+                f"{source} has format_version {version}, but this remat ({__version__}) reads format_version "
                 f"{FORMAT_VERSION} and older: it was written by a newer remat; upgrade remat to load it"
             )
         data = _without_offload_flag(data, source)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known - set(META_KEYS))
+        unknown = sorted(set(data) - set(_FIELDS) - set(META_KEYS))
         if unknown:
             logger.warning("%s: ignoring keys this remat does not know: %s", source, unknown)
         try:
-            return cls(**{k: v for k, v in data.items() if k in known})
+            return cls(**{k: v for k, v in data.items() if k in _FIELDS})
         except (TypeError, ValueError) as err:
             raise SavedFileError(
                 f"{source}: {err} (correct that field in {source}, or save the config again)"
             ) from None
 
     def to_json_string(self) -> str:
-        payload = {"format_version": FORMAT_VERSION, "remat_version": _remat_version(), **self.to_dict()}
+        payload = {"format_version": FORMAT_VERSION, "remat_version": __version__, **self.to_dict()}
         return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 
     def save_pretrained(self, save_directory: str | os.PathLike) -> str:
-        """Write `checkpoint_config.json` into `save_directory` and return its path: staged and
-        committed like every remat save (`remat.saving.folder.save_pair`)."""
+        """Write `checkpoint_config.json` into `save_directory`, staged and committed like every
+        remat save (`remat.saving.folder.save_pair`), and return its path."""
         save_pair(save_directory, lambda staging: self.to_json_string())
         return os.path.join(save_directory, CONFIG_NAME)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> CheckpointConfig:
-        """Read `checkpoint_config.json` from a folder (or the file itself). In a folder it is
-        read like every remat load (`remat.saving.folder.read_pair`): under the folder's lock,
-        after a save that crashed there is finished or cleaned."""
+        """Read `checkpoint_config.json` from a folder (or the file itself); in a folder like every
+        remat load (`remat.saving.folder.read_pair`): locked, after a crashed save is finished or cleaned."""
         if os.path.isdir(path):
             with read_pair(path) as snapshot:
                 file = snapshot.name(CONFIG_NAME)
@@ -356,3 +268,31 @@ class CheckpointConfig:
                 return cls.from_dict(snapshot.config, source=file)
         file = os.fspath(path)
         return cls.from_dict(read_json_object(file), source=file)
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
+
+
+def _validated_swap_layers(value: Any) -> int | tuple[int, ...]:
+    if isinstance(value, (list, tuple)):
+        indices = tuple(_layer_index("swap_layers", v) for v in value)
+        if len(set(indices)) != len(indices):
+            raise ConfigError(f"CheckpointConfig.swap_layers lists a layer twice: {list(value)}; list each once")
+        return tuple(sorted(indices))
+    _check_int("swap_layers", value, 0)
+    return value
+
+
+def _validated_layer_policies(value: Any) -> Mapping[int, str]:
+    if not isinstance(value, Mapping):
+        raise ConfigTypeError(
+            f"CheckpointConfig.layer_policies must be a dict {{layer index: policy}}, got {type(value).__name__}"
+        )
+    checked: dict[int, str] = {}
+    for key, policy in value.items():
+        index = _layer_index("layer_policies", key)
+        _check_in(f"layer_policies[{index}]", policy, POLICIES)
+        if index in checked:
+            raise ConfigError(f"CheckpointConfig.layer_policies names layer {index} twice; name it once")
+        checked[index] = policy
+    return FrozenPolicies(checked)

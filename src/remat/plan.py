@@ -1,19 +1,11 @@
-"""The checkpoint map: a pure function of (config, layer names).
-
-Every invariant of the contract lives here, so it can be tested with no model at all:
-
-- a swapped layer is never "none" (its weights are fetched for the recompute, so it must be
-  checkpointed whatever `every_n_layers` or `layer_policies` say);
-- each layer has exactly one policy, so no layer can be checkpointed twice;
-- every index named by the config exists.
-
-`CheckpointedModel` installs exactly what the map says, so the map is what runs.
-"""
+"""The checkpoint map: a pure function of (config, layer names), installed as it is. The contract's
+invariants live here, testable with no model: one policy per layer; a swapped layer is never "none"
+(its weights are fetched for the recompute); every index the config names exists."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import overload
 
 from .config import CheckpointConfig
@@ -42,17 +34,18 @@ class LayerPlan:
         return policy_named(self.policy).input_on_host
 
 
+@dataclass(frozen=True, repr=False)
 class CheckpointMap(Sequence[LayerPlan]):
-    """The per-layer plan, in layer order. `str()` renders a table.
+    """The per-layer plan, in layer order; `str()` renders a table. `off` says why none of it runs
+    now (the wrapper is disabled): the plans stay what `enable()` applies again, and every
+    rendering says that remat is off. Equality compares the plans only."""
 
-    `off` says why none of it runs right now (the wrapper is disabled): the plans stay what
-    `enable()` applies again, and every rendering says plainly that remat is off. Equality
-    compares the plans only."""
+    plans: Sequence[LayerPlan]
+    off: str | None = field(default=None, kw_only=True, compare=False)
 
-    def __init__(self, plans: Sequence[LayerPlan], *, off: str | None = None):
-        self._plans = tuple(plans)
-        self.off = off
-        for position, plan in enumerate(self._plans):
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "plans", tuple(self.plans))
+        for position, plan in enumerate(self.plans):
             if plan.index != position:
                 raise ConfigError(f"layer plans must be in order: position {position} holds index {plan.index}")
             if plan.swapped and not plan.checkpointed:
@@ -63,38 +56,29 @@ class CheckpointMap(Sequence[LayerPlan]):
     @overload
     def __getitem__(self, i: slice) -> Sequence[LayerPlan]: ...
     def __getitem__(self, i):  # type: ignore[no-untyped-def]
-        return self._plans[i]
+        return self.plans[i]
 
     def __len__(self) -> int:
-        return len(self._plans)
-
-    def __iter__(self) -> Iterator[LayerPlan]:
-        return iter(self._plans)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CheckpointMap) and self._plans == other._plans
-
-    def __hash__(self) -> int:
-        return hash(self._plans)
+        return len(self.plans)
 
     def indices(self, *policies: str) -> list[int]:
         """Indices of the layers whose policy is one of `policies`."""
-        return [p.index for p in self._plans if p.policy in policies]
+        return [p.index for p in self.plans if p.policy in policies]
 
     @property
     def checkpointed(self) -> list[int]:
-        return [p.index for p in self._plans if p.checkpointed]
+        return [p.index for p in self.plans if p.checkpointed]
 
     def switched_off(self, why: str) -> CheckpointMap:
         """The same plans, marked as not running (`why`)."""
-        return CheckpointMap(self._plans, off=why)
+        return CheckpointMap(self.plans, off=why)
 
     def __repr__(self) -> str:
         # the classic three always (a log reader compares them), any other policy when used
-        shown = [name for name in NAMES if name in ("none", "recompute", "offload") or self.indices(name)]
-        shown = [name for name in shown if name != "none"] + ["none"]
+        shown = [name for name in NAMES if name != "none" and (name in ("recompute", "offload") or self.indices(name))]
+        shown.append("none")
         groups = ", ".join(f"{policy} {self.indices(policy)}" for policy in shown)
-        swapped = [p.index for p in self._plans if p.swapped]
+        swapped = [p.index for p in self.plans if p.swapped]
         off = f"; remat is OFF ({self.off}): nothing is checkpointed" if self.off else ""
         return f"CheckpointMap({len(self)} layers: {groups}, swapped {swapped}{off})"
 
@@ -106,15 +90,11 @@ class CheckpointMap(Sequence[LayerPlan]):
 
 
 def swapped_indices(config: CheckpointConfig, num_layers: int) -> list[int]:
-    """Which layers keep their weights in host memory.
-
-    "spread" puts the k-th of n swapped layers at the end of the k-th of n equal slices of the
-    stack, so swapped layers alternate with resident ones and a prefetch has compute to hide
-    behind; "tail" takes the last n layers.
-    """
+    """Which layers keep their weights in host memory. "spread" puts the k-th of n at the end of
+    the k-th of n equal slices of the stack, so a prefetch has resident layers to hide behind;
+    "tail" takes the last n."""
     if isinstance(config.swap_layers, tuple):
-        bad = [i for i in config.swap_layers if i >= num_layers]
-        if bad:
+        if bad := [i for i in config.swap_layers if i >= num_layers]:
             raise ConfigError(
                 f"swap_layers names layer(s) {bad}, but the model has {num_layers} layers: use 0..{num_layers - 1}"
             )
@@ -122,36 +102,29 @@ def swapped_indices(config: CheckpointConfig, num_layers: int) -> list[int]:
     count = config.swap_layers
     if count > num_layers:
         raise ConfigError(f"swap_layers={count} asks for more layers than the model has ({num_layers}): ask for fewer")
-    if count == 0:
-        return []
     if config.swap_placement == "tail":
         return list(range(num_layers - count, num_layers))
     return [((k + 1) * num_layers) // count - 1 for k in range(count)]
 
 
 def plan_layers(
-    config: CheckpointConfig,
-    layer_names: Sequence[str],
-    *,
-    checkpointing_off_by: str | None = None,
+    config: CheckpointConfig, layer_names: Sequence[str], *, checkpointing_off_by: str | None = None
 ) -> CheckpointMap:
-    """The map for `config` over layers named `layer_names` (in module order).
-
-    `checkpointing_off_by` names the route that turned checkpointing off (for example
-    "gradient_checkpointing_disable()"): every layer that is not swapped becomes "none".
-    """
+    """The map for `config` over layers named `layer_names` (in module order). `checkpointing_off_by`
+    names the route that turned checkpointing off (e.g. "gradient_checkpointing_disable()"): every
+    layer not swapped is then "none"."""
     num_layers = len(layer_names)
     if num_layers == 0:
         raise ConfigError("there are no layers to plan")
-    missing = [i for i in config.layer_policies if i >= num_layers]
-    if missing:
+    if missing := [i for i in config.layer_policies if i >= num_layers]:
         raise ConfigError(
             f"layer_policies names layer(s) {missing}, but the model has {num_layers} layers: use 0..{num_layers - 1}"
         )
-    swapped = set(swapped_indices(config, num_layers))
-    checkpoint_policy = config.checkpoint_policy
-    n = config.every_n_layers
-
+    swapped, n, checkpoint_policy = (
+        set(swapped_indices(config, num_layers)),
+        config.every_n_layers,
+        config.checkpoint_policy,
+    )
     plans = []
     for index, name in enumerate(layer_names):
         if checkpointing_off_by is not None:

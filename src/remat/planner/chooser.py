@@ -1,30 +1,17 @@
-"""Choosing a map from measurements: a pure function, tested like `remat.plan` with no model.
+"""Choosing a map from measurements: a pure function (no torch, no model), tested with hand-made ones.
 
-What the chooser knows (`Measurements`): per layer, the bytes it holds for backward and the
-seconds it adds under each policy it may take (`remat.policies.LayerProfile`); the bytes held
-outside the layers (embeddings, logits, loss), which depend only on whether any layer is
-checkpointed; what each layer holds when no layer is checkpointed (transformers 4.57 keeps more
-in a "none" layer while another layer is checkpointed, so that map is priced by its own run);
-the step time with nothing recomputed, with what those seconds were made of (`TimePrices`:
-counted FLOPs, one rate and its spread); and, for `scope="step"`, what a whole training step
-needs besides the held activations (`StepMemory`).
-
-How it chooses: a map's bytes and time are sums over layers, with one exact correction: with
-offload, the input of the last checkpointed layer stays on the device (backward needs it
-first). Layer by layer, the chooser keeps every combination that no other beats in both bytes
-and time (`Combination`, with what it may still owe for that correction kept apart), then picks
-the fastest whose bytes fit the budget (of two as fast, the one that holds less serves every
-budget the other does). `frontier` lists every undominated map, ascending in bytes.
+A map's bytes and seconds are sums over its layers, with one exact correction: with offload, the
+input of the last checkpointed layer stays on the device (backward needs it first).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from ..arguments import parse_count
 from ..errors import ConfigError
 from ..policies import LayerProfile, policy
 
@@ -44,30 +31,24 @@ class Outside(NamedTuple):
 
 @dataclass(frozen=True)
 class StepMemory:
-    """What a whole training step needs besides the held activations, as `MemTracker` counted it
-    (weights, gradients, optimizer state, and what backward and the optimizer need for a moment):
-    `peak - held`, by (the last layer's policy, whether any layer is checkpointed). The peak comes
-    early in backward, at the head and the last layer, so the rest of the map does not change it
-    (measured on Llama and Qwen3: equal to the byte for every map with the same key)."""
+    """What a whole step needs besides the held activations, as `MemTracker` counts it (`peak -
+    held`), by (the last layer's policy, whether any layer is checkpointed): the peak comes early
+    in backward, so the rest of the map does not change it (on Llama and Qwen3, to the byte)."""
 
     extras: Mapping[tuple[str, bool], int]
 
     def extra(self, policies: Sequence[str]) -> int | None:
         """For a map: its key's measurement, else the largest measured (None: nothing measured)."""
         key = (policies[-1], checkpoints(policies)) if policies else None
-        if key in self.extras:
-            return self.extras[key]
-        return max(self.extras.values(), default=None)
+        return self.extras[key] if key in self.extras else max(self.extras.values(), default=None)
 
 
 @dataclass(frozen=True)
 class TimePrices:
-    """What a layer's seconds were made of (`remat.planner.timing`): counts per layer of what a
-    recompute repeats and of what "selective" repeats (FLOPs, and `work`: FLOPs plus the bytes
-    and launches of the other ops at the device's balance; None where selective was not
-    counted), one rate (seconds per unit of work, the median of `samples` timed forwards and
-    recomputes, with its quartiles), and the quartiles of the step with nothing recomputed over
-    `steps` timed steps. The quartiles are the spread a prediction is shown with."""
+    """What a layer's seconds were made of (`remat.planner.timing`): per layer, the FLOPs and the
+    `work` (FLOPs plus other ops' bytes and launches at the device's balance) a recompute and
+    "selective" repeat (None: selective not counted); one rate per unit of work (the median of
+    `samples` timed calls) and its quartiles, and those of the plain step over `steps` steps."""
 
     flops: tuple[int, ...]
     selective_flops: tuple[int, ...] | None
@@ -88,16 +69,9 @@ class TimePrices:
 
     def scaled(self, ratio: float) -> TimePrices:
         """For `ratio` times the tokens: the counts grow with them, the rates stay."""
-        low, high = self.base_range
         grow = lambda counts: None if counts is None else tuple(type(c)(c * ratio) for c in counts)
-        return dataclasses.replace(
-            self,
-            flops=grow(self.flops),
-            selective_flops=grow(self.selective_flops),
-            work=grow(self.work),
-            selective_work=grow(self.selective_work),
-            base_range=(low * ratio, high * ratio),
-        )
+        counts = {name: grow(getattr(self, name)) for name in ("flops", "selective_flops", "work", "selective_work")}
+        return replace(self, **counts, base_range=(self.base_range[0] * ratio, self.base_range[1] * ratio))
 
     def seconds_range(self, added: float) -> tuple[float, float]:
         """A prediction's spread: the base's quartiles, and what the layers add at the rate's."""
@@ -106,103 +80,72 @@ class TimePrices:
 
     def spread(self) -> float:
         """The rate's interquartile range as a share of it: how steady the machine was."""
-        low, high = self.rate_range
-        return (high - low) / self.seconds_per_flop
+        return (self.rate_range[1] - self.rate_range[0]) / self.seconds_per_flop
 
     def summary(self) -> str:
-        low, high = self.rate_range
-        rate = self.seconds_per_flop
+        (low, high), rate = self.rate_range, self.seconds_per_flop
         text = (
             f"time: {rate * 1e12:.3g} ms per GFLOP of a layer's forward (bytes and op launches counted as FLOPs; "
             f"half the {self.samples} timed layer calls between {low * 1e12:.3g} and {high * 1e12:.3g})"
         )
-        if self.selective_share is not None:
-            text += f"; selective costs {self.selective_share:.2f} of a recompute"
-        return text
+        share = self.selective_share
+        return text if share is None else f"{text}; selective costs {share:.2f} of a recompute"
 
 
 @dataclass(frozen=True)
 class Measurements:
-    """Everything the chooser needs, measured on one batch of `tokens` tokens (see the module doc)."""
+    """Everything the chooser needs, measured on one batch of `tokens` tokens."""
 
     layers: tuple[LayerProfile, ...]
     names: tuple[str, ...]
     options: tuple[tuple[str, ...], ...]  # the policies each layer may take
     outside: Outside
-    alone: tuple[tuple[int, int], ...] | None  # per layer, held with nothing checkpointed; None: not offered
+    # per layer, held with nothing checkpointed (transformers 4.57 keeps more in a "none" layer
+    # while another is checkpointed, so that map is priced by its own run); None: not offered
+    alone: tuple[tuple[int, int], ...] | None
     base_seconds: float  # the step with nothing recomputed
     tokens: int
-    step: StepMemory | None = None
+    step: StepMemory | None = None  # for scope="step"
     time: TimePrices | None = None  # how the seconds were priced; None for hand-made measurements
-
     shorter: Measurements | None = None  # the same bytes at a shorter length, when measured
 
     def scaled(self, tokens: int | None) -> Measurements:
-        """The same measurements for a batch of `tokens` tokens. Bytes: with measurements at a
-        second length (`shorter`), each figure is fitted through both, as `a*t + b*t**2` where it
-        grows faster than the tokens (attention scores and masks grow with the square of the
-        sequence length) and as a straight line otherwise; with one length, in proportion to the
-        tokens. Seconds: in proportion to the tokens. Weights and optimizer state (in the step's
-        extras) stay as they are. Read `tokens` as the profiled batch size with longer or shorter
-        sequences; a larger batch of the same sequences grows in proportion, which this
-        over-estimates when attention is quadratic (a safe side)."""
+        """For a batch of `tokens` tokens: bytes fitted through both lengths when `shorter` was
+        measured (`_fit`: attention's scores and masks grow with the square of the length), else
+        in proportion, as seconds are; the step's extras (weights, optimizer state) stay. A larger
+        batch of the same sequences grows in proportion, over-estimated where attention is quadratic."""
         if tokens is None or tokens == self.tokens:
             return self
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-            raise ConfigError(f"tokens must be an int >= 1 (batch x sequence length), got {tokens!r}")
-        ratio = tokens / self.tokens
-        short = self.shorter
-
-        def grow(value: int, before: int | None) -> int:
-            if short is None or before is None:
-                return round(value * ratio)
-            return _fit(short.tokens, before, self.tokens, value, tokens)
-
-        def pair(now: tuple[int, int], before: tuple[int, int] | None) -> tuple[int, int]:
-            return (grow(now[0], before and before[0]), grow(now[1], before and before[1]))
-
-        layers = []
-        for i, p in enumerate(self.layers):
-            old = short.layers[i] if short is not None else None
-            layers.append(
-                dataclasses.replace(
-                    p,
-                    input_bytes=grow(p.input_bytes, old and old.input_bytes),
-                    held={k: pair(v, old.held.get(k) if old else None) for k, v in p.held.items()},
-                    seconds={k: s * ratio for k, s in p.seconds.items()},
-                )
+        tokens = parse_count(tokens, "tokens", "batch x sequence length")
+        ratio, short = tokens / self.tokens, self.shorter
+        # each figure with its measurement at the shorter length (None: not measured)
+        grow = lambda value, before: (
+            round(value * ratio) if before is None else _fit(short.tokens, before, self.tokens, value, tokens)
+        )
+        pair = lambda now, before: (grow(now[0], before and before[0]), grow(now[1], before and before[1]))
+        olds = short.layers if short else [None] * len(self.layers)
+        layers = tuple(
+            replace(
+                p,
+                input_bytes=grow(p.input_bytes, old and old.input_bytes),
+                held={k: pair(v, old and old.held.get(k)) for k, v in p.held.items()},
+                seconds={k: s * ratio for k, s in p.seconds.items()},
             )
-        alone = None
-        if self.alone is not None:
-            before = short.alone if short is not None and short.alone is not None else [None] * len(self.alone)
-            alone = tuple(pair(v, b) for v, b in zip(self.alone, before, strict=True))
-        outside = Outside(
-            grow(self.outside.checkpointing, short and short.outside.checkpointing),
-            grow(self.outside.not_checkpointing, short and short.outside.not_checkpointing),
+            for p, old in zip(self.layers, olds, strict=True)
         )
+        alone = self.alone and tuple(map(pair, self.alone, (short and short.alone) or [None] * len(self.alone)))
         step = self.step
-        if step is not None and short is not None and short.step is not None:
-            extras = {
-                k: _fit(short.tokens, short.step.extras[k], self.tokens, v, tokens) if k in short.step.extras else v
-                for k, v in step.extras.items()
-            }
-            step = StepMemory(extras)
-        return dataclasses.replace(
-            self,
-            layers=tuple(layers),
-            alone=alone,
-            outside=outside,
-            base_seconds=self.base_seconds * ratio,
-            tokens=tokens,
-            step=step,
-            time=None if self.time is None else self.time.scaled(ratio),
-            shorter=None,
-        )
+        if step and short and short.step:
+            before = short.step.extras
+            step = StepMemory({k: grow(v, before[k]) if k in before else v for k, v in step.extras.items()})
+        outside = Outside(*map(grow, self.outside, short.outside if short else (None, None)))
+        base_seconds, time = self.base_seconds * ratio, self.time and self.time.scaled(ratio)
+        return Measurements(layers, self.names, self.options, outside, alone, base_seconds, tokens, step, time)
 
 
 def _fit(x1: int, y1: int, x2: int, y2: int, x: int) -> int:
-    """A figure measured at two sizes (x1 < x2), at size x: `a*x + b*x**2` through both when it
-    grows faster than the size, else the straight line through both; never below zero."""
+    """A figure measured at sizes x1 < x2, at size x: `a*x + b*x**2` through both when it grows
+    faster than the size, else the straight line; never below zero."""
     if x1 == x2:
         return round(y2 * x / x2)
     if y2 * x1 > y1 * x2:
@@ -213,9 +156,8 @@ def _fit(x1: int, y1: int, x2: int, y2: int, x: int) -> int:
 
 
 class Combination(NamedTuple):
-    """Policies chosen for the first layers, with their device bytes so far, the bytes still owed
-    if the last checkpointed layer is offloaded and no later layer is checkpointed (that input then
-    stays on the device), and the seconds they add."""
+    """Policies for the first layers, with what they add; `owed_bytes`: what stays on the device
+    if the last checkpointed layer is offloaded and no later one is checkpointed."""
 
     device_bytes: int
     owed_bytes: int
@@ -237,8 +179,7 @@ class LayerChoice:
 
 @dataclass(frozen=True)
 class Plan:
-    """A chosen map and its prediction. `device_bytes` is what the scope bounds: held activations
-    (layers and outside them) for "activations", the peak of the whole step for "step"."""
+    """A chosen map and its prediction; `device_bytes` is what the scope bounds."""
 
     choices: tuple[LayerChoice, ...]
     outside_bytes: int
@@ -257,39 +198,26 @@ def combinations(m: Measurements) -> list[Combination]:
     for profile, names in zip(m.layers, m.options, strict=True):
         grown = []
         for name in names:
-            cost = policy(name).cost(profile)
-            if not policy(name).checkpointed:
-                grown += [
-                    Combination(
-                        c.device_bytes + cost.device_bytes, c.owed_bytes, c.seconds + cost.seconds, (*c.policies, name)
-                    )
-                    for c in front
-                ]
-                continue
-            # A checkpointed layer settles what the previous one owed. An offloaded layer owes its
-            # input, except the last layer, whose measurement already has its input on the device.
-            # (What it owes is what went to the host: an input under offload_min_bytes never left.)
+            cost, settles = policy(name).cost(profile), policy(name).checkpointed
+            # A checkpointed layer settles what the one before owed. An offloaded layer owes what of
+            # its input went to the host, except the last, measured with its input on the device.
             owes = min(profile.input_bytes, cost.host_bytes) if name == "offload" and profile.index != last else 0
-            grown += [
-                Combination(c.device_bytes + cost.device_bytes, owes, c.seconds + cost.seconds, (*c.policies, name))
-                for c in front
-            ]
+            for c in front:
+                owed = owes if settles else c.owed_bytes
+                grown.append(
+                    Combination(c.device_bytes + cost.device_bytes, owed, c.seconds + cost.seconds, (*c.policies, name))
+                )
         # after the last layer, kept per last policy too: the step's peak depends on it
         front = undominated(grown, by_last_policy=profile.index == last)
     return front
 
 
 def undominated(found: list[Combination], by_last_policy: bool = False) -> list[Combination]:
-    """Per amount owed (and with `by_last_policy`, per last policy): sorted by bytes, each strictly
-    faster than every one with fewer bytes (of two as fast, the one holding less serves every
-    budget the other does)."""
+    """Those no other beats, per amount owed (and with `by_last_policy`, per last policy)."""
     kept: list[Combination] = []
     key = lambda c: (c.owed_bytes, c.policies[-1] if by_last_policy and c.policies else "")
     for group_key in sorted({key(c) for c in found}):
-        group: list[Combination] = []
-        for c in sorted((c for c in found if key(c) == group_key), key=lambda c: (c.device_bytes, _time(c))):
-            if not group or _time(c) < _time(group[-1]):
-                group.append(c)
+        group = _each_faster([(c.device_bytes, c) for c in found if key(c) == group_key])
         if len(group) > FRONT_LIMIT:  # thin evenly; the ends (least bytes, fastest) always stay
             step = len(group) / FRONT_LIMIT
             group = [group[int(i * step)] for i in range(FRONT_LIMIT)] + [group[-1]]
@@ -297,10 +225,19 @@ def undominated(found: list[Combination], by_last_policy: bool = False) -> list[
     return kept
 
 
+def _each_faster(priced: list[tuple[float, Combination]]) -> list[Combination]:
+    """Ascending in bytes, each strictly faster than every one with fewer (of two as fast, the one
+    holding less serves every budget the other does)."""
+    kept: list[Combination] = []
+    for _, c in sorted(priced, key=lambda pair: (pair[0], _time(pair[1]))):
+        if not kept or _time(c) < _time(kept[-1]):
+            kept.append(c)
+    return kept
+
+
 def _time(c: Combination) -> float:
-    """Seconds as compared: to the picosecond. Prices are counts times one measured rate, and two
-    maps of equal counts summed in another order can differ in the last bit; which one wins must
-    not depend on the rate the machine gave."""
+    """Seconds as compared: to the picosecond. Two maps of equal counts summed in another order can
+    differ in the last bit; which one wins must not depend on the rate the machine gave."""
     return round(c.seconds, 12)
 
 
@@ -309,17 +246,16 @@ def checkpoints(policies: Sequence[str]) -> bool:
 
 
 def activation_bytes(m: Measurements, c: Combination) -> float:
-    """A combination's held device bytes: layers, what it owes, and outside the layers (inf when
-    it checkpoints nothing and that map was not offered)."""
-    if not checkpoints(c.policies):  # priced by the run with nothing checkpointed, if it was offered
-        if m.alone is None or len(m.alone) != len(c.policies):
-            return float("inf")
-        return m.outside.not_checkpointing + sum(d for d, _ in m.alone)
-    return c.device_bytes + c.owed_bytes + m.outside.checkpointing
+    """Held device bytes; a map that checkpoints nothing is priced by its own run (inf: not offered)."""
+    if checkpoints(c.policies):
+        return c.device_bytes + c.owed_bytes + m.outside.checkpointing
+    if m.alone is None or len(m.alone) != len(c.policies):
+        return float("inf")
+    return m.outside.not_checkpointing + sum(d for d, _ in m.alone)
 
 
 def scoped_bytes(m: Measurements, c: Combination, scope: str) -> float:
-    """What `scope` bounds for a combination: held activations, or the peak of the whole step."""
+    """Held activations, or with scope="step" the peak of the whole step (inf: not measured)."""
     held = activation_bytes(m, c)
     if scope == "activations":
         return held
@@ -341,13 +277,10 @@ def choose(m: Measurements, budget: int, scope: str = "activations") -> Plan | N
     """The fastest map whose `scope` bytes fit `budget`; None when nothing fits."""
     check_scope(m, scope)
     fitting = [c for c in combinations(m) if scoped_bytes(m, c, scope) <= budget]
-    if not fitting:
-        return None
-    return _plan(m, min(fitting, key=lambda c: (_time(c), c.device_bytes + c.owed_bytes)), scope)
+    return _plan(m, min(fitting, key=lambda c: (_time(c), c.device_bytes + c.owed_bytes)), scope) if fitting else None
 
 
 def smallest(m: Measurements, scope: str = "activations") -> float:
-    """The fewest `scope` bytes any map holds."""
     check_scope(m, scope)
     return min(scoped_bytes(m, c, scope) for c in combinations(m))
 
@@ -355,17 +288,8 @@ def smallest(m: Measurements, scope: str = "activations") -> float:
 def frontier(m: Measurements, scope: str = "activations") -> list[Plan]:
     """Every undominated map: ascending in predicted bytes, each strictly faster than the one before."""
     check_scope(m, scope)
-    ranked = sorted(
-        ((scoped_bytes(m, c, scope), c) for c in combinations(m)),
-        key=lambda pair: (pair[0], _time(pair[1])),
-    )
-    kept: list[Combination] = []
-    best = float("inf")
-    for nbytes, c in ranked:
-        if nbytes != float("inf") and _time(c) < best:
-            kept.append(c)
-            best = _time(c)
-    return [_plan(m, c, scope) for c in kept]
+    priced = [(scoped_bytes(m, c, scope), c) for c in combinations(m)]
+    return [_plan(m, c, scope) for c in _each_faster([(b, c) for b, c in priced if b != float("inf")])]
 
 
 def predicted(m: Measurements, policies: Sequence[str], scope: str = "activations") -> Plan:
@@ -373,48 +297,34 @@ def predicted(m: Measurements, policies: Sequence[str], scope: str = "activation
     check_scope(m, scope)
     if len(policies) != len(m.layers) or any(p not in o for p, o in zip(policies, m.options, strict=True)):
         raise ConfigError(f"a map names one of each layer's options {m.options}, got {list(policies)}")
-    choices = _layer_choices(m, policies)
-    checkpointed = [x.index for x in choices if policy(x.policy).checkpointed]
-    owed = 0
-    if checkpointed and policies[checkpointed[-1]] == "offload" and checkpointed[-1] != len(choices) - 1:
-        last = m.layers[checkpointed[-1]]
-        owed = min(last.input_bytes, policy("offload").cost(last).host_bytes)
-    raw = [policy(name).cost(p) for p, name in zip(m.layers, policies, strict=True)]
-    c = Combination(sum(x.device_bytes for x in raw), owed, sum(x.seconds for x in raw), tuple(policies))
+    choices = _layer_choices(m, policies)  # with what the last offloaded layer owes on the device
+    c = Combination(sum(x.device_bytes for x in choices), 0, sum(x.seconds for x in choices), tuple(policies))
     return _plan(m, c, scope)
 
 
 def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
     choices = _layer_choices(m, c.policies)
     checkpointing = checkpoints(c.policies)
-    if not checkpointing:
-        assert m.alone is not None  # a combination without checkpointing fits only when offered
-        choices = [
-            dataclasses.replace(x, device_bytes=m.alone[x.index][0], host_bytes=m.alone[x.index][1]) for x in choices
-        ]
+    if not checkpointing:  # priced by its own run, which fits only when offered
+        assert m.alone is not None
+        choices = [replace(x, device_bytes=d, host_bytes=h) for x, (d, h) in zip(choices, m.alone, strict=True)]
     outside = m.outside.of(checkpointing)
     held = outside + sum(x.device_bytes for x in choices)
     extra = m.step.extra(c.policies) if m.step is not None else None
-    peak = None if extra is None else int(held + extra)
     added = sum(x.seconds for x in choices)
     seconds = max(0.0, m.base_seconds + added)  # never negative, whatever the noise
     spread = None if m.time is None else m.time.seconds_range(added)
+    peak = None if extra is None else int(held + extra)
     return Plan(tuple(choices), outside, int(held), int(scoped_bytes(m, c, scope)), seconds, scope, peak, spread)
 
 
 def _layer_choices(m: Measurements, chosen: Sequence[str]) -> list[LayerChoice]:
-    out = []
-    for profile, name in zip(m.layers, chosen, strict=True):
-        cost = policy(name).cost(profile)
-        out.append(
-            LayerChoice(profile.index, m.names[profile.index], name, cost.device_bytes, cost.host_bytes, cost.seconds)
-        )
-    checkpointed = [x for x in out if policy(x.policy).checkpointed]
-    if checkpointed and checkpointed[-1].policy == "offload" and checkpointed[-1].index != len(out) - 1:
-        # The last checkpointed layer's input stays on the device (measured so on the last layer only).
-        last = checkpointed[-1]
+    """Each layer's cost under its policy; the last checkpointed layer's input, when offloaded
+    and not the last layer, stays on the device (measured so on the last layer only)."""
+    costs = [(p.index, name, policy(name).cost(p)) for p, name in zip(m.layers, chosen, strict=True)]
+    out = [LayerChoice(i, m.names[i], name, c.device_bytes, c.host_bytes, c.seconds) for i, name, c in costs]
+    last = next((x for x in reversed(out) if policy(x.policy).checkpointed), None)
+    if last is not None and last.policy == "offload" and last.index != len(out) - 1:
         moved = min(m.layers[last.index].input_bytes, last.host_bytes)
-        out[last.index] = dataclasses.replace(
-            last, device_bytes=last.device_bytes + moved, host_bytes=last.host_bytes - moved
-        )
+        out[last.index] = replace(last, device_bytes=last.device_bytes + moved, host_bytes=last.host_bytes - moved)
     return out

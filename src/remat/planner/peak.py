@@ -1,17 +1,7 @@
-"""The peak of a whole training step, counted as torch's `MemTracker` counts it (`scope="step"`).
-
-Each memory step of a profile, when an optimizer is given, runs under a live count and takes the
-optimizer's step, with the optimizer's state already made (as in every step after the first).
-Then the parameters and the optimizer's state are put back at once: later steps run on the same
-weights (an MoE router's choices depend on them). What the peak holds beyond the held
-activations is the step's "extra" (`chooser.StepMemory`).
-
-The count (`remat.measure.LiveStorages` with `peak_on`) is what `MemTracker` counts (every
-storage alive on the device: parameters, buffers, gradients, optimizer state, the batch, and
-every op's output until it is freed), and nothing else: `MemTracker` also attributes memory to
-modules and states, which made a step of the benchmark's small preset about 15 times slower. The suite
-checks the planner's predictions against `MemTracker` itself (tests/independent_memory.py).
-"""
+"""The peak of a whole training step as torch's `MemTracker` counts it (`scope="step"`): every
+storage alive on the device (`remat.measure.LiveStorages` with `peak_on`), without `MemTracker`'s
+attribution to modules, which made a step of the benchmark's small preset about 15 times slower.
+The suite checks the predictions against `MemTracker` itself (tests/independent_memory.py)."""
 
 from __future__ import annotations
 
@@ -27,10 +17,10 @@ from ..measure import LiveStorages
 
 
 class StepPeak:
-    """With an optimizer: a context for one measured step under a live count that also
-    takes the optimizer step, then puts the parameters and the optimizer's state back at once
-    (later steps run on the same weights: an MoE router's choices depend on them);
-    `extra(report)` is then the peak beyond the held activations."""
+    """With an optimizer: a context for one measured step under a live count that also takes the
+    optimizer's step, its state made first (as in every step after the first), then puts the
+    parameters and the optimizer's state back (later steps run on the same weights: an MoE
+    router's choices depend on them). `extra(report)`: the peak beyond the held activations."""
 
     def __init__(self, model: nn.Module, batch: Mapping[str, Any], optimizer: Any, device: torch.device):
         self.model, self.batch, self.optimizer, self.device = model, batch, optimizer, device
@@ -38,23 +28,22 @@ class StepPeak:
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[Any]:
-        if self.optimizer is None:
+        optimizer = self.optimizer
+        if optimizer is None:
             yield None
             return
-        optimizer = self.optimizer
         saved_state = copy.deepcopy(optimizer.state_dict())
         params = [p for group in optimizer.param_groups for p in group["params"]]
         saved = [p.detach().to("cpu", copy=True) for p in params]
         if any(p not in optimizer.state for p in params if p.requires_grad):
-            _make_state(optimizer, params)  # as in every step after the first
+            _make_state(optimizer, params)
         known = [*self.model.parameters(), *self.model.buffers()]
         known += [p.grad for p in self.model.parameters() if p.grad is not None]
         known += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
         known += [v for v in self.batch.values() if isinstance(v, torch.Tensor)]
-        tracker = LiveStorages(peak_on=self.device, known=known)
-        self.tracker = tracker
+        self.tracker = LiveStorages(peak_on=self.device, known=known)
         try:
-            with tracker:
+            with self.tracker:
                 yield optimizer
         finally:
             with torch.no_grad():
@@ -65,20 +54,18 @@ class StepPeak:
     def extra(self, report: Any) -> int | None:
         if self.tracker is None:
             return None
-        peak = self.tracker.peak
-        self.tracker = None
+        peak, self.tracker = self.tracker.peak, None
         return peak - report.device_bytes
 
 
 def _make_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
-    """One optimizer step on zero gradients, so that its state exists (the parameters it moves,
-    weight decay, and the state itself are put back after the measured step)."""
-    grads = [(p, p.grad) for p in params]
+    """One optimizer step on zero gradients, so that its state exists (what it moves is put back)."""
+    grads = [p.grad for p in params]
     for p in params:
         if p.requires_grad and p.grad is None:
             p.grad = torch.zeros_like(p)
     try:
         optimizer.step()
     finally:
-        for p, grad in grads:
+        for p, grad in zip(params, grads, strict=True):
             p.grad = grad

@@ -1,16 +1,13 @@
-"""`profile.plot()`: the frontier as a matplotlib Figure (matplotlib is imported only here, and
-is an optional dependency: the `plot` extra)."""
+"""`profile.plot()`: the frontier as a matplotlib Figure (matplotlib, the optional `plot` extra, is
+imported only here)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-MATPLOTLIB_MISSING = (
-    "profile.plot() draws with matplotlib, which is not installed here. Install remat's plot extra, "
-    "remat[plot] (pip install '.[plot]' in a clone of remat), or matplotlib itself: pip install 'matplotlib>=3.8'"
-)
 _SCOPE_WORDS = {"activations": "held activations", "step": "peak of a whole training step"}
+_MIB = 2**20
 
 
 def frontier_figure(
@@ -22,22 +19,21 @@ def frontier_figure(
     budget: int | None = None,
     chosen: tuple[float, float] | None = None,
 ) -> Any:
-    """Predicted step time against predicted bytes: the planner's undominated maps as a staircase
-    (a budget between two of them gets the one below), transformers' native options as marks,
-    and, given a `budget`, the budget as a vertical line and the map chosen for it (`chosen`:
-    its bytes and seconds) as a star. The title says the scope the bytes are of.
-
-    No label is drawn over another: native options at the same point share one label, and a
-    label that would overlap one already placed moves up until it does not."""
+    """Predicted step time against predicted bytes (of `scope`, said in the title): the undominated
+    maps as a staircase (a budget between two gets the one below), transformers' native options as
+    marks, and a `budget` as a vertical line with the map `chosen` for it (bytes, seconds) as a
+    star. No label is drawn over another."""
     try:
         from matplotlib.figure import Figure
     except ImportError as missing:
-        raise ImportError(MATPLOTLIB_MISSING) from missing
+        raise ImportError(
+            "profile.plot() draws with matplotlib, which is not installed here. Install remat's plot extra, remat[plot]"
+            " (pip install '.[plot]' in a clone of remat), or matplotlib itself: pip install 'matplotlib>=3.8'"
+        ) from missing
 
     figure = Figure(figsize=(7.5, 4.8))
     ax = figure.add_subplot()
-    xs = [b / 2**20 for b, _ in points]
-    ys = [s * 1e3 for _, s in points]
+    xs, ys = [b / _MIB for b, _ in points], [s * 1e3 for _, s in points]
     if xs:
         ax.step(xs, ys, where="post", color="#3a78b5", alpha=0.5, linewidth=1)
         ax.scatter(xs, ys, color="#3a78b5", marker="o", s=14, label="remat: every undominated map", zorder=3)
@@ -46,35 +42,21 @@ def frontier_figure(
         ax.scatter([x], [y], color="#d08c40", marker="s", zorder=4, label="native (transformers)" if i == 0 else None)
         labels.append(ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"))
     if budget is not None:
-        ax.axvline(budget / 2**20, color="#b03a2e", linestyle="--", linewidth=1, label="budget")
+        ax.axvline(budget / _MIB, color="#b03a2e", linestyle="--", linewidth=1, label="budget")
         if chosen is not None:
-            x, y = chosen[0] / 2**20, chosen[1] * 1e3
+            x, y = chosen[0] / _MIB, chosen[1] * 1e3
             ax.scatter([x], [y], color="#b03a2e", marker="*", s=120, zorder=5, label="chosen for the budget")
+            text = f"chosen: {x:.1f} MiB, {y:.0f} ms"
             labels.append(
-                ax.annotate(
-                    f"chosen: {x:.1f} MiB, {y:.0f} ms",
-                    (x, y),
-                    fontsize=7,
-                    xytext=(3, -10),
-                    textcoords="offset points",
-                    color="#b03a2e",
-                )
+                ax.annotate(text, (x, y), fontsize=7, xytext=(3, -10), textcoords="offset points", color="#b03a2e")
             )
     what = _SCOPE_WORDS.get(scope, scope)
-    within = "" if budget is None else f", budget {budget / 2**20:.1f} MiB" + ("" if chosen else " (nothing fits)")
-    ax.set(
-        xlabel=f"predicted MiB ({what})",
-        ylabel="predicted step ms",
-        title=f"remat plans for {tokens} tokens{within}\nscope={scope!r}: bytes are the {what}",
-    )
+    within = "" if budget is None else f", budget {budget / _MIB:.1f} MiB" + ("" if chosen else " (nothing fits)")
+    title = f"remat plans for {tokens} tokens{within}\nscope={scope!r}: bytes are the {what}"
+    ax.set(xlabel=f"predicted MiB ({what})", ylabel="predicted step ms", title=title)
     ax.legend(fontsize=8)
     figure.tight_layout()
-    left, right = ax.get_xlim()
-    for label in labels:  # near the right edge, a label reads leftwards so that it stays inside
-        if label.xy[0] > left + 0.8 * (right - left):
-            label.set_horizontalalignment("right")
-            label.xyann = (-label.xyann[0], label.xyann[1])
-    _separate(figure, labels)
+    _separate(figure, ax, labels)
     return figure
 
 
@@ -83,22 +65,24 @@ def _merge_coinciding(native: Mapping[str, tuple[float, float]]) -> list[tuple[s
     mark with one label, in MiB and ms, ascending in bytes."""
     merged: dict[tuple[float, float], list[str]] = {}
     for label, (nbytes, seconds) in sorted(native.items(), key=lambda item: item[1][0]):
-        merged.setdefault((round(nbytes / 2**20, 6), round(seconds * 1e3, 6)), []).append(label)
+        merged.setdefault((round(nbytes / _MIB, 6), round(seconds * 1e3, 6)), []).append(label)
     return [(" = ".join(names), point) for point, names in merged.items()]
 
 
-def _separate(figure: Any, labels: list[Any]) -> None:
-    """Move each label up (in steps of its own height) until its box overlaps no label placed
-    before it."""
+def _separate(figure: Any, ax: Any, labels: list[Any]) -> None:
+    """Near the right edge a label reads leftwards, to stay inside; then each moves up, a step of its
+    own height at a time, until it overlaps no label before it."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    renderer = FigureCanvasAgg(figure).get_renderer()
+    renderer, (left, right) = FigureCanvasAgg(figure).get_renderer(), ax.get_xlim()
     placed = []
     for label in labels:
+        if label.xy[0] > left + 0.8 * (right - left):
+            label.set_horizontalalignment("right")
+            label.xyann = (-label.xyann[0], label.xyann[1])
         for _ in range(50):
             box = label.get_window_extent(renderer)
             if not any(box.overlaps(other) for other in placed):
                 break
-            dx, dy = label.xyann
-            label.xyann = (dx, dy + box.height * 72 / figure.dpi + 1)
+            label.xyann = (label.xyann[0], label.xyann[1] + box.height * 72 / figure.dpi + 1)
         placed.append(label.get_window_extent(renderer))
