@@ -2,10 +2,9 @@
 
 Forward runs the layers ascending, backward recomputes them descending. Before a layer runs its
 weights are fetched (waited for only then) and the next `prefetch_depth` start fetching; layers
-passed give their slots back. Nothing relies on a step finishing (an exception abandons it
-with slots held): a layer that does not continue the current pass starts a new one and gives
-back every slot, and a layer finding every slot of its layout held by prefetches takes the
-farthest one's. So a failed step is followed by a normal one.
+passed give their slots back. Nothing relies on a step finishing (an exception abandons it with
+slots held): a layer that does not continue the current pass starts a new one and gives back every
+slot, and a layer finding every slot of its layout held by prefetches takes the farthest one's.
 """
 
 from __future__ import annotations
@@ -33,20 +32,8 @@ class Schedule:
         for layer in self.layers.values():
             self.pool.release(layer)
 
-    def _enter(self, direction: str, index: int) -> None:
-        phase = self._phase
-        continues = phase is not None and phase[0] == direction
-        if not (continues and (index > phase[1] if direction == "forward" else index < phase[1])):
-            self.release_all()
-            self._callback_queued = False  # a backward that failed never ran its end callback
-        self._phase = (direction, index)
-
     def before_forward(self, index: int) -> None:
-        self._enter("forward", index)
-        for earlier in [i for i in self.layers if i < index]:
-            self.pool.release(self.layers[earlier])  # done in this forward
-        self._use(index)
-        self._prefetch([i for i in self.layers if i > index])
+        self._start(index, forward=True)
 
     def after_forward(self, index: int) -> None:
         if index in self.layers:
@@ -59,22 +46,30 @@ class Schedule:
         if index not in self.layers:
             yield
             return
-        self.before_recompute(index)
+        self._start(index, forward=False)
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
         self.in_recompute = True
         try:
             yield
         finally:
             self.in_recompute = False
 
-    def before_recompute(self, index: int) -> None:
-        self._enter("backward", index)
-        for later in [i for i in self.layers if i > index]:
-            self.pool.release(self.layers[later])  # backward is done with every later layer
+    def _start(self, index: int, forward: bool) -> None:
+        """Layer `index` runs (forward ascending, backward descending): the layers passed give their
+        slots back, its own weights are fetched and the next ones start fetching."""
+        phase, direction = self._phase, "forward" if forward else "backward"
+        if phase is None or phase[0] != direction or not (index > phase[1] if forward else index < phase[1]):
+            self.release_all()  # a new pass
+            self._callback_queued = False  # a backward that failed never ran its end callback
+        self._phase = (direction, index)
+        order = list(self.layers) if forward else list(reversed(self.layers))
+        at = order.index(index)
+        for passed in order[:at]:
+            self.pool.release(self.layers[passed])
         self._use(index)
-        self._prefetch([i for i in reversed(self.layers) if i < index])
-        if not self._callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._callback_queued = True
+        self._prefetch(order[at + 1 :])
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False

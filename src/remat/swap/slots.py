@@ -1,10 +1,9 @@
 """The slot pool: device memory that swapped weights occupy while their layer runs.
 
-Only what `p.data` points at changes (optimizers, PEFT and `state_dict` keep the same
-`Parameter` objects): at rest a placeholder (one element expanded to the full shape, ~0
-bytes), in use a slot filled from the host copy. Frozen weights never change, so nothing is
-copied back. Slots are shared by layout, `prefetch_depth + 1` per layout, so one layer runs
-while the next `prefetch_depth` are fetched.
+Only what `p.data` points at changes (optimizers, PEFT and `state_dict` keep the same `Parameter`
+objects): at rest a placeholder (one element expanded to the full shape, ~0 bytes), in use a slot
+filled from the host copy. Frozen weights never change, so nothing is copied back. Slots are
+shared by layout, `prefetch_depth + 1` per layout: one layer runs while the next ones are fetched.
 """
 
 from __future__ import annotations
@@ -72,15 +71,21 @@ class SlotPool:
     def size_bytes(self, layers: list[SwappedLayer]) -> int:
         """The most swapped-weight bytes that can be resident at once."""
         per_layout = {layer.layout: layer.nbytes for layer in layers}
-        return sum(nbytes * (self.prefetch_depth + 1) for nbytes in per_layout.values())
+        return sum(per_layout.values()) * (self.prefetch_depth + 1)
 
     def fetch(self, layer: SwappedLayer, *, beyond_pool: bool = False) -> bool:
-        """Start copying the layer's weights into a slot; False if every slot of its layout is
-        held (`beyond_pool` makes one more: a step that failed halfway holds them)."""
+        """Start copying the layer's weights into a slot; False if every slot of its layout is held
+        (`beyond_pool` makes one more: a step that failed halfway holds them)."""
         if layer.slot is not None:
             return True
-        slot = self._acquire(layer, beyond_pool)
-        if slot is None:
+        layout = layer.layout
+        free = self._free.setdefault(layout, [])
+        if free:
+            slot = free.pop()
+        elif beyond_pool or self._count.get(layout, 0) <= self.prefetch_depth:
+            self._count[layout] = self._count.get(layout, 0) + 1
+            slot = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in layer.placeholders]
+        else:
             return False
         layer.ready = [layer.mover.fetch(dst, src) for dst, src in zip(slot, layer.host, strict=True)]
         layer.slot = slot
@@ -89,16 +94,6 @@ class SlotPool:
         self.resident_bytes += layer.nbytes
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
         return True
-
-    def _acquire(self, layer: SwappedLayer, beyond_pool: bool) -> list[torch.Tensor] | None:
-        layout = layer.layout
-        free = self._free.setdefault(layout, [])
-        if free:
-            return free.pop()
-        if beyond_pool or self._count.get(layout, 0) <= self.prefetch_depth:
-            self._count[layout] = self._count.get(layout, 0) + 1
-            return [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in layer.placeholders]
-        return None
 
     def release(self, layer: SwappedLayer) -> None:
         if layer.slot is None:
