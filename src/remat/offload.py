@@ -1,19 +1,14 @@
-"""Host offload of checkpoint inputs: the "offload" policy.
+"""Host offload of checkpoint inputs: the "offload" policy. Bytes cross through `remat.transport`
+(shared with block swap); this module decides which input moves when, and keeps the per-layer
+counters and the host budget. `remat.testing.SimulatedTransport` plays a device and a host on the
+CPU, so all of it runs in CI without a GPU.
 
-torch's non-reentrant checkpoint saves a layer's positional inputs before it enters its own hooks,
-so a `saved_tensors_hooks` context around the call sees exactly those (the recompute's internals
-never move). Only the first positional input (the hidden states) moves: masks and position
-embeddings are shared by every layer. Inputs under `offload_min_bytes` stay (the copy costs more
-than it saves), and so does the input of the last checkpointed layer forward runs, as backward
-needs it first: each input is held back until the next checkpointed layer starts, then copied out
-(overlapping that layer's compute), so a map changed between steps leaves no stale index. Copies
-are exact bytes; backward fetches the next input ahead while this one recomputes. Host buffers
-come from the transport (on CUDA torch's caching pinned allocator) and go with the autograd graph
-that holds them, an abandoned step's too. A CPU model has no device memory to free: inputs stay.
-
-Bytes cross through `remat.transport` (shared with block swap); this module keeps which input
-moves when, the per-layer counters and the host budget. `remat.testing.SimulatedTransport` plays
-a device and a host on the CPU, so this logic runs in CI without a GPU.
+torch's non-reentrant checkpoint saves a layer's positional inputs before entering its own hooks,
+so a `saved_tensors_hooks` context around the call sees exactly those. Only the hidden states move
+(masks and position embeddings are shared by every layer), and not under `offload_min_bytes`.
+Backward needs the last checkpointed layer's input first, so each input is held back until the
+next checkpointed layer starts, then copied out while that layer computes; whatever is held when
+forward ends stays. Host buffers go with the autograd graph that holds them, an abandoned step's too.
 """
 
 from __future__ import annotations
@@ -58,18 +53,15 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 
 class HostBuffers:
-    """One device's transport and the pinned bytes offloaded inputs hold there, counted against the
-    host budget. Past it, or where pinning fails, a buffer is pageable (one warning): its copies do
-    not overlap compute, but host memory is never exhausted. Buffers are given back from a graph's
-    handle when a GC pass (any thread, mid-method) frees the graph, so the count is a dict that
-    `give_back` only pops from (atomic): no lock a GC pass could wait on.
-    """
+    """One device's transport and the pinned bytes offloaded inputs hold there, against the host
+    budget. Past it, or where pinning fails, a buffer is pageable (one warning): copies do not
+    overlap compute, but host memory is never exhausted. A buffer is given back when a GC pass (any
+    thread, mid-method) frees its graph, so `give_back` only pops from a dict (atomic): no lock."""
 
     def __init__(self, transport: OffloadTransport, max_bytes: int | None = None):
         self.transport = transport
         self.max_bytes = max_bytes
         self.pageable_fallbacks = 0
-        self._warned = False
         self._pinned: dict[int, int] = {}  # storage pointer -> bytes, of every pinned buffer a graph holds
         self._returning = False  # nothing offloads: give the host memory back once the last buffer is freed
         self._cached = False  # pinned buffers went into the transport's cache since it was last emptied
@@ -92,8 +84,7 @@ class HostBuffers:
 
     def _pageable(self, nbytes: int, why: str) -> torch.Tensor:
         self.pageable_fallbacks += 1
-        if not self._warned:
-            self._warned = True
+        if self.pageable_fallbacks == 1:
             logger.warning("offload: %s; using pageable host memory, so copies will not overlap compute", why)
         return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -115,10 +106,12 @@ class HostBuffers:
 
 
 class _Packed:
-    """One saved input: held on the device until forward moves past it, then on the host."""
+    """One offloaded input, and what the autograd graph stores for it: held on the device until
+    forward moves past it, then on the host. When the graph is freed (after backward, or when a
+    step is abandoned) this goes, and its host buffer with it."""
 
     def __init__(self, offloader: Offloader, buffers: HostBuffers, layer: int, tensor: torch.Tensor, order: int):
-        self.stats, self.buffers, self.transport = offloader.stats[layer], buffers, buffers.transport
+        self.stats, self.buffers, self.transport = offloader.stats, buffers, buffers.transport
         self.layer, self.order = layer, order
         self.meta = TensorMeta(tensor.shape, tensor.dtype, tensor.device, tensor.nbytes)
         self.device_tensor: torch.Tensor | None = tensor
@@ -132,13 +125,13 @@ class _Packed:
         self.host = self.buffers.take(self.meta.nbytes)
         self.transport.to_host(self.device_tensor, self.host, self.layer)
         self.device_tensor = None  # the device memory is freed (after the copy, on CUDA)
-        self.stats.offloaded_bytes += self.meta.nbytes
-        self.stats.copies_to_host += 1
+        self.stats[self.layer].offloaded_bytes += self.meta.nbytes
+        self.stats[self.layer].copies_to_host += 1
 
     def prefetch(self) -> None:
         if self.host is not None and self.prefetched is None:
             self.prefetched = self.transport.to_device(self.host, self.meta, self.layer)
-            self.stats.copies_to_device += 1
+            self.stats[self.layer].copies_to_device += 1
 
     def fetch(self) -> torch.Tensor:
         if self.device_tensor is not None:
@@ -149,9 +142,7 @@ class _Packed:
         event.wait()
         return tensor
 
-    def release(self) -> None:
-        if not self.alive:
-            return
+    def __del__(self) -> None:
         self.alive, self.device_tensor, self.prefetched = False, None, None
         host, self.host = self.host, None
         if host is not None and self.buffers.give_back(host):
@@ -160,13 +151,11 @@ class _Packed:
 
 
 class Offloader:
-    """Packs and unpacks the saved inputs of checkpointed layers with the "offload" policy: one per
-    CheckpointedModel; `hooks(layer, target)` wraps that layer's checkpoint call."""
+    """Packs and unpacks the saved inputs of "offload" layers: one per CheckpointedModel.
+    `transport=None` takes each device's shared transport (`transport_for`) as inputs arrive;
+    `max_host_bytes=None` budgets pinned memory with `default_host_budget()`."""
 
     def __init__(self, min_bytes: int, transport: OffloadTransport | None = None, max_host_bytes: int | None = None):
-        """`transport=None` takes each device's shared transport (`transport_for`) as inputs arrive:
-        CUDA tensors go to pinned host memory, CPU tensors stay. `max_host_bytes=None` budgets
-        pinned memory with `default_host_budget()`."""
         self.min_bytes = min_bytes
         self.max_host_bytes = default_host_budget() if max_host_bytes is None else max_host_bytes
         self._fixed = HostBuffers(transport, self.max_host_bytes) if transport is not None else None
@@ -235,12 +224,11 @@ class Offloader:
         packed = _Packed(self, route, layer, tensor, self._order)
         self._live[packed.order] = packed
         self._held_back = weakref.ref(packed)
-        return _Handle(packed)
+        return packed
 
-    def _unpack(self, handle: Any) -> torch.Tensor:
-        if isinstance(handle, torch.Tensor):
-            return handle
-        packed = handle.packed
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
         if packed.device_tensor is not None and packed is self._held_back():
             # Backward has started: the held-back input is the first one it needs.
             self.stats[packed.layer].keep(packed.meta.nbytes, KEPT_LAST)
@@ -271,16 +259,3 @@ class Offloader:
 
 def _nothing_held() -> None:
     """Stands for a dead weak reference: no input is held back."""
-
-
-class _Handle:
-    """What the autograd graph stores for an offloaded input. When the graph is freed (after
-    backward, or when a step is abandoned) the handle goes, and its host buffer with it."""
-
-    __slots__ = ("__weakref__", "packed")
-
-    def __init__(self, packed: _Packed):
-        self.packed = packed
-
-    def __del__(self) -> None:
-        self.packed.release()

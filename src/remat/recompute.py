@@ -2,10 +2,8 @@
 
 transformers' `GradientCheckpointingLayer` calls ``layer._gradient_checkpointing_func(fn, *args)``
 when its `gradient_checkpointing` flag is set and it is training; remat sets both per layer, on the
-instance, as its map says. Keyword arguments (masks, position embeddings) arrive bound into `fn`;
-the positional ones (hidden states) are what the checkpoint saves. Holders (modules that carry the
-flag only so transformers turns `use_cache` off) get `run_without_checkpoint`: no layer is
-checkpointed twice.
+instance, as its map says. Holders (modules that carry the flag only so transformers turns
+`use_cache` off) get `run_without_checkpoint`: no layer is checkpointed twice.
 """
 
 from __future__ import annotations
@@ -134,7 +132,7 @@ class LayerCheckpoint:
             around = contextlib.ExitStack()
             try:  # entered inside: one that fails to enter must not leave the other entered
                 with _disable_current_modes():
-                    around.enter_context(swapper.recomputing(index))
+                    around.enter_context(swapper.schedule.recomputing(index))
                     around.enter_context(state.kept())
                 return function(*args, **kwargs)
             except RuntimeError as err:

@@ -1,14 +1,10 @@
-"""The host<->device transport that offload (`remat.offload`: a layer's input goes to the host in
-forward and back for the recompute) and block swap (`remat.swap`: frozen weights live on the host
-and are fetched into device slots) share: one `Transport` per device from `transport_for`, so a
-process has one set of copy streams per device. Each feature keeps its own bookkeeping; this
-room only moves bytes and says when they arrived.
-
-`CudaTransport` has a side stream per copy direction (a GPU has a copy engine per direction, so an
-input going out overlaps a weight coming in; copies in one direction queue in order); the compute
-stream waits on an event only where it reads what a copy wrote. `CpuTransport` is a model on the
-CPU: offload handles nothing (no device memory to free); swap still copies weights into slots
-given back between uses. Test doubles live in `remat.testing`.
+"""The one host<->device transport per device (`transport_for`), shared by offload (`remat.offload`)
+and block swap (`remat.swap`), so a process has one set of copy streams per device. It only moves
+bytes and says when they arrived. `CudaTransport` has a side stream per copy direction (one copy
+engine each: an input going out overlaps a weight coming in); the compute stream waits on an event
+only where it reads what a copy wrote. On `CpuTransport` offload handles nothing (no device memory
+to free) while swap still copies weights into slots given back between uses. Test doubles live
+in `remat.testing`.
 """
 
 from __future__ import annotations

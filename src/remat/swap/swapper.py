@@ -6,7 +6,6 @@ fail), so a refusal changes nothing.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -16,8 +15,7 @@ from ..errors import ConfigTypeError
 from ..transport import WeightMover, transport_for
 from .checks import check_swappable, own_frozen_params, parameter_owners
 from .guards import ModelGuards, guard_layer, refusal, unguard_layer
-from .schedule import Schedule
-from .slots import LayerSwapStats, SlotPool, SwappedLayer, placeholder
+from .slots import LayerSwapStats, Schedule, SlotPool, SwappedLayer, placeholder
 
 
 class WeightSwapper:
@@ -57,9 +55,6 @@ class WeightSwapper:
     @property
     def pool_bytes(self) -> int:
         return self.pool.size_bytes(list(self.layers.values()))
-
-    def recomputing(self, index: int) -> contextlib.AbstractContextManager[None]:
-        return self.schedule.recomputing(index)
 
     def update(self, model: nn.Module, targets: list[tuple[int, str, nn.Module]]) -> tuple[list[int], list[int]]:
         """Swap exactly `targets` (index, name, module); returns (joined, left) indices."""
