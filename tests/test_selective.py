@@ -186,7 +186,7 @@ def test_configs_selective_cannot_run_are_refused(config, message):
 def test_the_policy_keeps_projections_and_fused_attention_and_recomputes_the_rest():
     from torch.utils.checkpoint import CheckpointPolicy
 
-    from remat.policies.selective import _keep_projections_and_attention
+    from remat.policies._selective_ops import _keep_projections_and_attention
 
     aten = torch.ops.aten
     for op in (aten.mm.default, aten.addmm.default, aten._scaled_dot_product_efficient_attention):

@@ -1,26 +1,14 @@
-"""Host offload of checkpoint inputs: the "offload" policy.
+"""Host offload of checkpoint inputs: the "offload" policy. Bytes cross through `remat.transport`
+(shared with block swap); this module decides which input moves when, and keeps the per-layer
+counters and the host budget. `remat.testing.SimulatedTransport` plays a device and a host on the
+CPU, so all of it runs in CI without a GPU.
 
-What moves: torch's non-reentrant checkpoint saves a layer's positional inputs as saved tensors
-before it enters its own hooks, so a `saved_tensors_hooks` context around the checkpoint call
-sees exactly those inputs: the recompute's internals never move. Rules, each for a reason:
-- Only the first positional input (the hidden states) moves; other inputs (masks, position
-  embeddings, positional or not) are shared by every layer: one copy per layer costs more than it saves.
-- Inputs under `offload_min_bytes` stay on the device: the copy costs more than it saves.
-- The input of the last checkpointed layer forward runs stays, because backward needs it first.
-  Which one that is is decided while forward runs: each input is held back until the next
-  checkpointed layer starts, then copied out (overlapping that layer's compute); whatever is
-  held back when forward ends stays. A map changed between steps cannot leave a stale index.
-- Copies are exact byte copies: no dtype change. When backward brings an input back for its
-  recompute, the next one it needs is fetched ahead, overlapping this recompute.
-- Host buffers come from the transport: on CUDA torch's caching pinned allocator, which reuses
-  freed blocks once the copies that used them are done, so steps after the first pin nothing
-  new. A buffer goes with the autograd graph that holds it, an abandoned step's too.
-- A model on the CPU has no device memory to free: inputs stay, and the counters say why.
-
-Bytes cross through the device's transport (`remat.transport`, shared with block swap); what
-stays here is offload's bookkeeping: which input moves and when, the per-layer counters, the host
-budget (`HostBuffers`). `remat.testing.SimulatedTransport` plays a device and a host on the CPU,
-so the ordering, budget, fallback and abandonment logic run in CI without a GPU.
+torch's non-reentrant checkpoint saves a layer's positional inputs before entering its own hooks,
+so a `saved_tensors_hooks` context around the call sees exactly those. Only the hidden states move
+(masks and position embeddings are shared by every layer), and not under `offload_min_bytes`.
+Backward needs the last checkpointed layer's input first, so each input is held back until the
+next checkpointed layer starts, then copied out while that layer computes; whatever is held when
+forward ends stays. Host buffers go with the autograd graph that holds them, an abandoned step's too.
 """
 
 from __future__ import annotations
@@ -28,6 +16,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,21 +53,15 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 
 class HostBuffers:
-    """Where one device's offloaded inputs go: its transport, and the pinned bytes they hold there,
-    counted against the host budget. Past the budget, or where pinning fails, a buffer is pageable
-    (one warning): its copies do not overlap compute, but host memory is never exhausted.
-
-    Each buffer comes from the transport (torch's caching pinned allocator on CUDA, see the module
-    docstring) and is given back from a graph's handle when the graph is freed: a GC pass on any
-    thread, in the middle of any method here. So the count is a dict that `give_back` only pops
-    from (atomic): no lock a GC pass could wait on.
-    """
+    """One device's transport and the pinned bytes offloaded inputs hold there, against the host
+    budget. Past it, or where pinning fails, a buffer is pageable (one warning): copies do not
+    overlap compute, but host memory is never exhausted. A buffer is given back when a GC pass (any
+    thread, mid-method) frees its graph, so `give_back` only pops from a dict (atomic): no lock."""
 
     def __init__(self, transport: OffloadTransport, max_bytes: int | None = None):
         self.transport = transport
         self.max_bytes = max_bytes
         self.pageable_fallbacks = 0
-        self._warned = False
         self._pinned: dict[int, int] = {}  # storage pointer -> bytes, of every pinned buffer a graph holds
         self._returning = False  # nothing offloads: give the host memory back once the last buffer is freed
         self._cached = False  # pinned buffers went into the transport's cache since it was last emptied
@@ -101,23 +84,20 @@ class HostBuffers:
 
     def _pageable(self, nbytes: int, why: str) -> torch.Tensor:
         self.pageable_fallbacks += 1
-        if not self._warned:
-            self._warned = True
+        if self.pageable_fallbacks == 1:
             logger.warning("offload: %s; using pageable host memory, so copies will not overlap compute", why)
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def give_back(self, buffer: torch.Tensor) -> bool:
-        """Uncount `buffer`. True means nothing offloads any more and this was the last pinned
-        buffer: the caller, once it has dropped its reference, calls the transport's
-        `return_freed_host_memory()`."""
+        """Uncount `buffer`. True: nothing offloads any more and this was the last pinned buffer, so
+        the caller, once it has dropped its reference, calls `return_freed_host_memory()`."""
         counted = self._pinned.pop(buffer.untyped_storage().data_ptr(), None) is not None
         last = counted and self._returning and not self._pinned
         self._cached &= not last
         return last
 
     def release(self) -> None:
-        """Nothing offloads any more: the host memory goes back to the system now, or when the
-        last buffer a graph still holds is freed."""
+        """Nothing offloads any more: host memory goes back now, or when a graph frees the last buffer."""
         self._returning = True
         if self._cached and not self._pinned:
             self._cached = False
@@ -126,14 +106,13 @@ class HostBuffers:
 
 
 class _Packed:
-    """One saved input: held on the device until forward moves past it, then on the host."""
+    """One offloaded input, and what the autograd graph stores for it: held on the device until
+    forward moves past it, then on the host. When the graph is freed (after backward, or when a
+    step is abandoned) this goes, and its host buffer with it."""
 
     def __init__(self, offloader: Offloader, buffers: HostBuffers, layer: int, tensor: torch.Tensor, order: int):
-        self.offloader = offloader
-        self.transport = buffers.transport
-        self.buffers = buffers
-        self.layer = layer
-        self.order = order
+        self.stats, self.buffers, self.transport = offloader.stats, buffers, buffers.transport
+        self.layer, self.order = layer, order
         self.meta = TensorMeta(tensor.shape, tensor.dtype, tensor.device, tensor.nbytes)
         self.device_tensor: torch.Tensor | None = tensor
         self.host: torch.Tensor | None = None
@@ -141,37 +120,30 @@ class _Packed:
         self.alive = True
 
     def move_to_host(self) -> None:
-        tensor = self.device_tensor
-        if tensor is None or self.host is not None:
+        if self.device_tensor is None or self.host is not None:
             return
         self.host = self.buffers.take(self.meta.nbytes)
-        self.transport.to_host(tensor, self.host, self.layer)
+        self.transport.to_host(self.device_tensor, self.host, self.layer)
         self.device_tensor = None  # the device memory is freed (after the copy, on CUDA)
-        stats = self.offloader.stats[self.layer]
-        stats.offloaded_bytes += self.meta.nbytes
-        stats.copies_to_host += 1
+        self.stats[self.layer].offloaded_bytes += self.meta.nbytes
+        self.stats[self.layer].copies_to_host += 1
 
     def prefetch(self) -> None:
         if self.host is not None and self.prefetched is None:
             self.prefetched = self.transport.to_device(self.host, self.meta, self.layer)
-            self.offloader.stats[self.layer].copies_to_device += 1
+            self.stats[self.layer].copies_to_device += 1
 
     def fetch(self) -> torch.Tensor:
         if self.device_tensor is not None:
             return self.device_tensor
         self.prefetch()
         assert self.prefetched is not None
-        tensor, event = self.prefetched
-        self.prefetched = None  # a second backward (retain_graph) fetches again
+        (tensor, event), self.prefetched = self.prefetched, None  # a second backward (retain_graph) fetches again
         event.wait()
         return tensor
 
-    def release(self) -> None:
-        if not self.alive:
-            return
-        self.alive = False
-        self.device_tensor = None
-        self.prefetched = None
+    def __del__(self) -> None:
+        self.alive, self.device_tensor, self.prefetched = False, None, None
         host, self.host = self.host, None
         if host is not None and self.buffers.give_back(host):
             del host  # the last reference: nothing offloads since this graph was made
@@ -179,31 +151,26 @@ class _Packed:
 
 
 class Offloader:
-    """Packs and unpacks the saved inputs of checkpointed layers with the "offload" policy.
-
-    One per CheckpointedModel; `hooks(layer)` is the saved_tensors_hooks context that wraps
-    that layer's checkpoint call.
-    """
+    """Packs and unpacks the saved inputs of "offload" layers: one per CheckpointedModel.
+    `transport=None` takes each device's shared transport (`transport_for`) as inputs arrive;
+    `max_host_bytes=None` budgets pinned memory with `default_host_budget()`."""
 
     def __init__(self, min_bytes: int, transport: OffloadTransport | None = None, max_host_bytes: int | None = None):
-        """`transport=None` takes each device's shared transport as inputs arrive
-        (`remat.transport.transport_for`): CUDA tensors go through its side stream into pinned
-        host memory; CPU tensors stay put.
-        `max_host_bytes=None` budgets pinned memory with `default_host_budget()`."""
         self.min_bytes = min_bytes
         self.max_host_bytes = default_host_budget() if max_host_bytes is None else max_host_bytes
         self._fixed = HostBuffers(transport, self.max_host_bytes) if transport is not None else None
         self._routes: dict[torch.device, HostBuffers | None] = {}
         self.stats: dict[int, LayerOffloadStats] = defaultdict(LayerOffloadStats)
-        self._held_back: weakref.ref[_Packed] | None = None
+        self._held_back: Callable[[], _Packed | None] = _nothing_held
         self._live: weakref.WeakValueDictionary[int, _Packed] = weakref.WeakValueDictionary()
         self._order = 0
 
     def __reduce__(self) -> Any:
-        """A copy (deepcopy, pickle) is a new offloader with the same settings and counters and no
-        buffers: host buffers and in-flight inputs belong to this process and this graph."""
+        """A copy (deepcopy, pickle) has the same settings and counters and no buffers: host buffers
+        and in-flight inputs belong to this process and this graph."""
         transport = self._fixed.transport if self._fixed is not None else None
-        return (_rebuilt_offloader, (self.min_bytes, transport, self.max_host_bytes, dict(self.stats)))
+        stats = defaultdict(LayerOffloadStats, self.stats)
+        return (type(self), (self.min_bytes, transport, self.max_host_bytes), {"stats": stats})
 
     def _route(self, tensor: torch.Tensor) -> HostBuffers | None:
         if self._fixed is not None:
@@ -220,29 +187,26 @@ class Offloader:
         return [route for route in routes if route is not None]
 
     def release_host_memory(self) -> None:
-        """No layer offloads any more: pinned memory is not kept for a model that will not use it
-        (torch's cache would keep it otherwise; offloading again pins anew)."""
+        """No layer offloads any more: torch's cache would keep the pinned memory otherwise."""
         for buffers in self.host_buffers:
             buffers.release()
 
-    # -- the hooks ------------------------------------------------------------------------------
-
     def hooks(self, layer: int, target: torch.Tensor | None) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context around one checkpoint call. Only `target` (the layer's hidden states, its
-        first tensor input by transformers' convention) is offloaded; it is recognised by its
-        storage, shape and dtype, not by the order in which a torch version saves inputs (some
-        save a 0-byte marker first)."""
-        # Only the target's signature is kept: autograd stores the pack hook with every saved
-        # tensor, so a closure over the tensor itself would keep it on the device.
+        """The context around one checkpoint call. Only `target` (the hidden states) is offloaded,
+        recognised by storage, shape and dtype, not by the order a torch version saves inputs in
+        (some save a 0-byte marker first). Only its signature is kept: autograd stores the pack hook
+        with every saved tensor, so a closure over the tensor would keep it on the device."""
         signature = _signature(target) if target is not None else None
         return torch.autograd.graph.saved_tensors_hooks(
             lambda tensor: self._pack(layer, tensor, signature), self._unpack
         )
 
     def checkpoint_started(self) -> None:
-        """A checkpointed layer (of any policy) starts its forward: the input held back so far
-        is not the last one backward needs first, so it can go to the host now."""
-        self._move_held_back_to_host()
+        """A checkpointed layer (any policy) starts: the input held back so far is not the one
+        backward needs first, so it goes to the host now."""
+        previous, self._held_back = self._held_back(), _nothing_held
+        if previous is not None and previous.alive:
+            previous.move_to_host()
 
     def _pack(self, layer: int, tensor: torch.Tensor, target: tuple | None) -> Any:
         stats = self.stats[layer]
@@ -251,51 +215,31 @@ class Offloader:
                 stats.keep(tensor.nbytes, KEPT_SHARED)
             return tensor
         route = self._route(tensor)
-        if route is None:
-            stats.keep(tensor.nbytes, KEPT_ON_CPU)
+        why = KEPT_ON_CPU if route is None else KEPT_SMALL if tensor.nbytes < self.min_bytes else None
+        if why is not None:
+            stats.keep(tensor.nbytes, why)
             return tensor
-        if tensor.nbytes < self.min_bytes:
-            stats.keep(tensor.nbytes, KEPT_SMALL)
-            return tensor
-        self._move_held_back_to_host()  # a layer without a shim call first (hooks used directly)
+        self.checkpoint_started()  # a layer without a shim call first (hooks used directly)
         self._order += 1
         packed = _Packed(self, route, layer, tensor, self._order)
         self._live[packed.order] = packed
         self._held_back = weakref.ref(packed)
-        return _Handle(packed)
+        return packed
 
-    def _unpack(self, handle: Any) -> torch.Tensor:
-        if isinstance(handle, torch.Tensor):
-            return handle
-        packed = handle.packed
-        if packed.device_tensor is not None and packed is self._current_held_back():
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if packed.device_tensor is not None and packed is self._held_back():
             # Backward has started: the held-back input is the first one it needs.
             self.stats[packed.layer].keep(packed.meta.nbytes, KEPT_LAST)
-            self._held_back = None
+            self._held_back = _nothing_held
         tensor = packed.fetch()
-        self._prefetch_before(packed.order)
+        # Start fetching the input backward needs next: the one packed just before this one.
+        earlier = [o for o in self._live if o < packed.order]
+        candidate = self._live.get(max(earlier)) if earlier else None
+        if candidate is not None and candidate.alive:
+            candidate.prefetch()
         return tensor
-
-    # -- ordering -------------------------------------------------------------------------------
-
-    def _current_held_back(self) -> _Packed | None:
-        return self._held_back() if self._held_back is not None else None
-
-    def _move_held_back_to_host(self) -> None:
-        previous = self._current_held_back()
-        self._held_back = None
-        if previous is not None and previous.alive:
-            previous.move_to_host()
-
-    def _prefetch_before(self, order: int) -> None:
-        """Start fetching the input backward needs next: the one packed just before `order`."""
-        earlier = [o for o in self._live if o < order]
-        if earlier:
-            candidate = self._live.get(max(earlier))
-            if candidate is not None and candidate.alive:
-                candidate.prefetch()
-
-    # -- reporting ------------------------------------------------------------------------------
 
     def live_host_bytes(self) -> dict[int, int]:
         """Bytes each layer holds in host memory right now."""
@@ -313,22 +257,5 @@ class Offloader:
         self.stats.clear()
 
 
-def _rebuilt_offloader(
-    min_bytes: int, transport: OffloadTransport | None, max_host_bytes: int, stats: dict[int, LayerOffloadStats]
-) -> Offloader:
-    offloader = Offloader(min_bytes, transport, max_host_bytes)
-    offloader.stats.update(stats)
-    return offloader
-
-
-class _Handle:
-    """What the autograd graph stores for an offloaded input. When the graph is freed (after
-    backward, or when a step is abandoned) the handle goes, and its host buffer with it."""
-
-    __slots__ = ("__weakref__", "packed")
-
-    def __init__(self, packed: _Packed):
-        self.packed = packed
-
-    def __del__(self) -> None:
-        self.packed.release()
+def _nothing_held() -> None:
+    """Stands for a dead weak reference: no input is held back."""

@@ -1,22 +1,10 @@
-"""The host<->device transport that offload and block swap share: pinned host memory, side
-streams and the events that order them.
-
-Two features move bytes between an accelerator and host memory: the "offload" policy
-(`remat.offload`) sends a checkpointed layer's input to the host in forward and brings it back
-for the recompute; block swap (`remat.swap`) keeps frozen weights on the host and fetches them
-into device slots before a layer runs. Both go through one `Transport` per device, from
-`transport_for(device)`, so a process has one set of copy streams per device, whoever copies.
-Each feature keeps its own bookkeeping (offload: the size floor, keep-last, its host budget;
-swap: its slots and schedule); this room only moves bytes and says when they arrived.
-
-`CudaTransport` has one side stream per copy direction, because a GPU has a copy engine per
-direction: an input going to the host in forward overlaps a weight coming to the device, and
-copies in the same direction queue in the order they were asked for. The compute stream waits
-on an event only where it reads what a copy wrote. `CpuTransport` is the model running on the
-CPU: there is no separate device memory, so offload keeps inputs where they are (`handles` is
-False), and block swap still copies weights into slots that are given back between uses.
-
-Test doubles of this protocol live in `remat.testing`.
+"""The one host<->device transport per device (`transport_for`), shared by offload (`remat.offload`)
+and block swap (`remat.swap`), so a process has one set of copy streams per device. It only moves
+bytes and says when they arrived. `CudaTransport` has a side stream per copy direction (one copy
+engine each: an input going out overlaps a weight coming in); the compute stream waits on an event
+only where it reads what a copy wrote. On `CpuTransport` offload handles nothing (no device memory
+to free) while swap still copies weights into slots given back between uses. Test doubles live
+in `remat.testing`.
 """
 
 from __future__ import annotations
@@ -46,14 +34,13 @@ class DoneEvent:
     def wait(self) -> None:
         pass
 
-    def synchronize(self) -> None:
-        pass
+    synchronize = wait
 
 
+@dataclass
 class CudaEvent:
-    def __init__(self, event: Any, device: torch.device):
-        self.event = event
-        self.device = device
+    event: Any
+    device: torch.device
 
     def wait(self) -> None:
         torch.cuda.current_stream(self.device).wait_event(self.event)
@@ -137,9 +124,8 @@ class CudaTransport:
         return host
 
     def return_freed_host_memory(self) -> None:
-        # Pinned tensors come from torch's caching host allocator: dropping them only returns
-        # the blocks to its cache. Emptying it frees every unused cached pinned block of the
-        # process (blocks in use, ours or anyone's, are untouched).
+        # Dropped pinned tensors only go back to torch's caching host allocator; emptying it frees
+        # every unused cached pinned block of the process (blocks in use, anyone's, are untouched).
         empty_host_cache = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
         if empty_host_cache is not None:
             empty_host_cache()
@@ -151,15 +137,18 @@ class CudaTransport:
                 torch.__version__,
             )
 
+    def _recorded(self, stream: Any) -> Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return CudaEvent(event, self.device)
+
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
         stream = self.to_host_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the input is fully written first
         with torch.cuda.stream(stream):
             dst[: src.nbytes].copy_(as_bytes(src), non_blocking=dst.is_pinned())
             src.record_stream(stream)  # its memory is not reused until the copy is done
-            event = torch.cuda.Event()
-            event.record(stream)
-        return CudaEvent(event, self.device)
+        return self._recorded(stream)
 
     def to_device(self, src: torch.Tensor, meta: TensorMeta, layer: int) -> tuple[torch.Tensor, Event]:
         stream = self.to_device_stream
@@ -167,26 +156,19 @@ class CudaTransport:
         with torch.cuda.stream(stream):
             out = torch.empty(meta.nbytes, dtype=torch.uint8, device=meta.device)
             out.copy_(src[: meta.nbytes], non_blocking=src.is_pinned())
-            event = torch.cuda.Event()
-            event.record(stream)
         out.record_stream(torch.cuda.current_stream(self.device))
-        return from_bytes(out, meta), CudaEvent(event, self.device)
+        return from_bytes(out, meta), self._recorded(stream)
 
     def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
         stream = self.to_device_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the slot's previous user is done with it
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        return CudaEvent(event, self.device)
+        return self._recorded(stream)
 
 
 class CpuTransport:
-    """The model runs on the CPU (or another device without a separate host memory to use):
-    copies are synchronous. Offload has no device memory to free, so it handles nothing; block
-    swap's working copy is still a separate slot given back between uses, so resident bytes
-    really fall."""
+    """The model runs on the CPU (or a device without separate host memory): copies are synchronous."""
 
     def handles(self, tensor: torch.Tensor) -> bool:
         return False
@@ -217,25 +199,15 @@ _TRANSPORTS_LOCK = threading.Lock()
 
 
 def transport_for(device: torch.device) -> Transport:
-    """This process's transport for `device`, made on first use and shared by offload and swap.
-    CUDA devices get a `CudaTransport`; every other device a `CpuTransport`."""
-    transport = _TRANSPORTS.get(device)
-    if transport is None:
-        with _TRANSPORTS_LOCK:
-            transport = _TRANSPORTS.get(device)
-            if transport is None:
-                transport = CudaTransport(device) if device.type == "cuda" else CpuTransport()
-                _TRANSPORTS[device] = transport
-    return transport
+    """This process's transport for `device`, made on first use and shared by offload and swap."""
+    with _TRANSPORTS_LOCK:
+        if device not in _TRANSPORTS:
+            _TRANSPORTS[device] = CudaTransport(device) if device.type == "cuda" else CpuTransport()
+        return _TRANSPORTS[device]
 
 
 def default_host_budget() -> int:
-    """Half of the host's physical memory, shared by the processes of this host.
-
-    Several ranks on one machine each offload into host memory; `LOCAL_WORLD_SIZE` (set by
-    torchrun and accelerate) says how many share the host, so each gets its share. Past the
-    budget buffers are pageable (one warning), never an out-of-memory kill.
-    """
+    """Half of the host's physical memory, split between the processes of this host
+    (`LOCAL_WORLD_SIZE`, set by torchrun and accelerate). Past it buffers are pageable, never an OOM kill."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return total // 2 // local_ranks
+    return total // 2 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -1,7 +1,5 @@
-"""The torch side of the "selective" policy: which ops a selective layer keeps, decided at the
-dispatcher. Imported when a layer is first checkpointed selectively (the policy itself,
-`remat.policies.selective`, stays free of torch so the config and the plan load without it).
-"""
+"""The torch side of the "selective" policy: which ops a layer keeps, decided at the dispatcher
+(whatever module or kernel calls them); imported when a layer is first checkpointed selectively."""
 
 from __future__ import annotations
 
@@ -14,10 +12,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from ..errors import PolicyError
 
-# The GEMMs of linear projections (nn.Linear and LoRA dispatch to mm / addmm; MoE experts to a
-# grouped mm) and the fused attention kernels; overloads are matched by their packet, and the
-# flash-attn package's custom ops by name. bmm and baddbmm are left out on purpose: in a decoder
-# layer they are an eager attention's core.
+# The GEMMs of linear projections (nn.Linear and LoRA: mm / addmm; MoE experts: a grouped mm) and
+# fused attention kernels, matched by packet (the flash-attn package's custom ops by name). bmm and
+# baddbmm are left out on purpose: in a decoder layer they are an eager attention's core.
 KEPT_OPS = (
     "mm",
     "addmm",
@@ -36,23 +33,22 @@ def fresh_contexts(index: int) -> Any:
 
 
 class _KeptOutputs:
-    """The function torch asks, op by op, for one checkpointed call: which ops to keep, and a
-    guard torch lacks. A kept output changed in place later in the forward is caught by torch
-    only if the change goes through a view of it; through a tensor that merely shares its storage (a linear on a 3-d
-    input returns one) torch hands backward the changed value and the gradients are silently
-    wrong. So any in-place op on the storage of a kept output is refused here, in forward, with
-    the layer named."""
+    """What torch asks, op by op, for one checkpointed call: which ops to keep, and a guard torch
+    lacks. torch catches a kept output changed in place only through a view of it; through a tensor
+    merely sharing its storage (a linear on a 3-d input returns one) backward silently gets the
+    changed value. So any in-place op on a kept output's storage is refused here, naming the layer."""
 
     def __init__(self, index: int):
         self.index = index
         self.kept: set[int] = set()
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        if not getattr(ctx, "is_recompute", False):
+        forward = not getattr(ctx, "is_recompute", False)
+        if forward:
             self._refuse_changes_to_kept(op, args, kwargs)
         decision = _keep_projections_and_attention(ctx, op, *args, **kwargs)
         output = getattr(ctx, "op_output", None)
-        if not getattr(ctx, "is_recompute", False) and output is not None and decision is CheckpointPolicy.MUST_SAVE:
+        if forward and output is not None and decision is CheckpointPolicy.MUST_SAVE:
             self.kept.update(_storages(output))
         return decision
 
@@ -61,18 +57,14 @@ class _KeptOutputs:
         if not self.kept or schema is None or not schema.is_mutable:
             return
         values = [*args, *kwargs.values()]
-        written = [values[i] for i, arg in enumerate(schema.arguments[: len(values)]) if _writes(arg)]
+        writes = [getattr(arg.alias_info, "is_write", False) for arg in schema.arguments]
+        written = [value for value, write in zip(values, writes, strict=False) if write]
         if any(self.kept & _storages(value) for value in written):
             raise PolicyError(
                 f"layer {self.index} changes in place ({op}) the output of an op that the 'selective' policy keeps "
                 "for backward; backward would get the changed value. Give this layer another policy "
                 f"(layer_policies={{{self.index}: 'recompute'}})"
             )
-
-
-def _writes(argument: Any) -> bool:
-    alias = getattr(argument, "alias_info", None)
-    return bool(alias is not None and alias.is_write)
 
 
 def _storages(value: Any) -> set[int]:
@@ -85,8 +77,7 @@ _GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm)  # where a low-rank expansion
 
 @functools.cache
 def _kept_packet(packet: Any) -> bool:
-    """Whether this op's outputs are kept (asked once per op: this runs for every op of every
-    selective layer)."""
+    """Whether this op's outputs are kept (cached: asked for every op of every selective layer)."""
     return packet in _KEPT_PACKETS or "flash_attn" in str(packet)
 
 
@@ -97,10 +88,9 @@ def _keep_projections_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any
 
 
 def _low_rank_expansion(args: tuple[Any, ...]) -> bool:
-    """A GEMM from a small rank up to a much wider output, like LoRA's B (rank r, at most
-    `LOW_RANK`, up to the projection's width, at least eight times r): as big to keep as the
-    projection it is added to, and cheap to run again (2r flops per output element). Wide
-    low-rank projections of a model itself (DeepSeek's MLA, rank 512 and up) stay kept."""
+    """A GEMM from a small rank r (at most `LOW_RANK`) up to a width of at least 8r, like LoRA's B: as
+    big to keep as the projection it is added to, cheap to rerun (2r flops per output element). A
+    model's own wide low-rank projections (DeepSeek's MLA, rank 512 and up) stay kept."""
     matrices = [a for a in args if isinstance(a, torch.Tensor) and a.dim() == 2]
     if len(matrices) < 2:
         return False

@@ -1,10 +1,8 @@
 """Block swap: the frozen weights of chosen layers live in host memory between uses, and are
-copied into a device slot (through `remat.transport`, shared with offload) before the layer
-runs, in forward or in its recompute (swapped layers are always checkpointed, `remat.plan`).
-
-`checks` (which layers and weights may be swapped), `slots` (placeholders and the slot pool),
-`schedule` (when weights are fetched and given back), `guards` (everything else that touches a
-swapped layer), `swapper` (`WeightSwapper`: the swapped set, moving layers out and home).
+copied into a device slot (through `remat.transport`) before the layer runs, in forward or in its
+recompute (swapped layers are always checkpointed, `remat.plan`). `checks`: which layers and
+weights may be swapped; `slots`: placeholders, the slot pool and when it fetches; `guards`:
+everything else that touches a swapped layer; `swapper`: the swapped set, moving layers out and home.
 """
 
 from ..transport import WeightMover

@@ -1,15 +1,12 @@
 """Which layers block swap may take, and which of their weights: checks that change nothing.
 
-Sharded weights are refused, recognised by type (a `DTensor`, an FSDP unit on, in or around
-the layer, FSDP1's `FlatParameter`) or by DeepSpeed ZeRO-3's own marker (`is_zero_param` is
-`hasattr(param, "ds_id")`). A trainable base weight is refused; adapter weights (those of a
-PEFT tuner layer's `adapter_layer_names` submodules, so every PEFT method) stay resident, as
-do tied or shared weights: only the frozen weights a layer holds alone are swapped.
+Sharded weights are refused, recognised by type (a `DTensor`, an FSDP unit on, in or around the
+layer, FSDP1's `FlatParameter`) or by DeepSpeed ZeRO-3's marker (`ds_id`), and so is a trainable
+base weight. Adapter weights (a PEFT tuner layer's `adapter_layer_names` submodules) stay
+resident, as do tied or shared weights: only the frozen weights a layer holds alone are swapped.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -22,7 +19,7 @@ def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module) 
     if not layers:
         return
     owners = parameter_owners(model)
-    units = _fsdp_units(model.named_modules())
+    units = _fsdp_units(model)
     for index, name, layer in layers:
         _check_layer(index, name, layer, units)
         if not own_frozen_params(layer, name, owners):
@@ -32,9 +29,9 @@ def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module) 
 
 
 def weights_in_use(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -> list[str]:
-    """The frozen weights of these layers that something besides their parameter holds (above all
-    the graph of a backward still to run, saved by a layer that ran without checkpointing):
-    swapping them out would change what that backward computes."""
+    """The frozen weights of these layers that something else holds (above all the graph of a
+    backward still to run, saved by a layer that ran without checkpointing): swapping them out
+    would change what that backward computes."""
     owners = parameter_owners(model)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     return [
@@ -92,14 +89,13 @@ def adapter_param_ids(module: nn.Module) -> set[int]:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:  # no PEFT, no adapters
         return set()
-    ids: set[int] = set()
-    for tuner in module.modules():
-        if isinstance(tuner, BaseTunerLayer):
-            for attribute in tuner.adapter_layer_names:
-                adapter = getattr(tuner, attribute, None)
-                if isinstance(adapter, nn.Module):
-                    ids.update(id(p) for p in adapter.parameters())
-    return ids
+    adapters = [
+        getattr(tuner, attribute, None)
+        for tuner in module.modules()
+        if isinstance(tuner, BaseTunerLayer)
+        for attribute in tuner.adapter_layer_names
+    ]
+    return {id(p) for adapter in adapters if isinstance(adapter, nn.Module) for p in adapter.parameters()}
 
 
 def _sharding_of(param: torch.Tensor) -> str | None:
@@ -111,16 +107,15 @@ def _sharding_of(param: torch.Tensor) -> str | None:
             return "torch.distributed (a DTensor: FSDP2 or tensor parallel)"
         if isinstance(param, FlatParameter):
             return "FSDP (a FlatParameter)"
-    if hasattr(param, "ds_id"):
-        return "DeepSpeed ZeRO-3 (a partitioned parameter)"
-    return None
+    return "DeepSpeed ZeRO-3 (a partitioned parameter)" if hasattr(param, "ds_id") else None
 
 
-def _fsdp_units(modules: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, str]]:
-    """(name, class name) of the FSDP-wrapped modules (FSDP2's `fully_shard` makes the module's
-    class a subclass of `FSDPModule`)."""
+def _fsdp_units(model: nn.Module) -> list[tuple[str, str]]:
+    """(name, class name) of the FSDP-wrapped modules (FSDP2's `fully_shard` makes a module's class
+    a subclass of `FSDPModule`)."""
     if not torch.distributed.is_available():
         return []
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
-    return [(n, type(m).__name__) for n, m in modules if isinstance(m, (FullyShardedDataParallel, FSDPModule))]
+    kinds = (FullyShardedDataParallel, FSDPModule)
+    return [(n, type(m).__name__) for n, m in model.named_modules() if isinstance(m, kinds)]

@@ -1,15 +1,14 @@
-"""Guards on a swapped layer's instance (and on the model while anything is swapped), undone
-when the layer leaves the set: forward hooks fetch and give back its weights; `state_dict()`
-reads and `load_state_dict()` writes the host copies; `.to()` and friends convert them too;
-copies, pickling, DataParallel replication, `assign=True` loads and PEFT merges are refused
-(each would read or replace the placeholders as if they were the weights).
-
-The forward hooks run eagerly under `torch.compile` (`torch.compiler.disable`): traced,
-pointing `p.data` at a slot is a `set_` on a graph input, which inductor cannot compile.
+"""Guards on a swapped layer's instance (and on the model while anything is swapped), undone when
+the layer leaves the set: forward hooks fetch and give back its weights; `state_dict()` reads and
+`load_state_dict()` writes the host copies; `.to()` and friends convert them too; copies,
+pickling, DataParallel replication, `assign=True` loads and PEFT merges are refused (each would
+treat the placeholders as the weights). The forward hooks run eagerly under `torch.compile`:
+traced, pointing `p.data` at a slot is a `set_` on a graph input, which inductor cannot compile.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -24,20 +23,19 @@ SwapperView = Any  # `swapper.WeightSwapper`, which installs the guards
 
 
 def guard_layer(swapper: SwapperView, layer: SwappedLayer, module: nn.Module) -> None:
-    index = layer.index
-    before, after = _forward_hooks(swapper.schedule, index)
+    guard = _LayerGuard(swapper, layer.index, layer.name, module)
     layer.handles += [
-        module.register_forward_pre_hook(torch.compiler.disable(before)),
-        module.register_forward_hook(torch.compiler.disable(after), always_call=True),
-        module.register_state_dict_post_hook(_state_dict_reads_host_copies(swapper, index)),
-        module.register_load_state_dict_pre_hook(_load_writes_host_copies(swapper, index)),
-        module.register_load_state_dict_post_hook(_load_done(swapper, index)),
+        module.register_forward_pre_hook(torch.compiler.disable(guard.before_forward)),
+        module.register_forward_hook(torch.compiler.disable(guard.after_forward), always_call=True),
+        # torch marks this hook with an attribute, which a bound method cannot take: a partial can
+        module.register_state_dict_post_hook(functools.partial(_LayerGuard.state_dict_reads_host_copies, guard)),
+        module.register_load_state_dict_pre_hook(guard.load_writes_host_copies),
+        module.register_load_state_dict_post_hook(guard.load_done),
     ]
-    layer.patches.set(module, "_apply", _ConvertingApply(swapper, index, module))
-    refusal = _Refusal(index, layer.name)
-    layer.patches.set(module, "__deepcopy__", refusal.deepcopy)
-    layer.patches.set(module, "__reduce_ex__", refusal.pickle)
-    layer.patches.set(module, "_replicate_for_data_parallel", refusal.replicate)
+    layer.patches.set(module, "_apply", guard.apply)
+    layer.patches.set(module, "__deepcopy__", guard.deepcopy)
+    layer.patches.set(module, "__reduce_ex__", guard.pickle)
+    layer.patches.set(module, "_replicate_for_data_parallel", guard.replicate)
 
 
 def unguard_layer(layer: SwappedLayer) -> None:
@@ -47,97 +45,12 @@ def unguard_layer(layer: SwappedLayer) -> None:
     layer.patches.undo()
 
 
-def _forward_hooks(schedule: Any, index: int) -> tuple[Any, Any]:
-    def before(module: nn.Module, args: Any) -> None:
-        if schedule.in_recompute:
-            return
-        if torch.is_grad_enabled() and not module.training:
-            raise StateError(
-                f"block swap: layer {index} ran in eval mode with gradients enabled. Its weights go back to "
-                "host memory after it runs, which a graph built outside checkpointing cannot survive. Evaluate "
-                "under torch.no_grad() (generate already does), or train with cm.for_training()."
-            )
-        schedule.before_forward(index)
-
-    def after(module: nn.Module, args: Any, output: Any) -> None:
-        if not schedule.in_recompute:
-            schedule.after_forward(index)
-
-    return before, after
-
-
-def _state_dict_reads_host_copies(swapper: SwapperView, index: int):
-    def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-        layer = swapper.layers[index]
-        hosts = {id(p): host for p, host in zip(layer.params, layer.host, strict=True)}
-        for name, param in module.named_parameters(remove_duplicate=False):
-            host = hosts.get(id(param))
-            if host is not None and prefix + name in state_dict:
-                state_dict[prefix + name] = host
-
-    return hook
-
-
-def _load_writes_host_copies(swapper: SwapperView, index: int):
-    def hook(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any) -> None:
-        layer = swapper.layers[index]
-        mine = {id(p) for p in layer.params}
-        names = [prefix + n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in mine]
-        if not any(name in state_dict for name in names):
-            return  # nothing of this layer's swapped weights is loaded (adapter weights, say)
-        if local_metadata.get("assign_to_params_buffers"):
-            raise StateError(assign_refusal([layer.index]))
-        # torch copies the loaded values into `p.data`: point it at the host copy for the load.
-        swapper.pool.release(layer)
-        layer.point_at(layer.host)
-
-    return hook
-
-
-def _load_done(swapper: SwapperView, index: int):
-    def hook(module: nn.Module, incompatible_keys: Any) -> None:
-        layer = swapper.layers.get(index)
-        if layer is not None:
-            layer.rest()
-
-    return hook
-
-
-class _ConvertingApply:
-    def __init__(self, swapper: SwapperView, index: int, module: nn.Module):
-        self.swapper, self.index, self.module = swapper, index, Ref(module)
-
-    def __call__(self, fn: Any, recurse: bool = True) -> Any:  # what `.to()`, `.half()`, `.cuda()` call
-        module = self.module()
-        return self.swapper.apply_to_layer(self.index, type(module)._apply.__get__(module), fn, recurse)
-
-
-class _Refusal:
-    def __init__(self, index: int, name: str):
-        self.index, self.name = index, name
-
-    def message(self, what: str) -> str:
-        return (
-            f"cannot {what}: block swap keeps the frozen weights of layer {self.index} ({self.name}) in host "
-            "memory, and its parameters hold placeholders. Bring the weights home first with "
-            "cm.enable(cm.checkpoint_config.replace(swap_layers=0)) or cm.disable(); nothing was copied"
-        )
-
-    def deepcopy(self, memo: Any = None) -> Any:
-        raise ConfigTypeError(self.message("copy.deepcopy this model"))
-
-    def pickle(self, protocol: Any = None) -> Any:
-        raise ConfigTypeError(self.message("pickle this model (torch.save of the module)"))
-
-    def replicate(self) -> Any:
-        raise StateError(
-            self.message("replicate this model for nn.DataParallel")
-            + "; DistributedDataParallel (one process per GPU) works with block swap"
-        )
-
-
-def copy_refusal(index: int, name: str) -> str:
-    return _Refusal(index, name).message("copy")
+def refusal(index: int, name: str, what: str) -> str:
+    return (
+        f"cannot {what}: block swap keeps the frozen weights of layer {index} ({name}) in host "
+        "memory, and its parameters hold placeholders. Bring the weights home first with "
+        "cm.enable(cm.checkpoint_config.replace(swap_layers=0)) or cm.disable(); nothing was copied"
+    )
 
 
 def assign_refusal(indices: list[int]) -> str:
@@ -146,6 +59,71 @@ def assign_refusal(indices: list[int]) -> str:
         "block swap keeps in host memory; load with assign=False (the default), which writes into the host "
         "copies, or bring the weights home first with cm.disable()"
     )
+
+
+class _LayerGuard:
+    """The hooks and patches of one swapped layer; each reads the swapper's current entry."""
+
+    def __init__(self, swapper: SwapperView, index: int, name: str, module: nn.Module):
+        self.swapper, self.index, self.name, self.module = swapper, index, name, Ref(module)
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        schedule = self.swapper.schedule
+        if schedule.in_recompute:
+            return
+        if torch.is_grad_enabled() and not module.training:
+            raise StateError(
+                f"block swap: layer {self.index} ran in eval mode with gradients enabled. Its weights go back to "
+                "host memory after it runs, which a graph built outside checkpointing cannot survive. Evaluate "
+                "under torch.no_grad() (generate already does), or train with cm.for_training()."
+            )
+        schedule.before_forward(self.index)
+
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.swapper.schedule.in_recompute:
+            self.swapper.schedule.after_forward(self.index)
+
+    def state_dict_reads_host_copies(self, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        layer = self.swapper.layers[self.index]
+        hosts = {id(p): host for p, host in zip(layer.params, layer.host, strict=True)}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in hosts and prefix + name in state_dict:
+                state_dict[prefix + name] = hosts[id(param)]
+
+    def load_writes_host_copies(
+        self, module: nn.Module, state_dict: dict, prefix: str, metadata: dict, *args: Any
+    ) -> None:
+        layer = self.swapper.layers[self.index]
+        mine = {id(p) for p in layer.params}
+        names = [prefix + n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in mine]
+        if not any(name in state_dict for name in names):
+            return  # nothing of this layer's swapped weights is loaded (adapter weights, say)
+        if metadata.get("assign_to_params_buffers"):
+            raise StateError(assign_refusal([layer.index]))
+        # torch copies the loaded values into `p.data`: point it at the host copy for the load.
+        self.swapper.pool.release(layer)
+        layer.point_at(layer.host)
+
+    def load_done(self, module: nn.Module, incompatible_keys: Any) -> None:
+        layer = self.swapper.layers.get(self.index)
+        if layer is not None:
+            layer.rest()
+
+    def apply(self, fn: Any, recurse: bool = True) -> Any:  # what `.to()`, `.half()`, `.cuda()` call
+        module = self.module()
+        return self.swapper.apply_to_layer(self.index, type(module)._apply.__get__(module), fn, recurse)
+
+    def deepcopy(self, memo: Any = None) -> Any:
+        raise ConfigTypeError(refusal(self.index, self.name, "copy.deepcopy this model"))
+
+    def pickle(self, protocol: Any = None) -> Any:
+        raise ConfigTypeError(refusal(self.index, self.name, "pickle this model (torch.save of the module)"))
+
+    def replicate(self) -> Any:
+        raise StateError(
+            refusal(self.index, self.name, "replicate this model for nn.DataParallel")
+            + "; DistributedDataParallel (one process per GPU) works with block swap"
+        )
 
 
 class ModelGuards:

@@ -1,14 +1,20 @@
-"""The slot pool: device memory that swapped weights occupy while their layer runs.
+"""The slot pool (device memory that swapped weights occupy while their layer runs) and its schedule.
 
-Only what `p.data` points at changes (optimizers, PEFT and `state_dict` keep the same
-`Parameter` objects): at rest a placeholder (one element expanded to the full shape, ~0
-bytes), in use a slot filled from the host copy. Frozen weights never change, so nothing is
-copied back. Slots are shared by layout, `prefetch_depth + 1` per layout, so one layer runs
-while the next `prefetch_depth` are fetched.
+Only what `p.data` points at changes (optimizers, PEFT and `state_dict` keep the same `Parameter`
+objects): at rest a placeholder (one element expanded to the full shape, ~0 bytes), in use a slot
+filled from the host copy. Frozen weights never change, so nothing is copied back. Slots are
+shared by layout, `prefetch_depth + 1` per layout: one layer runs while the next ones are fetched.
+
+Forward runs the layers ascending, backward recomputes them descending. Nothing relies on a step
+finishing (an exception abandons it with slots held): a layer that does not continue the current
+pass starts a new one and gives back every slot, and a layer finding every slot of its layout held
+by prefetches takes the farthest one's.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,15 +78,21 @@ class SlotPool:
     def size_bytes(self, layers: list[SwappedLayer]) -> int:
         """The most swapped-weight bytes that can be resident at once."""
         per_layout = {layer.layout: layer.nbytes for layer in layers}
-        return sum(nbytes * (self.prefetch_depth + 1) for nbytes in per_layout.values())
+        return sum(per_layout.values()) * (self.prefetch_depth + 1)
 
     def fetch(self, layer: SwappedLayer, *, beyond_pool: bool = False) -> bool:
-        """Start copying the layer's weights into a slot; False if every slot of its layout is
-        held (`beyond_pool` makes one more: a step that failed halfway holds them)."""
+        """Start copying the layer's weights into a slot; False if every slot of its layout is held
+        (`beyond_pool` makes one more: a step that failed halfway holds them)."""
         if layer.slot is not None:
             return True
-        slot = self._acquire(layer, beyond_pool)
-        if slot is None:
+        layout = layer.layout
+        free = self._free.setdefault(layout, [])
+        if free:
+            slot = free.pop()
+        elif beyond_pool or self._count.get(layout, 0) <= self.prefetch_depth:
+            self._count[layout] = self._count.get(layout, 0) + 1
+            slot = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in layer.placeholders]
+        else:
             return False
         layer.ready = [layer.mover.fetch(dst, src) for dst, src in zip(slot, layer.host, strict=True)]
         layer.slot = slot
@@ -89,16 +101,6 @@ class SlotPool:
         self.resident_bytes += layer.nbytes
         self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes)
         return True
-
-    def _acquire(self, layer: SwappedLayer, beyond_pool: bool) -> list[torch.Tensor] | None:
-        layout = layer.layout
-        free = self._free.setdefault(layout, [])
-        if free:
-            return free.pop()
-        if beyond_pool or self._count.get(layout, 0) <= self.prefetch_depth:
-            self._count[layout] = self._count.get(layout, 0) + 1
-            return [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in layer.placeholders]
-        return None
 
     def release(self, layer: SwappedLayer) -> None:
         if layer.slot is None:
@@ -112,3 +114,81 @@ class SlotPool:
         for layout in (set(self._count) | set(self._free)) - layouts:
             self._free.pop(layout, None)
             self._count.pop(layout, None)
+
+
+class Schedule:
+    def __init__(self, layers: dict[int, SwappedLayer], pool: SlotPool):
+        self.layers = layers  # the swapper's own dict, read at every call: the set may change mid-step
+        self.pool = pool
+        self.in_recompute = False  # the layers' own forward hooks stand aside
+        self._phase: tuple[str, int] | None = None  # ("forward" | "backward", last layer index)
+        self._callback_queued = False
+
+    def reset(self) -> None:
+        self._phase = None
+
+    def release_all(self) -> None:
+        for layer in self.layers.values():
+            self.pool.release(layer)
+
+    def before_forward(self, index: int) -> None:
+        self._start(index, forward=True)
+
+    def after_forward(self, index: int) -> None:
+        if index in self.layers:
+            self.pool.release(self.layers[index])
+
+    @contextlib.contextmanager
+    def recomputing(self, index: int) -> Iterator[None]:
+        """Backward recomputes layer `index`: fetch its weights; the layer's own hooks stand aside
+        (a layer swapped no more since the forward needs nothing)."""
+        if index not in self.layers:
+            yield
+            return
+        self._start(index, forward=False)
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
+        self.in_recompute = True
+        try:
+            yield
+        finally:
+            self.in_recompute = False
+
+    def _start(self, index: int, forward: bool) -> None:
+        """Layer `index` runs (forward ascending, backward descending): the layers passed give their
+        slots back, its own weights are fetched and the next ones start fetching."""
+        phase, direction = self._phase, "forward" if forward else "backward"
+        if phase is None or phase[0] != direction or not (index > phase[1] if forward else index < phase[1]):
+            self.release_all()  # a new pass
+            self._callback_queued = False  # a backward that failed never ran its end callback
+        self._phase = (direction, index)
+        order = list(self.layers) if forward else list(reversed(self.layers))
+        at = order.index(index)
+        for passed in order[:at]:
+            self.pool.release(self.layers[passed])
+        self._use(index)
+        self._prefetch(order[at + 1 :])
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self._phase = None
+        self.release_all()
+
+    def _use(self, index: int) -> None:
+        layer = self.layers[index]
+        if not self.pool.fetch(layer):
+            # Every slot of this layout is held by a prefetch for later: the running layer comes
+            # first, so the prefetch farthest away gives its slot up (it is fetched again later).
+            holders = [e for e in self.layers.values() if e.slot is not None and e.layout == layer.layout]
+            if holders:
+                self.pool.release(max(holders, key=lambda e: abs(e.index - index)))
+            self.pool.fetch(layer, beyond_pool=not holders)
+        for event in layer.ready or ():
+            event.wait()
+        layer.point_at(layer.slot)
+
+    def _prefetch(self, upcoming: list[int]) -> None:
+        for index in upcoming[: self.pool.prefetch_depth]:
+            if not self.pool.fetch(self.layers[index]):
+                break

@@ -1,13 +1,11 @@
-"""`WeightSwapper`: which layers are swapped, and moving them out and home.
-
-One per wrapper, for its whole life, so the recompute shims of a step in flight keep finding
-their layers. Changes move only the layers that join or leave; a joining layer takes its host
-copy first (the step that can fail), so a refusal changes nothing.
+"""`WeightSwapper`: which layers are swapped, and moving them out and home. One per wrapper, for
+its whole life, so the recompute shims of a step in flight keep finding their layers. Changes move
+only the layers that join or leave; a joining layer takes its host copy first (the step that can
+fail), so a refusal changes nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -16,9 +14,8 @@ from torch import nn
 from ..errors import ConfigTypeError
 from ..transport import WeightMover, transport_for
 from .checks import check_swappable, own_frozen_params, parameter_owners
-from .guards import ModelGuards, copy_refusal, guard_layer, unguard_layer
-from .schedule import Schedule
-from .slots import LayerSwapStats, SlotPool, SwappedLayer, placeholder
+from .guards import ModelGuards, guard_layer, refusal, unguard_layer
+from .slots import LayerSwapStats, Schedule, SlotPool, SwappedLayer, placeholder
 
 
 class WeightSwapper:
@@ -33,7 +30,8 @@ class WeightSwapper:
     def __reduce__(self) -> Any:
         """A copy of a wrapper that swaps nothing gets a fresh swapper; one that swaps is refused."""
         if self.layers:
-            raise ConfigTypeError(copy_refusal(*next((e.index, e.name) for e in self.layers.values())))
+            layer = next(iter(self.layers.values()))
+            raise ConfigTypeError(refusal(layer.index, layer.name, "copy"))
         return (type(self), (self._fixed_mover, self.pool.prefetch_depth))
 
     @property
@@ -57,9 +55,6 @@ class WeightSwapper:
     @property
     def pool_bytes(self) -> int:
         return self.pool.size_bytes(list(self.layers.values()))
-
-    def recomputing(self, index: int) -> contextlib.AbstractContextManager[None]:
-        return self.schedule.recomputing(index)
 
     def update(self, model: nn.Module, targets: list[tuple[int, str, nn.Module]]) -> tuple[list[int], list[int]]:
         """Swap exactly `targets` (index, name, module); returns (joined, left) indices."""
