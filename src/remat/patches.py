@@ -8,8 +8,8 @@ from .refs import Ref
 
 
 class _Missing:
-    """Marks an attribute that was absent before remat set it. One object, also in copies and
-    pickles (`undo()` compares by identity)."""
+    """An attribute absent before remat set it: one object, in copies and pickles too (`undo()`
+    compares by identity)."""
 
     def __reduce__(self) -> str:
         return "MISSING"
@@ -30,23 +30,19 @@ def restore_attributes(module: Any, saved: dict[str, Any]) -> None:
 
 
 class InstancePatches:
-    """Attributes set on single instances (never on a class), remembered so `undo()` puts each
-    back exactly as it was, absent ones included. Targets are held weakly (`remat.refs`).
-
-    An attribute that other code has replaced since (TRL wraps `gradient_checkpointing_enable`
-    around remat's route) is left as that code set it: undoing would remove its wrapper too. What
-    it wrapped is remat's value, which must then behave once remat let go (routes forward to the
-    model's current method)."""
+    """Attributes set on single instances, targets held weakly, remembered so `undo()` puts each
+    back as it was. One that other code replaced since (TRL wraps `gradient_checkpointing_enable`
+    around remat's route) stays as that code set it; remat's value it wrapped must then behave once
+    remat let go (routes forward to the model's current method)."""
 
     def __init__(self) -> None:
         # The value set is remembered by id: holding it would make a cycle through patches that
-        # refer to their owner (the swapper's `_apply`), and while it stays set the id is its own.
+        # refer to their owner, and while it stays set the id is its own.
         self._saved: list[tuple[Ref[Any], str, Any, int]] = []
 
     def set(self, target: Any, name: str, value: Any) -> None:
         self._saved.append((Ref(target), name, target.__dict__.get(name, MISSING), id(value)))
-        # object.__setattr__ keeps these out of nn.Module's parameter/buffer bookkeeping.
-        object.__setattr__(target, name, value)
+        object.__setattr__(target, name, value)  # kept out of nn.Module's parameter/buffer bookkeeping
 
     def undo(self) -> None:
         for ref, name, previous, value_id in reversed(self._saved):

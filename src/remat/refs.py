@@ -1,30 +1,32 @@
 """`Ref`: how remat's own objects point at the model and its modules.
 
-remat's state (the plan, the installers, the offloader and the swapper) refers to the model
-weakly, and only the model's patches and hooks refer to remat's state. So no reference cycle
-joins the two: a wrapper dropped with its model is freed at once by reference counting, host
-memory (swapped weights' pinned copies) included, without waiting for a GC pass; and a model
-whose wrapper was dropped keeps working, because its patches keep remat's state alive.
-
-A `Ref` copies and pickles as a reference to the copy of its target, so `copy.deepcopy(cm)`
-and `pickle` rebuild the same structure around the copied model.
+remat's state refers to the model weakly, and only the model's patches and hooks refer to remat's
+state: no reference cycle, so a wrapper dropped with its model is freed at once (pinned host memory
+included), and a model whose wrapper was dropped keeps working. A `Ref` copies and pickles as a
+reference to the copy of its target, so `copy.deepcopy(cm)` and pickle rebuild the same structure.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .errors import StateError
 
 T = TypeVar("T")
 
 
+def _gone() -> None:
+    return None
+
+
 class Ref(Generic[T]):
+    """A weak reference; `Ref(None)` is a dead one (what a reference to a freed target pickles as)."""
+
     __slots__ = ("__weakref__", "_ref")
 
-    def __init__(self, target: T):
-        self._ref = weakref.ref(target)
+    def __init__(self, target: T | None):
+        self._ref = _gone if target is None else weakref.ref(target)
 
     def __call__(self) -> T | None:
         return self._ref()
@@ -37,23 +39,10 @@ class Ref(Generic[T]):
         return target
 
     def __reduce__(self) -> Any:
-        target = self._ref()
-        return (Ref, (target,)) if target is not None else (_dead, ())
+        return (Ref, (self._ref(),))
 
     def __repr__(self) -> str:
         return f"Ref({type(self._ref()).__name__})"
-
-
-class _Dead:
-    def __call__(self) -> None:
-        return None
-
-    def alive(self, gone: str) -> NoReturn:
-        raise StateError(f"remat: {gone}")
-
-
-def _dead() -> _Dead:
-    return _Dead()
 
 
 class LocalRef(Ref[T]):
@@ -63,4 +52,4 @@ class LocalRef(Ref[T]):
     __slots__ = ()
 
     def __reduce__(self) -> Any:
-        return (_dead, ())
+        return (Ref, (None,))

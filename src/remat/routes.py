@@ -1,27 +1,14 @@
 """The transformers routes that turn checkpointing on and off, redirected into the map.
 
-`gradient_checkpointing_enable` / `activation_checkpointing_enable` and their `_disable` twins
-are replaced on the wrapped model's `PreTrainedModel` instances (never on a class), so every
-caller (user code, Trainer, PEFT's `prepare_model_for_kbit_training`, TRL's generation toggles)
-ends up changing remat's config and map and nothing else. `disable()` puts the originals back.
-
-What a route call means:
-- the options it may carry are `every_n_layers`, `offload`, `use_reentrant`,
-  `preserve_rng_state` and `selective`, as keywords or as keys of the kwargs dict; anything else
-  is an error, never passed silently into layer calls;
-- a value equal to remat's default (`every_n_layers=1`, `offload=False`, `selective=False`, ...)
-  expresses no wish: Trainer and PEFT pass those on every call, so they keep the wrapper's config;
-- a non-default value updates the config, and the change is logged; `offload=True` (transformers'
-  own option) asks for the "offload" policy, `checkpoint_policy="offload"`.
-
-`selective=True` is TRL's switch for op-level selective checkpointing, and chooses remat's
-"selective" policy for every checkpointed layer (`checkpoint_policy="selective"`, non-reentrant).
-TRL's SFTTrainer does not pass the switch itself: it wraps the model's enable method to pass a
-`context_fn` over torch's selective checkpoint contexts with a policy of its own (keep attention
-outputs) and `use_reentrant=False`; that context, recognised by torch's function and the mark TRL
-puts on the method it wraps (`transformers_compat.TRL_SAC_MARKER`), also selects remat's policy
-(which keeps the projections' outputs too), and says so. Any other `context_fn` is refused: what
-each layer saves is the map's to say.
+`gradient_checkpointing_enable` / `activation_checkpointing_enable` and their `_disable` twins are
+replaced on the wrapped model's `PreTrainedModel` instances, so every caller (user code, Trainer,
+PEFT, TRL's generation toggles) changes remat's config and map and nothing else. A route call's
+options (`ROUTE_OPTIONS`, as keywords or in the kwargs dict; anything else is an error) change the
+config only where they differ from remat's defaults, which Trainer and PEFT pass on every call;
+`offload=True` and `selective=True` (TRL's switch) ask for that `checkpoint_policy`. TRL's
+SFTTrainer passes a `context_fn` over torch's selective checkpoint contexts instead, recognised by
+the mark TRL puts on the method it wraps: it selects remat's "selective" policy too. Any other
+`context_fn` is refused: what each layer saves is the map's to say.
 """
 
 from __future__ import annotations
@@ -59,14 +46,13 @@ def _is_default(key: str, value: Any) -> bool:
 
 
 def _selective_from_context(route: str, options: dict[str, Any], from_trl: bool) -> None:
-    """TRL's selective checkpointing arrives as a `context_fn` (see the module docstring), through
-    the enable method TRL wrapped and marked (`from_trl`, see `transformers_compat.TRL_SAC_MARKER`)."""
+    """TRL's selective checkpointing: a `context_fn` through the enable method TRL wrapped and marked."""
     if "context_fn" not in options:
         return
     context_fn = options.pop("context_fn")
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    if getattr(context_fn, "func", None) is not create_selective_checkpoint_contexts or not from_trl:
+    if not from_trl or getattr(context_fn, "func", None) is not create_selective_checkpoint_contexts:
         raise ConfigError(
             f"{route}: remat does not take a context_fn ({context_fn!r}): which activations each layer keeps is "
             "the checkpoint map's to say. For op-level selective checkpointing use checkpoint_policy='selective' "
@@ -87,8 +73,7 @@ def config_from_route(
     keywords: Mapping[str, Any],
     from_trl: bool = False,
 ) -> CheckpointConfig:
-    """The config a route call asks for, starting from `current`. Raises before anything changes.
-    `from_trl`: the call came through TRL's selective-checkpointing wrapper."""
+    """The config a route call asks for, starting from `current`. Raises before anything changes."""
     if kwargs_dict is not None and not isinstance(kwargs_dict, Mapping):
         raise ConfigTypeError(f"{route}: the checkpointing kwargs must be a dict, got {type(kwargs_dict).__name__}")
     options = dict(kwargs_dict or {})
@@ -132,39 +117,23 @@ def describe_changes(old: CheckpointConfig, new: CheckpointConfig) -> str:
     return ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in old.changed_fields(new).items())
 
 
-class RouteOverrides:
-    """Instance-level replacements of the enable/disable routes, and how to undo them.
-
-    Each replacement is a small object holding the wrapper it reports to (not a closure), so
-    a deep copy or a pickle of the model carries routes that drive the copy's own wrapper.
-    """
-
-    def __init__(self) -> None:
-        self._patches = InstancePatches()
-
-    def install(self, owner: Any, model: nn.Module) -> None:
-        pretrained = pretrained_model_class()
-        targets = [m for m in model.modules() if isinstance(m, pretrained)]
-        for module in targets:
-            for name in routes_defined_on(module):
-                route = (EnableRoute if name in ENABLE_ROUTES else DisableRoute)(owner, name, module)
-                self._patches.set(module, name, route)
-
-    def uninstall(self) -> None:
-        self._patches.undo()
+def install_routes(patches: InstancePatches, owner: Any, model: nn.Module) -> None:
+    """The routes on the model's `PreTrainedModel` instances, each an object holding its owner (not a
+    closure), so a deep copy or pickle of the model drives the copy's own wrapper."""
+    for module in [m for m in model.modules() if isinstance(m, pretrained_model_class())]:
+        for name in routes_defined_on(module):
+            patches.set(module, name, (EnableRoute if name in ENABLE_ROUTES else DisableRoute)(owner, name, module))
 
 
 class _Route:
-    """A route method put on one module for one owner. Code can keep a reference to it after
-    the owner let go of the model (TRL wraps the enable method it finds): such a call goes to
-    the route of whichever wrapper owns the module now, or to transformers' own method, so it
-    never drives a wrapper that was disabled."""
+    """A route method on one module for one owner. Code may keep it after the owner let go of the
+    model (TRL wraps the enable method): such a call goes to the route of the wrapper that owns
+    the module now, or to transformers' own method, never to a disabled wrapper."""
 
-    def __init__(self, owner: Any, route: str, module: Any):
-        self.owner = owner
-        self.route = route
-        self._module = Ref(module)
+    def __init__(self, owner: Any, route: str, module: Any, doc: str):
+        self.owner, self.route, self._module = owner, route, Ref(module)
         self.__name__ = route
+        self.__doc__ = f"remat: `{route}` {doc}."
 
     def _current(self) -> Any:
         """None while this route's owner is enabled; else where the call goes instead."""
@@ -181,9 +150,10 @@ class EnableRoute(_Route):
     """`*_enable(kwargs_dict=None, *, every_n_layers=1, offload=False)`: updates the owner's config."""
 
     def __init__(self, owner: Any, route: str, module: Any):
-        super().__init__(owner, route, module)
+        super().__init__(
+            owner, route, module, "changes the checkpoint map of the CheckpointedModel that owns this model"
+        )
         self.kwargs_name = route.replace("_enable", "_kwargs")
-        self.__doc__ = f"remat: `{route}` changes the checkpoint map of the CheckpointedModel that owns this model."
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -231,8 +201,7 @@ class DisableRoute(_Route):
     """`*_disable()`: every layer of the owner's map becomes "none" until the next enable."""
 
     def __init__(self, owner: Any, route: str, module: Any):
-        super().__init__(owner, route, module)
-        self.__doc__ = f"remat: `{route}` turns every layer of the checkpoint map to 'none'."
+        super().__init__(owner, route, module, "turns every layer of the checkpoint map to 'none'")
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -242,4 +211,4 @@ class DisableRoute(_Route):
         current = self._current()
         if current is not None:
             return current()
-        self.owner.route_disable(f"{self.route}()")
+        self.owner.replan(self.owner.config, off_by=f"{self.route}()", cause=f"{self.route}()")
