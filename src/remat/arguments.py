@@ -62,16 +62,6 @@ def _at_most(value: int, name: str, what: str) -> int:
     return value
 
 
-def check_implements(value: Any, protocol: type, name: str) -> None:
-    """`value` must have each public method of `protocol` (what remat calls it through)."""
-    methods = [m for m, v in vars(protocol).items() if callable(v) and not m.startswith("_")]
-    missing = [m for m in methods if not callable(getattr(value, m, None))]
-    if missing:
-        raise ConfigTypeError(
-            f"{name} must provide {', '.join(methods)}; {type(value).__name__} lacks {', '.join(missing)}"
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class WrapperOptions:
     """The wrapper's own arguments besides the model and its config, named once: the constructor
@@ -95,9 +85,13 @@ class WrapperOptions:
         """Checks each option, naming the one that is wrong; returns the host budget in bytes."""
         from .transport import OffloadTransport, WeightMover  # torch's: `import remat.config` stays without it
 
-        if self.offload_transport is not None:
-            check_implements(self.offload_transport, OffloadTransport, "offload_transport")
-        if self.swap_mover is not None:
-            check_implements(self.swap_mover, WeightMover, "swap_mover")
+        for name, protocol in (("offload_transport", OffloadTransport), ("swap_mover", WeightMover)):
+            value = getattr(self, name)  # must have each public method of the protocol
+            methods = [m for m, v in vars(protocol).items() if callable(v) and not m.startswith("_")]
+            missing = [m for m in methods if not callable(getattr(value, m, None))]
+            if value is not None and missing:
+                raise ConfigTypeError(
+                    f"{name} must provide {', '.join(methods)}; {type(value).__name__} lacks {', '.join(missing)}"
+                )
         budget = self.offload_host_budget
         return None if budget is None else parse_bytes(budget, "offload_host_budget")

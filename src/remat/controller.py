@@ -9,9 +9,9 @@ that re-applies the map when the model is put back into training behind the wrap
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,8 +27,8 @@ from .persistence import SaveLoadOverrides
 from .plan import CheckpointMap, plan_layers
 from .policies import policy as policy_named
 from .recompute import LayerCheckpoint, run_without_checkpoint
-from .refs import LocalRef, Ref
-from .routes import config_from_route, describe_changes, install_routes
+from .refs import Ref
+from .routes import describe_changes, install_routes
 from .swap import WeightSwapper, check_swappable, weights_in_use
 
 logger = logging.getLogger("remat")
@@ -36,16 +36,10 @@ logger = logging.getLogger("remat")
 _Mode = tuple[bool, list[tuple[Ref[nn.Module], bool]]]  # (inference, training flag of every module)
 
 
-class _Claim:
-    """A wrapper's claim on a model: which controller installed on it last."""
-
-    __slots__ = ()
-
-
-# model -> the claim of the controller that installed on it last: outside the model (a disabled
-# wrapper leaves nothing on it), weakly keyed. A controller whose claim is no longer the model's
-# was replaced by another wrapper and refuses to come back.
-_LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, _Claim] = weakref.WeakKeyDictionary()
+# model -> the controller that installed on it last, both weakly: outside the model (a disabled
+# wrapper leaves nothing on it). A controller that is no longer the model's last was replaced by
+# another wrapper and refuses to come back (a copy, by deepcopy or pickle, is another controller).
+_LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Controller]] = weakref.WeakKeyDictionary()
 
 
 def controller_of_wrapper(obj: Any) -> Controller | None:
@@ -88,15 +82,14 @@ class Controller:
         self._guards: list[Any] = []
         self._mode_stack: list[_Mode] = []
         self._mode_before_call: _Mode | None = None
-        self.wrapper: LocalRef[nn.Module] | None = None  # the CheckpointedModel, if it still exists
-        self._claim = _Claim()  # a copy (deepcopy, pickle) gets its own
+        self.wrapper: Ref[nn.Module] = Ref(None)  # the CheckpointedModel (a `LocalRef`), while it exists
         self._adopted_from: list[Ref[nn.Module]] = []  # models this one wrapped before `adopt`
         self._has_installed = False
 
     @property
     def orphaned(self) -> bool:
         """No CheckpointedModel holds this controller any more: a new wrapper may take the model over."""
-        return self.wrapper is None or self.wrapper() is None
+        return self.wrapper() is None
 
     @property
     def model(self) -> nn.Module:
@@ -114,7 +107,7 @@ class Controller:
     def replaced(self) -> bool:
         """Another wrapper installed on an owned model after this one (this one was disabled first)."""
         claims = [_LAST_CLAIM.get(model) for model in self._owned_models()] if self._has_installed else []
-        return any(claim is not None and claim is not self._claim for claim in claims)
+        return any(claim is not None and claim() is not self for claim in claims)
 
     def check_not_replaced(self, action: str) -> None:
         """Refuse `action` on a replaced wrapper: both would install on one model."""
@@ -168,13 +161,9 @@ class Controller:
         install_routes(self._routes, self, model)
         self._save_load.install(self, model)
         self._hooks = [model.register_forward_pre_hook(self._before_forward)]
-        owned = self._owned_models()
-        for m in owned:  # the model keeps its controller alive
+        for m in self._owned_models():  # the model keeps its controller alive
             object.__setattr__(m, "_remat_owner", self)
-        self._exclude_swapped_from_ddp_sync()
-        self.apply_map()
-        for m in owned:
-            _LAST_CLAIM[m] = self._claim
+            _LAST_CLAIM[m] = weakref.ref(self)
         self._has_installed = True
 
     def adopt(self, model: nn.Module, cause: str) -> None:
@@ -203,9 +192,8 @@ class Controller:
         self.disable(cause=cause, say=False)  # installed again on `model` below
         self._adopted_from.append(self._model)
         self._model, self.discovery = Ref(model), discovery
-        wrapper = self.wrapper() if self.wrapper is not None else None
-        if wrapper is not None:
-            wrapper.model = model
+        if self.wrapper() is not None:
+            self.wrapper().model = model
         self.replan(self.config, self.off_by, cause, said=True, install=was_enabled)  # the map, under the new names
         logger.info(
             "%s: the CheckpointedModel now wraps the %s built around its model; its layers are %s ... and the map "
@@ -242,7 +230,7 @@ class Controller:
         self.offloader.min_bytes = config.offload_min_bytes
         if installing:
             self._install()
-        elif live:
+        if live:
             self._exclude_swapped_from_ddp_sync()
             self.apply_map()
         if off_by is None and not any(plan.offloaded for plan in new_map):
@@ -353,7 +341,7 @@ class Controller:
         self._guards.clear()
         for plan, layer in zip(self.checkpoint_map, self.discovery.layers, strict=True) if on else ():
             if plan.checkpointed:
-                guard = _InferenceGuard(self, plan.index, plan.name)
+                guard = functools.partial(self._refuse_training_in_inference, plan.index, plan.name)
                 self._guards.append(layer.module.register_forward_pre_hook(guard, prepend=True))
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
@@ -365,19 +353,16 @@ class Controller:
             self.inference = False
             self.apply_map()
 
-    def route_enable(
-        self, route: str, kwargs_dict: Mapping[str, Any] | None, keywords: dict[str, Any], from_trl: bool = False
-    ) -> None:
-        try:
-            self.replan(config_from_route(self.config, route, kwargs_dict, keywords, from_trl), None, route)
-        except (TypeError, ValueError) as err:
-            if self.off_by is None:
-                raise
-            # A generation toggle turned checkpointing off and its re-enable failed: say it is off.
-            raise type(err)(
-                f"{err} Checkpointing is still OFF (turned off by {self.off_by}); turn it back on with {route} "
-                "and options remat accepts, or with cm.enable()."
-            ) from None
+    def _refuse_training_in_inference(self, index: int, name: str, module: nn.Module, args: Any) -> None:
+        """On each checkpointed layer in inference mode: a layer about to run in training mode with
+        gradients would train without its checkpoint (and, if swapped, with weights that go away).
+        A forward through the model applies the map first; this catches calls that bypass it."""
+        if self.inference and module.training and torch.is_grad_enabled():
+            raise StateError(
+                f"layer {index} ({name}) is in training mode with gradients enabled, but the wrapper is in "
+                "inference mode (checkpointing off), so it would train without its checkpoint. Call "
+                "cm.for_training() first, or run the whole model (cm(...) or cm.model(...)), which applies the map"
+            )
 
     def adopt_saved_config(self, config: CheckpointConfig, cause: str) -> None:
         """Take a config loaded from a checkpoint folder (resume, best model, load_adapter), keeping
@@ -398,20 +383,3 @@ class Controller:
             own_map,
             self.checkpoint_map,
         )
-
-
-class _InferenceGuard:
-    """On each checkpointed layer in inference mode: a layer about to run in training mode with
-    gradients would train without its checkpoint (and, if swapped, with weights that go away under
-    autograd). A forward through the model applies the map first; this catches calls that bypass it."""
-
-    def __init__(self, controller: Controller, index: int, name: str):
-        self.controller, self.index, self.name = controller, index, name
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if self.controller.inference and module.training and torch.is_grad_enabled():
-            raise StateError(
-                f"layer {self.index} ({self.name}) is in training mode with gradients enabled, but the wrapper is in "
-                "inference mode (checkpointing off), so it would train without its checkpoint. Call "
-                "cm.for_training() first, or run the whole model (cm(...) or cm.model(...)), which applies the map"
-            )

@@ -1,13 +1,5 @@
-"""How a plan is put on one module, and taken off again: one interface (`set(enabled, function)`,
-`restore()`), all on the instance.
-
-- `FlagInstall`, for transformers' `GradientCheckpointingLayer`s: their own `gradient_checkpointing`
-  flag and `_gradient_checkpointing_func`; transformers calls the function and drops the KV cache.
-- `ForwardInstall`, for plain blocks: `forward` replaced on the instance by one that checkpoints
-  while training with gradients, dropping the KV-cache arguments as transformers does.
-- `HolderInstall`, for modules that only carry the flag (transformers reads it to turn `use_cache`
-  off): a pass-through function, and the flag kept off where the code calls torch's checkpoint itself.
-"""
+"""How a plan is put on one module (`set(enabled, function)`) and taken off (`restore()`), on the
+instance: a transformers layer's own flag, a plain block's `forward`, or a holder's flag."""
 
 from __future__ import annotations
 
@@ -42,7 +34,8 @@ class _Installed:
 
 
 class FlagInstall(_Installed):
-    """A GradientCheckpointingLayer: drive its own flag and function."""
+    """A `GradientCheckpointingLayer`: its own flag and function, which transformers calls (dropping
+    the KV cache)."""
 
     def __init__(self, module: nn.Module):
         super().__init__(module)
@@ -60,7 +53,8 @@ class FlagInstall(_Installed):
 
 
 class HolderInstall(FlagInstall):
-    """A module that holds the flag for its layers: on only where that cannot nest a checkpoint."""
+    """A module that holds the flag for its layers (transformers reads it to turn `use_cache` off):
+    a pass-through function, the flag on only where that cannot nest a checkpoint."""
 
     def __init__(self, module: nn.Module):
         super().__init__(module)
@@ -71,9 +65,9 @@ class HolderInstall(FlagInstall):
 
 
 class ForwardInstall(_Installed):
-    """A plain block whose forward, replaced on the instance, checkpoints through `function`. The
-    replacement is an object naming its module, so a deep copy or pickle runs the copy; an
-    `nn.DataParallel` replica gets a forward of its own (`_replicate_for_data_parallel`)."""
+    """A plain block whose forward, replaced on the instance, checkpoints through `function` while
+    training with gradients, dropping the KV-cache arguments as transformers does. The replacement
+    names its module, so a deep copy, a pickle or a DataParallel replica runs its own module."""
 
     was_checkpointing = False
 
@@ -97,8 +91,7 @@ class ForwardInstall(_Installed):
         if not (self.enabled and module.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         dropped = [k for k, off in CACHE_ARGUMENTS.items() if kwargs.get(k) not in (None, off)]
-        for key in dropped:
-            kwargs[key] = CACHE_ARGUMENTS[key]
+        kwargs.update({key: CACHE_ARGUMENTS[key] for key in dropped})
         if dropped and type(module).__name__ not in _warned:
             _warned.add(type(module).__name__)
             logger.warning(

@@ -99,18 +99,6 @@ def _looked_up_names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _check_classes_exist(model: nn.Module, explicit: set[str], named: list[tuple[str, nn.Module]]) -> None:
-    """Each class `layer_class` names must occur in the model: a typo would otherwise be ignored."""
-    counts = Counter(type(module).__name__ for _, module in named)
-    missing = sorted(explicit - set(counts))
-    if missing:
-        repeated = sorted(name for name, count in counts.items() if count >= 2)
-        raise NoCheckpointableLayersError(
-            f"layer_class names {missing}, but {type(model).__name__} has no module of that class. "
-            f"Classes that occur more than once in it: {repeated}; name one of those"
-        )
-
-
 def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | type] | None = None) -> Discovery:
     """Find the checkpointable layers of `model` (and the flag holders), in module order."""
     gc_layer = gradient_checkpointing_layer_class()
@@ -118,7 +106,14 @@ def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | t
     named = list(model.named_modules(remove_duplicate=True))
     candidates = [(n, m, "flag") for n, m in named if isinstance(m, gc_layer)]
     if explicit:
-        _check_classes_exist(model, explicit, named)
+        counts = Counter(type(module).__name__ for _, module in named)
+        missing = sorted(explicit - set(counts))
+        if missing:  # a typo would otherwise be ignored
+            repeated = sorted(name for name, count in counts.items() if count >= 2)
+            raise NoCheckpointableLayersError(
+                f"layer_class names {missing}, but {type(model).__name__} has no module of that class. "
+                f"Classes that occur more than once in it: {repeated}; name one of those"
+            )
         candidates += [(n, m, "wrap") for n, m in named if type(m).__name__ in explicit and not isinstance(m, gc_layer)]
     elif not candidates:
         # No transformers layers: the model's own block classes, repeated; else the stack structure.

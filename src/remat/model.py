@@ -22,6 +22,7 @@ from .compat.tested_versions import warn_if_untested
 from .compat.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .config import OFFLOAD_IS_A_POLICY, CheckpointConfig
 from .controller import Controller, swap_targets
+from .controller import controller_of_wrapper as controller_of  # noqa: F401 (tests reach the controller so)
 from .display import describe_map
 from .errors import ConfigError, ConfigTypeError, StateError
 from .layers import Discovery, discover_layers
@@ -43,15 +44,21 @@ logger = logging.getLogger("remat")
 
 
 def _plain_trainer_refusal(model: nn.Module) -> str:
-    """A plain Trainer given the wrapper would save it as an unknown module (every weight, no
-    config): the error names the line that works, and warns when TRL's `peft_config` already put
-    adapter layers into the model."""
+    """A plain Trainer given the wrapper would save it as an unknown module: the error names the
+    line that works, and says when TRL's `peft_config` already put adapters into the model."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
-    trainer = _trainer_being_built()
-    works = f"remat.remat_trainer_class({trainer})(model=cm, ...)"
-    if trainer in (None, "Trainer"):
-        works = "remat.RematTrainer(model=cm, ...)"
+    trainer, frame = None, inspect.currentframe()
+    try:  # the Trainer class whose `__init__` is asking, for the error to name it
+        while frame is not None and trainer is None:
+            owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+            if any(c.__name__ == "Trainer" and c.__module__ == "transformers.trainer" for c in type(owner).__mro__):
+                trainer = type(owner).__name__
+            frame = frame.f_back
+    finally:
+        del frame  # a frame held by a local of its own is a reference cycle
+    works = f"remat.remat_trainer_class({trainer})" if trainer not in (None, "Trainer") else "remat.RematTrainer"
+    works += "(model=cm, ...)"
     message = (
         f"{trainer or 'Trainer'}(model=cm) would save every weight of the wrapper and no checkpoint_config.json; "
         f"use {works}"
@@ -62,38 +69,6 @@ def _plain_trainer_refusal(model: nn.Module) -> str:
             f"{works.replace('...', 'peft_config=...')}"
         )
     return message
-
-
-def _trainer_being_built() -> str | None:
-    """The class name of the Trainer whose `__init__` is asking (for the error to name it)."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(30):
-            if frame is None:
-                return None
-            owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
-            mro = type(owner).__mro__ if owner is not None else ()
-            if any(c.__name__ == "Trainer" and c.__module__ == "transformers.trainer" for c in mro):
-                return type(owner).__name__
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
-
-
-def _check_model(model: Any) -> None:
-    if isinstance(model, CheckpointedModel):
-        raise ConfigTypeError("this model is already a CheckpointedModel; wrap the original model once")
-    if not isinstance(model, nn.Module):
-        raise ConfigTypeError(f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}: pass the model")
-    if not any(isinstance(m, pretrained_model_class()) for m in model.modules()):
-        raise ConfigTypeError(
-            f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
-            f"{type(model).__name__} contains no PreTrainedModel"
-        )
-    owner = model.__dict__.get("_remat_owner")
-    if owner is not None and not owner.orphaned:
-        raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
 
 
 def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointConfig:
@@ -117,12 +92,6 @@ def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointCo
             f"CheckpointConfig ({', '.join(names)}){extra}"
         )
     return config.replace(**fields) if fields else config
-
-
-def controller_of(cm: CheckpointedModel) -> Controller:
-    """The controller behind a wrapper: how remat's rooms and tests reach the map, the offloader
-    and the swapper without reading the wrapper's private attributes."""
-    return cm._controller
 
 
 class CheckpointedModel(nn.Module):
@@ -167,7 +136,6 @@ class CheckpointedModel(nn.Module):
                 "this model still carries the checkpointing of a CheckpointedModel that no longer exists (dropped, "
                 "or the model is a copy of a wrapped one); the new wrapper takes over and replaces it"
             )
-            orphan_config, orphan_off_by = orphan.config, orphan.off_by
             orphan.disable()  # its swapped weights come home before the new map checks and swaps them
         super().__init__()
         self.model = model
@@ -179,13 +147,26 @@ class CheckpointedModel(nn.Module):
             self._controller.enable(config, planned=_prepared[1])
         except BaseException:
             if orphan is not None:  # refused: the model keeps the checkpointing it had
-                orphan.enable(orphan_config, off_by=orphan_off_by, cause="a refused takeover (restoring)")
+                orphan.enable(orphan.config, off_by=orphan.off_by, cause="a refused takeover (restoring)")
             raise
 
     @staticmethod
     def _discover(model: nn.Module, options: WrapperOptions) -> Discovery:
         """Every check of the arguments that needs no plan, with nothing changed; then the layers."""
-        _check_model(model)
+        if isinstance(model, CheckpointedModel):
+            raise ConfigTypeError("this model is already a CheckpointedModel; wrap the original model once")
+        if not isinstance(model, nn.Module):
+            raise ConfigTypeError(
+                f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}: pass the model"
+            )
+        if not any(isinstance(m, pretrained_model_class()) for m in model.modules()):
+            raise ConfigTypeError(
+                f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
+                f"{type(model).__name__} contains no PreTrainedModel"
+            )
+        owner = model.__dict__.get("_remat_owner")
+        if owner is not None and not owner.orphaned:
+            raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
         options.host_budget()
         return discover_layers(model, options.layer_class)
 
@@ -329,14 +310,13 @@ class CheckpointedModel(nn.Module):
                 f"cm.{name}() is PEFT's, and cm.model is a {type(self.model).__name__}, not a PeftModel: there are no "
                 "adapters to unload. cm.disable() leaves the model as it was before wrapping"
             )
-        controller = self._controller
-        was_enabled, config = controller.is_enabled, controller.config
+        controller, was_enabled = self._controller, self._controller.is_enabled
         controller.disable(cause=f"cm.{name}()")
         try:
             result = method(*args, **kwargs)
         except BaseException:
             if was_enabled:  # PEFT refused: the wrapper is back as it was
-                controller.enable(config)
+                controller.enable(controller.config)
             raise
         if was_enabled:
             logger.warning(
@@ -348,10 +328,8 @@ class CheckpointedModel(nn.Module):
         return result
 
     def memory_report(self, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None) -> MemoryReport:
-        """Run one training step on `batch` (no optimizer step) and measure per layer the bytes
-        held for backward, resident weights and runs; the loss is `outputs.loss` or
-        `loss_fn(outputs, batch)`. Leaves everything as it was (see `remat.report`).
-        Raises `StateError` in inference mode."""
+        """One training step on `batch` (loss: `outputs.loss` or `loss_fn(outputs, batch)`), measured per
+        layer; everything is left as it was (`remat.report`). Raises `StateError` in inference mode."""
         from .report import memory_report_leaving_state
 
         if self._controller.inference or not self.model.training:
@@ -367,10 +345,8 @@ class CheckpointedModel(nn.Module):
         progress: bool = True,
         repeats: int = 3,
     ) -> Profile:
-        """Measure this model on `batch` once, for `profile.plan(budget, scope=..., tokens=...)` at
-        any budget without running it again. `loss_fn(outputs, batch)` gives a loss the output
-        lacks; `optimizer` adds the whole step's peak (`scope="step"`). Leaves everything as it
-        was (see `remat.planner`)."""
+        """Measure on `batch` once, for `.plan(budget, scope=..., tokens=...)` at any budget; `optimizer`
+        adds the whole step's peak (`scope="step"`). Everything is left as it was (`remat.planner`)."""
         from .planner import ProfileOptions, profile_model
 
         return profile_model(self._controller, batch, ProfileOptions(loss_fn, optimizer, progress, repeats))
@@ -384,9 +360,9 @@ class CheckpointedModel(nn.Module):
     def from_pretrained(
         cls, model: nn.Module, path: str | os.PathLike, is_trainable: bool = True, **kwargs: Any
     ) -> CheckpointedModel:
-        """Load the adapters and checkpoint config saved at `path` into `model` (the base model, or a
-        PeftModel with the same adapters) and wrap it; anything that does not fit is refused before
-        anything changes. Keywords go to PEFT, except the constructor's own (`WrapperOptions`)."""
+        """Load what `save_pretrained` wrote at `path` into `model` (the base model, or a PeftModel with
+        those adapters) and wrap it, refusing before any change what does not fit. Keywords go to PEFT,
+        except the constructor's own."""
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     def extra_repr(self) -> str:

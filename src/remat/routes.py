@@ -1,14 +1,10 @@
 """The transformers routes that turn checkpointing on and off, redirected into the map.
 
 `gradient_checkpointing_enable` / `activation_checkpointing_enable` and their `_disable` twins are
-replaced on the wrapped model's `PreTrainedModel` instances, so every caller (user code, Trainer,
-PEFT, TRL's generation toggles) changes remat's config and map and nothing else. A route call's
-options (`ROUTE_OPTIONS`, as keywords or in the kwargs dict; anything else is an error) change the
-config only where they differ from remat's defaults, which Trainer and PEFT pass on every call;
-`offload=True` and `selective=True` (TRL's switch) ask for that `checkpoint_policy`. TRL's
-SFTTrainer passes a `context_fn` over torch's selective checkpoint contexts instead, recognised by
-the mark TRL puts on the method it wraps: it selects remat's "selective" policy too. Any other
-`context_fn` is refused: what each layer saves is the map's to say.
+replaced on the model's `PreTrainedModel` instances, so every caller (Trainer, PEFT, TRL) changes
+remat's config and map. An option equal to remat's default (Trainer and PEFT pass those on every
+call) keeps the config; `offload=True` and `selective=True` ask for that policy, and so does TRL's
+selective `context_fn` (any other is refused: what each layer saves is the map's to say).
 """
 
 from __future__ import annotations
@@ -130,10 +126,12 @@ class _Route:
     model (TRL wraps the enable method): such a call goes to the route of the wrapper that owns
     the module now, or to transformers' own method, never to a disabled wrapper."""
 
-    def __init__(self, owner: Any, route: str, module: Any, doc: str):
+    does = ""
+
+    def __init__(self, owner: Any, route: str, module: Any):
         self.owner, self.route, self._module = owner, route, Ref(module)
         self.__name__ = route
-        self.__doc__ = f"remat: `{route}` {doc}."
+        self.__doc__ = f"remat: `{route}` {self.does}."
 
     def _current(self) -> Any:
         """None while this route's owner is enabled; else where the call goes instead."""
@@ -149,10 +147,10 @@ class _Route:
 class EnableRoute(_Route):
     """`*_enable(kwargs_dict=None, *, every_n_layers=1, offload=False)`: updates the owner's config."""
 
+    does = "changes the checkpoint map of the CheckpointedModel that owns this model"
+
     def __init__(self, owner: Any, route: str, module: Any):
-        super().__init__(
-            owner, route, module, "changes the checkpoint map of the CheckpointedModel that owns this model"
-        )
+        super().__init__(owner, route, module)
         self.kwargs_name = route.replace("_enable", "_kwargs")
 
     @property
@@ -168,25 +166,28 @@ class EnableRoute(_Route):
         )
 
     def __call__(self, *args: Any, every_n_layers: int = 1, offload: bool = False, **kwargs: Any) -> None:
+        keywords = {"every_n_layers": every_n_layers, "offload": offload}
         current = self._current()
         if current is not None:  # (transformers before 5.16 takes neither keyword: pass them only if given)
-            given = {
-                k: v for k, v in (("every_n_layers", every_n_layers), ("offload", offload)) if not _is_default(k, v)
-            }
-            return current(*args, **given, **kwargs)
-        route, kwargs_name = self.route, self.kwargs_name
-        if len(args) > 1:
-            raise ConfigTypeError(f"{route}() takes at most one positional argument ({kwargs_name}), got {len(args)}")
-        if args and kwargs_name in kwargs:
-            raise ConfigTypeError(f"{route}() got {kwargs_name} twice; pass it once")
-        kwargs_dict = args[0] if args else kwargs.pop(kwargs_name, None)
-        if kwargs:
+            return current(*args, **{k: v for k, v in keywords.items() if not _is_default(k, v)}, **kwargs)
+        try:
+            kwargs_dict = self.__signature__.bind(*args, **kwargs).arguments.get(self.kwargs_name)
+        except TypeError as err:
             raise ConfigTypeError(
-                f"{route}() got unexpected argument(s) {sorted(kwargs)}; it takes {kwargs_name}, "
-                "every_n_layers and offload"
-            )
-        keywords = {"every_n_layers": every_n_layers, "offload": offload}
-        self.owner.route_enable(f"{route}()", kwargs_dict, keywords, from_trl=self._wrapped_by_trl())
+                f"{self.route}(): {err}; it takes {self.kwargs_name}, every_n_layers and offload"
+            ) from None
+        owner, route = self.owner, f"{self.route}()"
+        try:
+            config = config_from_route(owner.config, route, kwargs_dict, keywords, self._wrapped_by_trl())
+            owner.replan(config, None, route)
+        except (TypeError, ValueError) as err:
+            if owner.off_by is None:
+                raise
+            # A generation toggle turned checkpointing off and its re-enable failed: say it is off.
+            raise type(err)(
+                f"{err} Checkpointing is still OFF (turned off by {owner.off_by}); turn it back on with {route} "
+                "and options remat accepts, or with cm.enable()."
+            ) from None
 
     def _wrapped_by_trl(self) -> bool:
         """Whether TRL's selective checkpointing wrapped this enable method (on this module, or on
@@ -200,8 +201,7 @@ class EnableRoute(_Route):
 class DisableRoute(_Route):
     """`*_disable()`: every layer of the owner's map becomes "none" until the next enable."""
 
-    def __init__(self, owner: Any, route: str, module: Any):
-        super().__init__(owner, route, module, "turns every layer of the checkpoint map to 'none'")
+    does = "turns every layer of the checkpoint map to 'none'"
 
     @property
     def __signature__(self) -> inspect.Signature:

@@ -1,14 +1,10 @@
 """The Trainer family with `model=cm`: Trainer, TRL's SFT / GRPO / DPO trainers, your own.
 
-Trainer and TRL decide by what the model is (`isinstance(model, (PreTrainedModel, PeftModel))`,
-`is_peft_model(model)`); a wrapper is neither, and remat patches no class. So the mixin builds the
-trainer with `cm.model` itself, and every check sees what it would without remat. Everything remat
-installs lives on `cm.model` (the routes, the `save_pretrained` that writes `checkpoint_config.json`,
-the `load_adapter` that applies it); `trainer.checkpointed_model` is the wrapper. A TRL trainer
-given `peft_config=` builds a PeftModel around `cm.model`, which the wrapper adopts
-(`Controller.adopt`). The mixin also logs the map at train begin, warns once when the training
-arguments replace the wrapper's config, writes the config with each save even while disabled,
-applies it after a resume, and loads folders a plain `Trainer(model=cm)` wrote.
+Trainer and TRL decide by what the model is (a PreTrainedModel, a PeftModel); remat patches no
+class, so the mixin builds the trainer with `cm.model` itself, where everything remat installs
+lives (routes, the `save_pretrained` and `load_adapter` overrides). It adds what the model cannot:
+adopting the PeftModel a TRL trainer builds from `peft_config=`, the map in the logs, one warning
+when the training arguments replace the map, the config in every save, and loading it on resume.
 """
 
 from __future__ import annotations
@@ -173,9 +169,8 @@ class _MapInLogs(TrainerCallback):
 
 def map_summary(controller: Any) -> dict[str, int | float]:
     """The map that runs as numbers: layers per policy, swapped, and a planned config's prediction."""
-    running = controller.is_enabled and not controller.inference
     plans = list(controller.checkpoint_map)
-    policies = [plan.policy if running else "none" for plan in plans]
+    policies = [plan.policy if controller.is_enabled and not controller.inference else "none" for plan in plans]
     summary: dict[str, int | float] = {
         "remat/enabled": int(controller.is_enabled),
         "remat/layers": len(plans),
@@ -199,21 +194,16 @@ def map_summary(controller: Any) -> dict[str, int | float]:
 def _saved_whole(cm: Any, folder: str) -> bool:
     """Whether the folder's weights are `cm.state_dict()`, as `Trainer(model=cm)` writes them: loaded
     into `cm.model` they would match no name and silently keep untrained weights."""
-    names = _saved_names(folder)
-    wrapped = set(cm.model.state_dict())
-    return bool(names) and not names <= wrapped and names <= {_WRAPPER_PREFIX + name for name in wrapped}
-
-
-def _saved_names(folder: str) -> set[str]:
-    """Tensor names in the folder's single-file weights (safetensors or .bin), tensors not loaded."""
-    file = os.path.join(folder, SAFE_WEIGHTS_NAME)
+    file = os.path.join(folder, SAFE_WEIGHTS_NAME)  # single-file weights, names read without the tensors
     if os.path.isfile(file):
         with safetensors.safe_open(file, framework="pt") as saved:
-            return set(saved.keys())
-    file = os.path.join(folder, WEIGHTS_NAME)
-    if os.path.isfile(file):
-        return set(torch.load(file, map_location="meta", weights_only=True))
-    return set()
+            names = set(saved.keys())
+    elif os.path.isfile(file := os.path.join(folder, WEIGHTS_NAME)):
+        names = set(torch.load(file, map_location="meta", weights_only=True))
+    else:
+        return False
+    wrapped = set(cm.model.state_dict())
+    return not names <= wrapped and names <= {_WRAPPER_PREFIX + name for name in wrapped}
 
 
 def _apply_saved_config(cm: Any, folder: str | None, cause: str) -> None:
