@@ -1,11 +1,6 @@
-"""The controller behind a `CheckpointedModel`: config, map, mode, and everything installed.
-
-It holds the model weakly and the model's patches hold it (`remat.refs`): no reference cycle, so
-a dropped wrapper frees its host memory at once and a model whose wrapper was dropped keeps its
-map. Installed on the instance only, and undone by `disable()`: per-layer flags and functions or
-wrapped forwards (`remat.install`), the routes, the save/load overrides, block swap, and a hook
-that re-applies the map when the model is put back into training behind the wrapper's back.
-"""
+"""The controller behind a `CheckpointedModel`: config, map, mode, ownership, and everything it
+installs on the model's instances (`remat.install`, the routes, the save/load overrides, block swap),
+all undone by `disable()`. It holds the model weakly and the model's patches hold it (`remat.refs`)."""
 
 from __future__ import annotations
 
@@ -22,12 +17,11 @@ from .errors import ConfigError, ReplacedWrapperError, StateError
 from .install import FlagInstall, ForwardInstall, installer_for
 from .layers import DiscoveredLayer, Discovery
 from .offload import Offloader
-from .patches import InstancePatches
 from .persistence import SaveLoadOverrides
 from .plan import CheckpointMap, plan_layers
 from .policies import policy as policy_named
 from .recompute import LayerCheckpoint, run_without_checkpoint
-from .refs import Ref
+from .refs import InstancePatches, Ref
 from .routes import describe_changes, install_routes
 from .swap import WeightSwapper, check_swappable, weights_in_use
 
@@ -36,15 +30,13 @@ logger = logging.getLogger("remat")
 _Mode = tuple[bool, list[tuple[Ref[nn.Module], bool]]]  # (inference, training flag of every module)
 
 
-# model -> the controller that installed on it last, both weakly: outside the model (a disabled
-# wrapper leaves nothing on it). A controller that is no longer the model's last was replaced by
-# another wrapper and refuses to come back (a copy, by deepcopy or pickle, is another controller).
+# model -> the controller that installed on it last, both weakly, kept outside the model (a disabled
+# wrapper leaves nothing on it); a copy of a controller (deepcopy, pickle) is another controller.
 _LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Controller]] = weakref.WeakKeyDictionary()
 
 
 def controller_of_wrapper(obj: Any) -> Controller | None:
-    """The controller of a `CheckpointedModel`, None for anything else (for rooms that cannot
-    import `remat.model`: only a wrapper keeps a `Controller` as `_controller` in its `__dict__`)."""
+    """The controller of a `CheckpointedModel`, else None (for rooms below `remat.model`)."""
     controller = obj.__dict__.get("_controller") if isinstance(obj, nn.Module) else None
     return controller if isinstance(controller, Controller) else None
 
@@ -54,10 +46,8 @@ def swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tu
 
 
 class Controller:
-    """Everything behind one wrapper: the config and its map, the mode, what is installed, and
-    whether this wrapper still owns the model. The model's `_remat_owner` names the enabled
-    controller (a second wrapper is refused while it is there); `_LAST_CLAIM` remembers which
-    installed last, so a wrapper disabled and then replaced refuses `enable()` and mode switches."""
+    """Everything behind one wrapper. The model's `_remat_owner` names the enabled controller (a second
+    wrapper is refused); `_LAST_CLAIM` the last to install, so a replaced one refuses to come back."""
 
     def __init__(
         self,
@@ -72,13 +62,10 @@ class Controller:
         self.config, self.discovery, self.checkpoint_map = config, discovery, checkpoint_map
         self.offloader, self.swapper = offloader, swapper
         self.off_by: str | None = None
-        self.disabled_by = "cm.disable()"  # what turned remat off, while it is off
-        self.inference = False
+        self.inference, self.disabled_by = False, "cm.disable()"  # what turned remat off, while it is off
         self._installs: list[FlagInstall | ForwardInstall] = []
-        self._routes = InstancePatches()
-        self._save_load = SaveLoadOverrides()
-        self._model_patches = InstancePatches()
-        self._hooks: list[Any] = []
+        self._routes, self._model_patches, self._save_load = InstancePatches(), InstancePatches(), SaveLoadOverrides()
+        self._hook: Any = None  # the model's forward pre-hook, while enabled
         self._guards: list[Any] = []
         self._mode_stack: list[_Mode] = []
         self._mode_before_call: _Mode | None = None
@@ -144,9 +131,8 @@ class Controller:
         self._routes.undo()
         self._save_load.uninstall()
         self._set_guards(False)
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
+        if self._hook is not None:
+            self._hook.remove()
         for model in self._owned_models():
             model.__dict__.pop("_remat_owner", None)
         if say:
@@ -160,33 +146,27 @@ class Controller:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
         install_routes(self._routes, self, model)
         self._save_load.install(self, model)
-        self._hooks = [model.register_forward_pre_hook(self._before_forward)]
+        self._hook = model.register_forward_pre_hook(self._before_forward)
         for m in self._owned_models():  # the model keeps its controller alive
             object.__setattr__(m, "_remat_owner", self)
             _LAST_CLAIM[m] = weakref.ref(self)
         self._has_installed = True
 
     def adopt(self, model: nn.Module, cause: str) -> None:
-        """Make `model`, built around this controller's (TRL's `get_peft_model` for a trainer given
-        `peft_config=`), the one this wrapper checkpoints, saves and loads: the same layers under
-        their new names, the map kept, everything installed moved. Raises, changing nothing, if
-        `model` does not hold every layer."""
-        old = self.model
-        if model is old:
+        """Make `model`, built around this one's (TRL's `peft_config=`), the one this wrapper owns: the
+        same layers under new names, the map kept. Raises, changing nothing, if a layer is missing."""
+        if model is self.model:
             return
         names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
         lost = [layer.name for layer in self.discovery.layers if id(layer.module) not in names]
-        if id(old) not in names or lost:
+        if id(self.model) not in names or lost:
             raise ConfigError(
                 f"{cause}: the trainer's model ({type(model).__name__}) does not contain the model this "
                 f"CheckpointedModel wraps{f' (layers {lost[:3]} are missing)' if lost else ''}, so the map would not "
                 "be what trains. Apply PEFT before wrapping: peft_model = get_peft_model(model, lora_config); "
                 "cm = CheckpointedModel(peft_model); and pass no peft_config to the trainer"
             )
-
-        def renamed(found: tuple[DiscoveredLayer, ...]) -> tuple[DiscoveredLayer, ...]:
-            return tuple(DiscoveredLayer(names[id(d.module)], d.module, d.kind) for d in found)
-
+        renamed = lambda found: tuple(DiscoveredLayer(names[id(d.module)], d.module, d.kind) for d in found)
         discovery = Discovery(renamed(self.discovery.layers), renamed(self.discovery.holders))
         was_enabled = self.is_enabled
         self.disable(cause=cause, say=False)  # installed again on `model` below
@@ -214,9 +194,8 @@ class Controller:
         install: bool = False,
         planned: CheckpointMap | None = None,
     ) -> None:
-        """The one path of `enable` and re-planning (a new config, or a route's on/off): plan once,
-        then everything that can refuse before anything is patched; then swap, record, and install
-        (`install` on a disabled wrapper) or re-apply the map. `said`: the caller logged the change."""
+        """The one path of `enable` and re-planning: plan once, run every check that can refuse before
+        anything changes, then swap, install (`install`) or re-apply. `said`: the caller logged it."""
         new_map = plan_layers(config, self.discovery.names, checkpointing_off_by=off_by) if planned is None else planned
         installing = install and not self.is_enabled
         live = installing or self.is_enabled
@@ -275,14 +254,12 @@ class Controller:
             logger.info("block swap: layer(s) %s have their weights back on the device", left)
 
     def _exclude_swapped_from_ddp_sync(self) -> None:
-        """DDP broadcasts every parameter when built, and a swapped weight at rest is a placeholder:
-        frozen weights are the same on every rank, so they go in DDP's ignore list."""
+        """DDP broadcasts every parameter, and a swapped weight at rest is a placeholder: frozen weights
+        are the same on every rank, so they go in DDP's ignore list."""
         self._model_patches.undo()
         if self.swapper.layers:
-            existing = list(self.model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
-            self._model_patches.set(
-                self.model, "_ddp_params_and_buffers_to_ignore", existing + self.swapper.swapped_names
-            )
+            own = list(self.model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
+            self._model_patches.set(self.model, "_ddp_params_and_buffers_to_ignore", own + self.swapper.swapped_names)
 
     def apply_map(self) -> None:
         """Make the installed flags say exactly what the map says, for the current mode."""
@@ -345,8 +322,7 @@ class Controller:
                 self._guards.append(layer.module.register_forward_pre_hook(guard, prepend=True))
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        """A model put back into training after `for_inference()` (Trainer calls `model.train()`
-        every step) trains with its map, not without checkpointing."""
+        """A model put back into training behind our back (Trainer calls `model.train()`) trains with its map."""
         self._mode_before_call = None  # a `with` needs the mode call right before it
         if self.inference and (module.training or any(layer.module.training for layer in self.discovery.layers)):
             logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
@@ -354,9 +330,8 @@ class Controller:
             self.apply_map()
 
     def _refuse_training_in_inference(self, index: int, name: str, module: nn.Module, args: Any) -> None:
-        """On each checkpointed layer in inference mode: a layer about to run in training mode with
-        gradients would train without its checkpoint (and, if swapped, with weights that go away).
-        A forward through the model applies the map first; this catches calls that bypass it."""
+        """In inference mode, a checkpointed layer run in training mode with gradients (bypassing the
+        model's forward, which applies the map) would train without its checkpoint: refused."""
         if self.inference and module.training and torch.is_grad_enabled():
             raise StateError(
                 f"layer {index} ({name}) is in training mode with gradients enabled, but the wrapper is in "
@@ -365,8 +340,7 @@ class Controller:
             )
 
     def adopt_saved_config(self, config: CheckpointConfig, cause: str) -> None:
-        """Take a config loaded from a checkpoint folder (resume, best model, load_adapter), keeping
-        the on/off state: a route's "off" stays off, a disabled wrapper stays as it is (a warning)."""
+        """A config loaded from a checkpoint folder; a route's "off" stays off, a disabled wrapper as it is."""
         if config == self.config:
             return
         if not self.is_enabled:

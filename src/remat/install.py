@@ -13,9 +13,8 @@ from torch import nn
 
 from .compat.transformers_compat import CACHE_ARGUMENTS, LAYER_FLAG, LAYER_FUNCTION
 from .layers import DiscoveredLayer, calls_checkpoint_directly
-from .patches import MISSING, restore_attributes
 from .recompute import run_without_checkpoint
-from .refs import Ref
+from .refs import MISSING, Ref, restore_attributes
 
 logger = logging.getLogger("remat")
 
@@ -35,33 +34,24 @@ class _Installed:
 
 class FlagInstall(_Installed):
     """A `GradientCheckpointingLayer`: its own flag and function, which transformers calls (dropping
-    the KV cache)."""
+    the KV cache). A `holder` (transformers reads its flag to turn `use_cache` off) gets a
+    pass-through function, its flag on only where that cannot nest a checkpoint."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, holder: bool = False):
         super().__init__(module)
         self.saved = {key: module.__dict__.get(key, MISSING) for key in (LAYER_FLAG, LAYER_FUNCTION)}
         self.was_checkpointing = self.saved[LAYER_FLAG] is True
+        self.holder, self.nests = holder, holder and calls_checkpoint_directly(module)
 
     def set(self, enabled: bool, function: Any) -> None:
-        # object.__setattr__ keeps these out of nn.Module's parameter/buffer bookkeeping.
-        object.__setattr__(self.module, LAYER_FLAG, enabled)
+        if self.holder:
+            enabled, function = enabled and not self.nests, run_without_checkpoint
+        object.__setattr__(self.module, LAYER_FLAG, enabled)  # kept out of nn.Module's bookkeeping
         object.__setattr__(self.module, LAYER_FUNCTION, function)
 
     def restore(self) -> None:
         if self._module() is not None:
             restore_attributes(self.module, self.saved)
-
-
-class HolderInstall(FlagInstall):
-    """A module that holds the flag for its layers (transformers reads it to turn `use_cache` off):
-    a pass-through function, the flag on only where that cannot nest a checkpoint."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__(module)
-        self.safe = not calls_checkpoint_directly(module)
-
-    def set(self, enabled: bool, function: Any) -> None:
-        super().set(enabled and self.safe, run_without_checkpoint)
 
 
 class ForwardInstall(_Installed):
@@ -75,8 +65,7 @@ class ForwardInstall(_Installed):
         super().__init__(module)
         self.saved = {key: module.__dict__.get(key, MISSING) for key in ("forward", "_replicate_for_data_parallel")}
         self.first_parameter = next(iter(inspect.signature(module.forward).parameters), None)
-        self.enabled = False
-        self.function: Any = run_without_checkpoint
+        self.enabled, self.function = False, run_without_checkpoint
         self.wrapper = CheckpointingForward(self, module)
         object.__setattr__(module, "forward", self.wrapper)
         object.__setattr__(module, "_replicate_for_data_parallel", self.wrapper.replicate)
@@ -134,13 +123,13 @@ class CheckpointingForward(_Installed):
 
     def replicate(self) -> nn.Module:
         """The block's `_replicate_for_data_parallel`: torch's replica, whose forward runs the replica."""
-        install = self._install.alive(
-            "this layer's checkpointing was removed while it was still called; call the model again"
-        )
+        install = self._install.alive("this layer's checkpointing was removed while still in use; call the model again")
         replica = type(self.module)._replicate_for_data_parallel(self.module)
         object.__setattr__(replica, "forward", CheckpointingForward(install, replica))
         return replica
 
 
 def installer_for(discovered: DiscoveredLayer) -> FlagInstall | ForwardInstall:
-    return {"wrap": ForwardInstall, "holder": HolderInstall}.get(discovered.kind, FlagInstall)(discovered.module)
+    if discovered.kind == "wrap":
+        return ForwardInstall(discovered.module)
+    return FlagInstall(discovered.module, holder=discovered.kind == "holder")

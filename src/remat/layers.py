@@ -1,14 +1,8 @@
-"""Discovery: the ordered list of layers remat can checkpoint.
-
-transformers' repeated blocks are `GradientCheckpointingLayer`s, whose own flag remat drives
-("flag" layers). Plain blocks (remote code, the pre-4.35 format, hand-written stacks) get their
-`forward` wrapped on the instance ("wrap" layers), found as: 1. the classes `layer_class` names,
-added to any GradientCheckpointingLayers; else, in a model with none, 2. the classes of its
-`_no_split_modules` occurring at least twice; 3. the children of an `nn.ModuleList` of at least two
-modules of one class. So for transformers' own models the map counts exactly the layers its
-`every_n_layers` counts, in `named_modules()` order. A layer inside another is skipped (it would be
-recomputed twice). Other modules carrying the flag are "holders" (see `remat.install`).
-"""
+"""Discovery: the ordered layers remat can checkpoint. transformers' `GradientCheckpointingLayer`s
+("flag" layers), so the map counts exactly what its `every_n_layers` counts; plain blocks ("wrap") are
+the classes `layer_class` names, else, in a model without those, the classes of `_no_split_modules`
+that occur twice, else the children of a `ModuleList` of one class. A layer inside another is skipped
+(it would be recomputed twice); other modules carrying the flag are "holders" (`remat.install`)."""
 
 from __future__ import annotations
 
@@ -30,9 +24,8 @@ class DiscoveredLayer:
     __slots__ = ("_module", "kind", "name")
 
     def __init__(self, name: str, module: nn.Module, kind: str = "flag"):
-        self.name = name
-        self.kind = kind  # "flag": a GradientCheckpointingLayer; "wrap": a plain block; "holder"
-        self._module = Ref(module)
+        # kind: "flag" (a GradientCheckpointingLayer), "wrap" (a plain block) or "holder"
+        self.name, self.kind, self._module = name, kind, Ref(module)
 
     @property
     def module(self) -> nn.Module:
@@ -60,12 +53,8 @@ def _class_names(value: str | type | Sequence[str | type] | None) -> set[str]:
 
 
 def _no_split_names(model: nn.Module) -> set[str]:
-    names: set[str] = set()
-    for module in model.modules():
-        declared = getattr(type(module), "_no_split_modules", None)
-        if isinstance(declared, (list, tuple, set)):
-            names.update(n for n in declared if isinstance(n, str))
-    return names
+    declared = [getattr(type(module), "_no_split_modules", None) for module in model.modules()]
+    return {n for names in declared if isinstance(names, (list, tuple, set)) for n in names if isinstance(n, str)}
 
 
 def _repeated_stacks(model: nn.Module) -> set[int]:
@@ -131,14 +120,12 @@ def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | t
         if not any(name.startswith(outer.name + ".") for outer in layers):
             layers.append(DiscoveredLayer(name, module, kind))
     if not layers:
-        searched = (
-            f"modules of class {sorted(explicit)} (layer_class)"
-            if explicit
-            else (
+        searched = f"modules of class {sorted(explicit)} (layer_class)"
+        if not explicit:
+            searched = (
                 f"{gc_layer.__name__} submodules, the classes in _no_split_modules "
                 f"({sorted(_no_split_names(model)) or 'none declared'}), and nn.ModuleList stacks of one repeated block"
             )
-        )
         raise NoCheckpointableLayersError(
             f"{type(model).__name__} has no checkpointable layers: remat looked for {searched} and found none. "
             "Name the decoder block class with layer_class=... if the model has one."

@@ -1,9 +1,6 @@
-"""`CheckpointedModel`: owns a model and keeps its per-layer checkpoint map true.
-
-The public face, after PEFT's `PeftModel`: an `nn.Module` holding the model as `.model`, delegating
-unknown attributes and calls to it. Arguments are checked here, before anything changes; the map,
-the installing and the routes live in `remat.controller`. One model, one wrapper (see there).
-"""
+"""`CheckpointedModel`, the public face: an `nn.Module` holding the model as `.model` and delegating
+to it as PEFT's `PeftModel` does. Arguments are checked here, before anything changes; the map, the
+installing and the routes live in `remat.controller`."""
 
 from __future__ import annotations
 
@@ -100,13 +97,10 @@ class CheckpointedModel(nn.Module):
     Args:
         model: a transformers `PreTrainedModel`, or a peft `PeftModel` over one, kept as `cm.model`.
         config: the `CheckpointConfig`; the default checkpoints every layer.
-        offload_transport: how the "offload" policy moves bytes between device and host (default:
-            one per device; `remat.testing.SimulatedTransport` plays a device/host pair on the CPU).
+        offload_transport: how "offload" moves bytes (default: per device; `remat.testing.SimulatedTransport`).
         swap_mover: how block swap copies weights host to device (default: one per device).
-        layer_class: the class (or class name, or several) of the model's repeated block, for
-            models where discovery cannot decide; a name matching no module is an error.
-        offload_host_budget: pinned host memory offload may hold in this process, in bytes or as a
-            size like "8GiB" (default: half the host's memory over `LOCAL_WORLD_SIZE`).
+        layer_class: the class(es), or name(s), of the repeated block where discovery cannot decide.
+        offload_host_budget: pinned host bytes offload may hold, or "8GiB" (default: half the host's, per process).
         **fields: `CheckpointConfig` fields changed on `config`: `CheckpointedModel(model, every_n_layers=2)`.
 
     Raises `remat.RematError` subclasses (TypeError / ValueError) before anything changes.
@@ -156,9 +150,7 @@ class CheckpointedModel(nn.Module):
         if isinstance(model, CheckpointedModel):
             raise ConfigTypeError("this model is already a CheckpointedModel; wrap the original model once")
         if not isinstance(model, nn.Module):
-            raise ConfigTypeError(
-                f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}: pass the model"
-            )
+            raise ConfigTypeError(f"CheckpointedModel wraps an nn.Module, got {type(model).__name__}: pass the model")
         if not any(isinstance(m, pretrained_model_class()) for m in model.modules()):
             raise ConfigTypeError(
                 f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
@@ -199,8 +191,7 @@ class CheckpointedModel(nn.Module):
                 raise ConfigTypeError(_plain_trainer_refusal(self.model)) from None
             if name == "plan_for_budget":
                 raise AttributeError(
-                    "cm.plan_for_budget(batch, budget) is gone: "
-                    "cm.profile(batch, ...).plan(budget, scope=..., tokens=...)"
+                    "cm.plan_for_budget() is gone: cm.profile(batch, ...).plan(budget, scope=..., tokens=...)"
                 ) from None
             return getattr(self.model, name)
 

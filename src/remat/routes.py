@@ -1,11 +1,7 @@
-"""The transformers routes that turn checkpointing on and off, redirected into the map.
-
-`gradient_checkpointing_enable` / `activation_checkpointing_enable` and their `_disable` twins are
-replaced on the model's `PreTrainedModel` instances, so every caller (Trainer, PEFT, TRL) changes
-remat's config and map. An option equal to remat's default (Trainer and PEFT pass those on every
-call) keeps the config; `offload=True` and `selective=True` ask for that policy, and so does TRL's
-selective `context_fn` (any other is refused: what each layer saves is the map's to say).
-"""
+"""transformers' checkpointing routes (`gradient_checkpointing_enable`, `activation_checkpointing_*`)
+replaced on the model's `PreTrainedModel` instances, so every caller changes remat's map. An option
+equal to remat's default (Trainer and PEFT pass those every call) keeps the config; `offload=True`,
+`selective=True` and TRL's selective `context_fn` ask for that policy; any other `context_fn` is refused."""
 
 from __future__ import annotations
 
@@ -23,8 +19,7 @@ from .compat.transformers_compat import (
 )
 from .config import CheckpointConfig
 from .errors import ConfigError, ConfigTypeError
-from .patches import InstancePatches
-from .refs import Ref
+from .refs import InstancePatches, Ref
 
 if TYPE_CHECKING:
     from torch import nn
@@ -75,9 +70,7 @@ def config_from_route(
     options = dict(kwargs_dict or {})
     for key, value in keywords.items():
         if key in options and not _is_default(key, value) and options[key] != value:
-            raise ConfigError(
-                f"{route}: {key} is given twice with different values ({options[key]!r} and {value!r}); give one"
-            )
+            raise ConfigError(f"{route}: {key} is given twice ({options[key]!r} and {value!r}); give one")
         if key not in options or not _is_default(key, value):
             options[key] = value
     _selective_from_context(route, options, from_trl)
@@ -94,9 +87,7 @@ def config_from_route(
         if not isinstance(changes.pop(name), bool):
             raise ConfigTypeError(f"{route}: {name} must be True or False, got {options[name]!r}")
     if len(switched) > 1:
-        raise ConfigError(
-            f"{route}: selective=True and offload=True ask for two policies; pass one. Nothing was changed."
-        )
+        raise ConfigError(f"{route}: selective=True and offload=True are two policies; pass one. Nothing was changed.")
     if switched:
         changes["checkpoint_policy"] = switched[0]
         if switched == ["selective"] and options.get("use_reentrant") is False:  # asked with selective, which needs it
@@ -114,8 +105,7 @@ def describe_changes(old: CheckpointConfig, new: CheckpointConfig) -> str:
 
 
 def install_routes(patches: InstancePatches, owner: Any, model: nn.Module) -> None:
-    """The routes on the model's `PreTrainedModel` instances, each an object holding its owner (not a
-    closure), so a deep copy or pickle of the model drives the copy's own wrapper."""
+    """The routes on the model's `PreTrainedModel` instances: objects, so a copy drives the copy's wrapper."""
     for module in [m for m in model.modules() if isinstance(m, pretrained_model_class())]:
         for name in routes_defined_on(module):
             patches.set(module, name, (EnableRoute if name in ENABLE_ROUTES else DisableRoute)(owner, name, module))
@@ -157,13 +147,8 @@ class EnableRoute(_Route):
     def __signature__(self) -> inspect.Signature:
         # PEFT inspects the signature for this parameter name before passing the dict.
         P = inspect.Parameter
-        return inspect.Signature(
-            [
-                P(self.kwargs_name, P.POSITIONAL_OR_KEYWORD, default=None),
-                P("every_n_layers", P.KEYWORD_ONLY, default=1),
-                P("offload", P.KEYWORD_ONLY, default=False),
-            ]
-        )
+        options = [P(name, P.KEYWORD_ONLY, default=d) for name, d in (("every_n_layers", 1), ("offload", False))]
+        return inspect.Signature([P(self.kwargs_name, P.POSITIONAL_OR_KEYWORD, default=None), *options])
 
     def __call__(self, *args: Any, every_n_layers: int = 1, offload: bool = False, **kwargs: Any) -> None:
         keywords = {"every_n_layers": every_n_layers, "offload": offload}
@@ -173,9 +158,7 @@ class EnableRoute(_Route):
         try:
             kwargs_dict = self.__signature__.bind(*args, **kwargs).arguments.get(self.kwargs_name)
         except TypeError as err:
-            raise ConfigTypeError(
-                f"{self.route}(): {err}; it takes {self.kwargs_name}, every_n_layers and offload"
-            ) from None
+            raise ConfigTypeError(f"{self.route}(): {err}; pass {self.kwargs_name}, every_n_layers, offload") from None
         owner, route = self.owner, f"{self.route}()"
         try:
             config = config_from_route(owner.config, route, kwargs_dict, keywords, self._wrapped_by_trl())

@@ -1,11 +1,7 @@
-"""The Trainer family with `model=cm`: Trainer, TRL's SFT / GRPO / DPO trainers, your own.
-
-Trainer and TRL decide by what the model is (a PreTrainedModel, a PeftModel); remat patches no
-class, so the mixin builds the trainer with `cm.model` itself, where everything remat installs
-lives (routes, the `save_pretrained` and `load_adapter` overrides). It adds what the model cannot:
-adopting the PeftModel a TRL trainer builds from `peft_config=`, the map in the logs, one warning
-when the training arguments replace the map, the config in every save, and loading it on resume.
-"""
+"""The Trainer family with `model=cm` (Trainer, TRL's trainers, your own). remat patches no class:
+the mixin builds the trainer with `cm.model`, so each isinstance check sees what it would without
+remat, and adds what the model cannot: adopting the PeftModel TRL builds from `peft_config=`, the map
+in the logs, a warning when the training arguments replace it, the config in every save and resume."""
 
 from __future__ import annotations
 
@@ -87,25 +83,19 @@ class _RematTrainerMixin:
         if cm is None or not getattr(self.args, "should_save", True):
             return base_save(output_dir, state_dict=state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        save_model_pair(
-            controller_of_wrapper(cm), output_dir, lambda staging: base_save(staging, state_dict=state_dict)
-        )
+        save_model_pair(controller_of_wrapper(cm), output_dir, lambda to: base_save(to, state_dict=state_dict))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        cm = self.checkpointed_model
-        if cm is not None and model is None and _saved_whole(cm, resume_from_checkpoint):
-            logger.info(
-                "%s holds the whole wrapper (written by transformers' Trainer(model=cm)): loading it as is",
-                resume_from_checkpoint,
-            )
+        cm, folder = self.checkpointed_model, resume_from_checkpoint
+        if cm is not None and model is None and _saved_whole(cm, folder):
+            logger.info("%s holds the whole wrapper (a plain Trainer(model=cm) wrote it): loading it as is", folder)
             model = cm
-        super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
         if cm is not None:
-            _apply_saved_config(cm, resume_from_checkpoint, "resuming")
+            _apply_saved_config(cm, folder, "resuming")
 
     def _load_best_model(self) -> None:
-        cm = self.checkpointed_model
-        best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
+        cm, best = self.checkpointed_model, self.state.best_model_checkpoint  # type: ignore[attr-defined]
         if cm is not None and best is not None and _saved_whole(cm, best):
             self.model = cm  # Trainer loads into self.model; the folder holds the wrapper's names
             try:
@@ -171,11 +161,8 @@ def map_summary(controller: Any) -> dict[str, int | float]:
     """The map that runs as numbers: layers per policy, swapped, and a planned config's prediction."""
     plans = list(controller.checkpoint_map)
     policies = [plan.policy if controller.is_enabled and not controller.inference else "none" for plan in plans]
-    summary: dict[str, int | float] = {
-        "remat/enabled": int(controller.is_enabled),
-        "remat/layers": len(plans),
-        "remat/checkpointed_layers": sum(policy in CHECKPOINTED for policy in policies),
-    }
+    summary: dict[str, int | float] = {"remat/enabled": int(controller.is_enabled), "remat/layers": len(plans)}
+    summary["remat/checkpointed_layers"] = sum(policy in CHECKPOINTED for policy in policies)
     summary.update({f"remat/layers_{name}": policies.count(name) for name in POLICY_NAMES})
     summary["remat/swapped_layers"] = sum(plan.swapped for plan in plans) if controller.is_enabled else 0
     config = controller.config

@@ -10,7 +10,7 @@ import os
 from typing import Any
 
 from ..errors import ConfigError
-from ..patches import InstancePatches
+from ..refs import InstancePatches
 from ..saving.folder import CONFIG_NAME, is_staging, recover
 from .pair_format import expected_for, read_model_pair, save_model_pair
 from .peft_names import is_peft_model, original_method
