@@ -105,18 +105,11 @@ class Controller:
                 "model again once that one is disabled: cm = CheckpointedModel(model, config). Nothing was changed"
             )
 
-    def enable(
-        self,
-        config: CheckpointConfig,
-        *,
-        off_by: str | None = None,
-        cause: str = "enable()",
-        planned: CheckpointMap | None = None,
-    ) -> None:
-        """Install with `config` (re-plan, if installed already); `planned`: its map, when planned already."""
+    def enable(self, config: CheckpointConfig, *, off_by: str | None = None, cause: str = "enable()") -> None:
+        """Install with `config` (re-plan, if installed already)."""
         if not self.is_enabled:
             self.check_not_replaced("enable()")
-        self.replan(config, off_by, cause, install=True, planned=planned)
+        self.replan(config, off_by, cause, install=True)
 
     def disable(self, cause: str = "cm.disable()", *, say: bool = True) -> None:
         if not self.is_enabled:
@@ -231,10 +224,8 @@ class Controller:
     def _check_swap_change(self, new_map: CheckpointMap) -> None:
         """Refuse a swap that cannot be made, or would move weights an autograd graph still holds."""
         joining = [t for t in swap_targets(self.discovery, new_map) if t[0] not in self.swapper.layers]
-        if not joining:
-            return
         check_swappable(joining, self.model)
-        held = weights_in_use(joining, self.model)
+        held = joining and weights_in_use(joining, self.model)  # (walks every parameter: only when one joins)
         if held:
             raise StateError(
                 f"cannot start swapping layers {[t[0] for t in joining]} now: {held[0]} (and {len(held) - 1} more) is "

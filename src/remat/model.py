@@ -138,7 +138,7 @@ class CheckpointedModel(nn.Module):
         self._controller = Controller(model, config, *_prepared, offloader, WeightSwapper(swap_mover))
         self._controller.wrapper = LocalRef(self)
         try:
-            self._controller.enable(config, planned=_prepared[1])
+            self._controller.replan(config, None, "enable()", install=True, planned=_prepared[1])
         except BaseException:
             if orphan is not None:  # refused: the model keeps the checkpointing it had
                 orphan.enable(orphan.config, off_by=orphan.off_by, cause="a refused takeover (restoring)")

@@ -116,12 +116,10 @@ class _Route:
     model (TRL wraps the enable method): such a call goes to the route of the wrapper that owns
     the module now, or to transformers' own method, never to a disabled wrapper."""
 
-    does = ""
-
     def __init__(self, owner: Any, route: str, module: Any):
         self.owner, self.route, self._module = owner, route, Ref(module)
         self.__name__ = route
-        self.__doc__ = f"remat: `{route}` {self.does}."
+        self.__doc__ = f"remat: `{route}` {type(self).__doc__}"
 
     def _current(self) -> Any:
         """None while this route's owner is enabled; else where the call goes instead."""
@@ -135,9 +133,8 @@ class _Route:
 
 
 class EnableRoute(_Route):
-    """`*_enable(kwargs_dict=None, *, every_n_layers=1, offload=False)`: updates the owner's config."""
-
-    does = "changes the checkpoint map of the CheckpointedModel that owns this model"
+    """changes the checkpoint map of the CheckpointedModel that owns this model (its kwargs dict's options,
+    `every_n_layers`, `offload`)."""
 
     def __init__(self, owner: Any, route: str, module: Any):
         super().__init__(owner, route, module)
@@ -182,9 +179,7 @@ class EnableRoute(_Route):
 
 
 class DisableRoute(_Route):
-    """`*_disable()`: every layer of the owner's map becomes "none" until the next enable."""
-
-    does = "turns every layer of the checkpoint map to 'none'"
+    """turns every layer of the owner's checkpoint map to "none" until the next enable."""
 
     @property
     def __signature__(self) -> inspect.Signature:

@@ -165,14 +165,13 @@ def map_summary(controller: Any) -> dict[str, int | float]:
     summary["remat/checkpointed_layers"] = sum(policy in CHECKPOINTED for policy in policies)
     summary.update({f"remat/layers_{name}": policies.count(name) for name in POLICY_NAMES})
     summary["remat/swapped_layers"] = sum(plan.swapped for plan in plans) if controller.is_enabled else 0
-    config = controller.config
     for key, field in (
         ("remat/planned_activation_bytes", "predicted_device_bytes"),
         ("remat/planned_host_bytes", "predicted_host_bytes"),
         ("remat/planned_step_peak_bytes", "predicted_peak_bytes"),
         ("remat/planned_budget_bytes", "budget"),
     ):
-        value = getattr(config, field, None)
+        value = getattr(controller.config, field, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             summary[key] = value
     return summary
