@@ -1,8 +1,5 @@
-"""Checks for the arguments a `CheckpointedModel` is built with, run before anything changes.
-
-A wrong argument must fail where it is given, naming it, not at the first training step with
-an unrelated error from deep inside a hook.
-"""
+"""Checks for the arguments a `CheckpointedModel` is built with, run where they are given (not at
+the first step, from deep inside a hook), before anything changes."""
 
 from __future__ import annotations
 
@@ -13,30 +10,12 @@ from typing import Any
 
 from .errors import ConfigError, ConfigTypeError
 
-# Decimal units with a B are powers of 1000 (the SI, as disk makers and `du --si` write them);
-# binary units are powers of 1024: with an "i" (KiB, MiB, GiB, TiB; Ki, Mi, Gi, Ti as Kubernetes
-# writes them), or a bare letter (K, M, G, T), as docker's `--memory` and Java's `-Xmx` read "6g".
-# Case does not matter.
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-    "t": 2**40,
-    "ki": 2**10,
-    "mi": 2**20,
-    "gi": 2**30,
-    "ti": 2**40,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
+# A bare letter (K, M, G, T, as docker's `--memory` and Java's `-Xmx` read "6g") and the binary
+# units (KiB, ...; Ki, ... as Kubernetes writes them) are powers of 1024; decimal units with a B
+# (KB, ...) powers of 1000, as the SI and `du --si` write them. Case does not matter.
+_UNITS = {"": 1, "b": 1}
+for _power, _p in enumerate("kmgt", 1):
+    _UNITS |= {_p + "b": 1000**_power, _p: 1024**_power, _p + "i": 1024**_power, _p + "ib": 1024**_power}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _SIZE_HELP = (
     "a size like '6GiB', '6G', '6144M', '6 GB' or an int of bytes: G, M, K, T alone and GiB, MiB, KiB, TiB are "
@@ -44,18 +23,13 @@ _SIZE_HELP = (
 )
 
 MAX_COUNT = 2**63 - 1
-"""The largest byte count or token count accepted (torch's and every allocator's int64): a
-larger one is no size any machine has, and would overflow float arithmetic downstream."""
+"""The largest byte or token count accepted (int64, as torch and allocators count): a larger one
+is no size any machine has, and would overflow float arithmetic downstream."""
 
 
 def parse_bytes(value: Any, name: str) -> int:
-    """A byte count from an int (bytes) or a string with a unit: "6G", "6GiB", "6144M", "1.5 GiB", "2GB".
-
-    G means GiB: a bare letter (K, M, G, T) and the binary units (KiB, MiB, GiB, TiB) are powers
-    of 1024, so "6G" == "6GiB" == "6144M" == 6 * 2**30 bytes. The decimal units with a B (KB, MB,
-    GB, TB) are powers of 1000, as the standards say: "6GB" == 6 * 10**9 bytes. Case and spaces do
-    not matter; a bare number is bytes.
-    """
+    """A byte count from an int (bytes) or a string with a unit (see `_UNITS`): "6G" == "6GiB" ==
+    6 * 2**30, "6GB" == 6 * 10**9. Raises a TypeError or ValueError naming `name`."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number of bytes (int) or a size like '8GiB', got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -75,8 +49,7 @@ def parse_bytes(value: Any, name: str) -> int:
 
 
 def parse_count(value: Any, name: str, what: str) -> int:
-    """A whole number of things (tokens), from 1 to `MAX_COUNT`; anything else is a ValueError
-    naming `name` and `what` it counts."""
+    """A whole number of `what` (tokens), from 1 to `MAX_COUNT`; else a ValueError naming `name`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be an int >= 1 ({what}), got {value!r}")
     return _at_most(value, name, what)
@@ -87,16 +60,6 @@ def _at_most(value: int, name: str, what: str) -> int:
         shown = str(value) if value < 10**30 else f"an int of {len(str(value))} digits"
         raise ConfigError(f"{name} must be at most {MAX_COUNT} ({what}), got {shown}")
     return value
-
-
-def check_implements(value: Any, protocol: type, name: str) -> None:
-    """`value` must have each public method of `protocol` (what remat calls it through)."""
-    methods = [m for m, v in vars(protocol).items() if callable(v) and not m.startswith("_")]
-    missing = [m for m in methods if not callable(getattr(value, m, None))]
-    if missing:
-        raise ConfigTypeError(
-            f"{name} must provide {', '.join(methods)}; {type(value).__name__} lacks {', '.join(missing)}"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +85,13 @@ class WrapperOptions:
         """Checks each option, naming the one that is wrong; returns the host budget in bytes."""
         from .transport import OffloadTransport, WeightMover  # torch's: `import remat.config` stays without it
 
-        if self.offload_transport is not None:
-            check_implements(self.offload_transport, OffloadTransport, "offload_transport")
-        if self.swap_mover is not None:
-            check_implements(self.swap_mover, WeightMover, "swap_mover")
+        for name, protocol in (("offload_transport", OffloadTransport), ("swap_mover", WeightMover)):
+            value = getattr(self, name)  # must have each public method of the protocol
+            methods = [m for m, v in vars(protocol).items() if callable(v) and not m.startswith("_")]
+            missing = [m for m in methods if not callable(getattr(value, m, None))]
+            if value is not None and missing:
+                raise ConfigTypeError(
+                    f"{name} must provide {', '.join(methods)}; {type(value).__name__} lacks {', '.join(missing)}"
+                )
         budget = self.offload_host_budget
         return None if budget is None else parse_bytes(budget, "offload_host_budget")

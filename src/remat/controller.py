@@ -1,25 +1,12 @@
-"""The controller behind a `CheckpointedModel`: config, map, mode, and everything installed.
-
-`CheckpointedModel` is the `nn.Module` a person holds; this controller is what it, the routes,
-the save/load overrides and the hooks on the model all talk to. It holds the model weakly and
-the model's patches hold it (see `remat.refs`), so remat and the model never form a reference
-cycle: a dropped wrapper frees its host memory at once, and a model whose wrapper was dropped
-keeps its map.
-
-Installing means, per layer and on the instance only (see `remat.install`): transformers'
-per-layer flag and function for its own layers, a wrapped `forward` for plain blocks, the flag
-of the "holder" modules that turn `use_cache` off while training; plus the route methods, the
-save/load overrides, block swap's placeholders and hooks (`remat.swap`), and a hook before each
-forward of the model that re-applies the map if the model was put back into training behind the
-wrapper's back.
-Everything set is recorded and restored by `disable()`.
-"""
+"""The controller behind a `CheckpointedModel`: config, map, mode, ownership, and everything it
+installs on the model's instances (`remat.install`, the routes, the save/load overrides, block swap),
+all undone by `disable()`. It holds the model weakly and the model's patches hold it (`remat.refs`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,13 +17,12 @@ from .errors import ConfigError, ReplacedWrapperError, StateError
 from .install import FlagInstall, ForwardInstall, installer_for
 from .layers import DiscoveredLayer, Discovery
 from .offload import Offloader
-from .patches import InstancePatches
 from .persistence import SaveLoadOverrides
 from .plan import CheckpointMap, plan_layers
 from .policies import policy as policy_named
 from .recompute import LayerCheckpoint, run_without_checkpoint
-from .refs import LocalRef, Ref
-from .routes import RouteOverrides, config_from_route, describe_changes
+from .refs import InstancePatches, Ref
+from .routes import describe_changes, install_routes
 from .swap import WeightSwapper, check_swappable, weights_in_use
 
 logger = logging.getLogger("remat")
@@ -44,22 +30,13 @@ logger = logging.getLogger("remat")
 _Mode = tuple[bool, list[tuple[Ref[nn.Module], bool]]]  # (inference, training flag of every module)
 
 
-class _Claim:
-    """A wrapper's claim on a model: which controller installed on it last."""
-
-    __slots__ = ()
-
-
-# model -> the claim of the controller that installed on it last. Kept outside the model (a
-# disabled wrapper leaves nothing on it) and weakly keyed (it dies with the model). A controller
-# whose claim is no longer the model's was replaced by another wrapper and refuses to come back.
-_LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, _Claim] = weakref.WeakKeyDictionary()
+# model -> the controller that installed on it last, both weakly, kept outside the model (a disabled
+# wrapper leaves nothing on it); a copy of a controller (deepcopy, pickle) is another controller.
+_LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Controller]] = weakref.WeakKeyDictionary()
 
 
 def controller_of_wrapper(obj: Any) -> Controller | None:
-    """The controller of a `CheckpointedModel`, None for anything else. Rooms below the wrapper
-    (the Trainer mixin) recognise a wrapper by the controller it holds, without importing
-    `remat.model`: only a wrapper keeps a `Controller` as `_controller` in its own `__dict__`."""
+    """The controller of a `CheckpointedModel`, else None (for rooms below `remat.model`)."""
     controller = obj.__dict__.get("_controller") if isinstance(obj, nn.Module) else None
     return controller if isinstance(controller, Controller) else None
 
@@ -69,13 +46,8 @@ def swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tu
 
 
 class Controller:
-    """Everything behind one wrapper: the config and its map, the mode (training / inference),
-    what is installed on the model, and whether this wrapper still owns the model.
-
-    Ownership: the model's `_remat_owner` names the enabled controller (a second wrapper is
-    refused while it is there); a registry outside the model remembers which controller
-    installed last, so a wrapper that was disabled and then replaced by another refuses
-    `enable()` and the mode switches, and `disable()` leaves nothing on the model."""
+    """Everything behind one wrapper. The model's `_remat_owner` names the enabled controller (a second
+    wrapper is refused); `_LAST_CLAIM` the last to install, so a replaced one refuses to come back."""
 
     def __init__(
         self,
@@ -87,32 +59,24 @@ class Controller:
         swapper: WeightSwapper,
     ):
         self._model = Ref(model)
-        self.config = config
-        self.discovery = discovery
-        self.checkpoint_map = checkpoint_map
+        self.config, self.discovery, self.checkpoint_map = config, discovery, checkpoint_map
+        self.offloader, self.swapper = offloader, swapper
         self.off_by: str | None = None
-        self.disabled_by = "cm.disable()"  # what turned remat off, while it is off
-        self.inference = False
-        self.offloader = offloader
-        self.swapper = swapper
+        self.inference, self.disabled_by = False, "cm.disable()"  # what turned remat off, while it is off
         self._installs: list[FlagInstall | ForwardInstall] = []
-        self._routes = RouteOverrides()
-        self._save_load = SaveLoadOverrides()
-        self._model_patches = InstancePatches()
-        self._hooks: list[Any] = []
+        self._routes, self._model_patches, self._save_load = InstancePatches(), InstancePatches(), SaveLoadOverrides()
+        self._hook: Any = None  # the model's forward pre-hook, while enabled
         self._guards: list[Any] = []
         self._mode_stack: list[_Mode] = []
         self._mode_before_call: _Mode | None = None
-        self.wrapper: LocalRef[nn.Module] | None = None  # the CheckpointedModel, if it still exists
-        self._claim = _Claim()  # a copy (deepcopy, pickle) gets its own
+        self.wrapper: Ref[nn.Module] = Ref(None)  # the CheckpointedModel (a `LocalRef`), while it exists
         self._adopted_from: list[Ref[nn.Module]] = []  # models this one wrapped before `adopt`
         self._has_installed = False
 
     @property
     def orphaned(self) -> bool:
-        """No CheckpointedModel holds this controller any more (it was dropped, or the model was copied
-        without it): a new wrapper may take the model over."""
-        return self.wrapper is None or self.wrapper() is None
+        """No CheckpointedModel holds this controller any more: a new wrapper may take the model over."""
+        return self.wrapper() is None
 
     @property
     def model(self) -> nn.Module:
@@ -122,22 +86,18 @@ class Controller:
     def is_enabled(self) -> bool:
         return bool(self._installs)
 
+    def _owned_models(self) -> list[nn.Module]:
+        """The model, and the ones it was adopted from (see `adopt`), while they live."""
+        return [m for m in (ref() for ref in (self._model, *self._adopted_from)) if m is not None]
+
     @property
     def replaced(self) -> bool:
-        """Another wrapper installed on the model (or on a model it adopted around, see `adopt`)
-        after this one (this one was disabled first)."""
-        if not self._has_installed:
-            return False
-        for owned in (self._model, *self._adopted_from):
-            model = owned()
-            claim = None if model is None else _LAST_CLAIM.get(model)
-            if claim is not None and claim is not self._claim:
-                return True
-        return False
+        """Another wrapper installed on an owned model after this one (this one was disabled first)."""
+        claims = [_LAST_CLAIM.get(model) for model in self._owned_models()] if self._has_installed else []
+        return any(claim is not None and claim() is not self for claim in claims)
 
     def check_not_replaced(self, action: str) -> None:
-        """Refuse `action` on a wrapper whose model another wrapper has taken: both would install
-        on one model, and the newer one's map would no longer be what runs."""
+        """Refuse `action` on a replaced wrapper: both would install on one model."""
         if self.replaced:
             raise ReplacedWrapperError(
                 f"{action}: another CheckpointedModel took this wrapper's model over after this one was disabled, so "
@@ -145,21 +105,11 @@ class Controller:
                 "model again once that one is disabled: cm = CheckpointedModel(model, config). Nothing was changed"
             )
 
-    # -- enable / disable ----------------------------------------------------------------------
-
-    def enable(
-        self,
-        config: CheckpointConfig,
-        *,
-        off_by: str | None = None,
-        cause: str = "enable()",
-        planned: CheckpointMap | None = None,
-    ) -> None:
-        """Install with `config` (re-plan, if installed already). `planned`: its map, when the
-        caller planned it already (the constructor, a load); `off_by` keeps a route's "off"."""
+    def enable(self, config: CheckpointConfig, *, off_by: str | None = None, cause: str = "enable()") -> None:
+        """Install with `config` (re-plan, if installed already)."""
         if not self.is_enabled:
             self.check_not_replaced("enable()")
-        self._apply(config, off_by, cause, install=True, planned=planned)
+        self.replan(config, off_by, cause, install=True)
 
     def disable(self, cause: str = "cm.disable()", *, say: bool = True) -> None:
         if not self.is_enabled:
@@ -171,16 +121,13 @@ class Controller:
         for install in reversed(self._installs):
             install.restore()
         self._installs.clear()
-        self._routes.uninstall()
+        self._routes.undo()
         self._save_load.uninstall()
         self._set_guards(False)
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        for owned in (self._model, *self._adopted_from):
-            model = owned()
-            if model is not None:
-                model.__dict__.pop("_remat_owner", None)
+        if self._hook is not None:
+            self._hook.remove()
+        for model in self._owned_models():
+            model.__dict__.pop("_remat_owner", None)
         if say:
             logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
 
@@ -190,55 +137,37 @@ class Controller:
         took_over = [s.module for s in self._installs if s.was_checkpointing]
         if took_over:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
-        self._routes.install(self, model)
+        install_routes(self._routes, self, model)
         self._save_load.install(self, model)
-        self._hooks = [model.register_forward_pre_hook(self._before_forward)]
-        # the model keeps its controller alive; a model adopted around it is owned too
-        owned = [m for m in (model, *(ref() for ref in self._adopted_from)) if m is not None]
-        for m in owned:
+        self._hook = model.register_forward_pre_hook(self._before_forward)
+        for m in self._owned_models():  # the model keeps its controller alive
             object.__setattr__(m, "_remat_owner", self)
-        self._exclude_swapped_from_ddp_sync()
-        self.apply_map()
-        for m in owned:
-            _LAST_CLAIM[m] = self._claim
+            _LAST_CLAIM[m] = weakref.ref(self)
         self._has_installed = True
 
-    # -- adopting a model built around this one -------------------------------------------------
-
     def adopt(self, model: nn.Module, cause: str) -> None:
-        """Make `model`, a model built around this controller's (TRL's `get_peft_model` when a
-        trainer is given `peft_config=`), the one this wrapper checkpoints, saves and loads.
-
-        Its layers are the same modules, found again under their new names, so the map (by
-        layer index) is kept as it is; what is installed on the model (routes, save/load
-        overrides, the owner mark) moves to `model`, and the wrapper's `.model` becomes `model`.
-        Raises before anything changes if `model` does not hold every layer of the map."""
-        old = self.model
-        if model is old:
+        """Make `model`, built around this one's (TRL's `peft_config=`), the one this wrapper owns: the
+        same layers under new names, the map kept. Raises, changing nothing, if a layer is missing."""
+        if model is self.model:
             return
         names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
         lost = [layer.name for layer in self.discovery.layers if id(layer.module) not in names]
-        if id(old) not in names or lost:
+        if id(self.model) not in names or lost:
             raise ConfigError(
                 f"{cause}: the trainer's model ({type(model).__name__}) does not contain the model this "
                 f"CheckpointedModel wraps{f' (layers {lost[:3]} are missing)' if lost else ''}, so the map would not "
                 "be what trains. Apply PEFT before wrapping: peft_model = get_peft_model(model, lora_config); "
                 "cm = CheckpointedModel(peft_model); and pass no peft_config to the trainer"
             )
-
-        def renamed(found: tuple[DiscoveredLayer, ...]) -> tuple[DiscoveredLayer, ...]:
-            return tuple(DiscoveredLayer(names[id(d.module)], d.module, d.kind) for d in found)
-
+        renamed = lambda found: tuple(DiscoveredLayer(names[id(d.module)], d.module, d.kind) for d in found)
         discovery = Discovery(renamed(self.discovery.layers), renamed(self.discovery.holders))
-        was_enabled, config, off_by = self.is_enabled, self.config, self.off_by
+        was_enabled = self.is_enabled
         self.disable(cause=cause, say=False)  # installed again on `model` below
         self._adopted_from.append(self._model)
-        self._model = Ref(model)
-        self.discovery = discovery
-        wrapper = self.wrapper() if self.wrapper is not None else None
-        if wrapper is not None:
-            wrapper.model = model
-        self._apply(config, off_by, cause, said=True, install=was_enabled)  # the same map, under the new names
+        self._model, self.discovery = Ref(model), discovery
+        if self.wrapper() is not None:
+            self.wrapper().model = model
+        self.replan(self.config, self.off_by, cause, said=True, install=was_enabled)  # the map, under the new names
         logger.info(
             "%s: the CheckpointedModel now wraps the %s built around its model; its layers are %s ... and the map "
             "is kept: %r",
@@ -248,14 +177,7 @@ class Controller:
             self.checkpoint_map,
         )
 
-    # -- planning ------------------------------------------------------------------------------
-
-    def replan(self, config: CheckpointConfig, off_by: str | None, cause: str, said: bool = False) -> None:
-        """A new config (or a route's on/off) for the map, applied if installed. `said`: the
-        caller has logged the change already."""
-        self._apply(config, off_by, cause, said=said)
-
-    def _apply(
+    def replan(
         self,
         config: CheckpointConfig,
         off_by: str | None,
@@ -265,12 +187,9 @@ class Controller:
         install: bool = False,
         planned: CheckpointMap | None = None,
     ) -> None:
-        """The one path of `enable` and re-planning: plan once, then everything that can refuse
-        (the plan, swap checks, weights in use, host memory) before anything is patched; then
-        swap, record, and install (`install` on a disabled wrapper) or re-apply the map."""
-        new_map = planned
-        if new_map is None:
-            new_map = plan_layers(config, self.discovery.names, checkpointing_off_by=off_by)
+        """The one path of `enable` and re-planning: plan once, run every check that can refuse before
+        anything changes, then swap, install (`install`) or re-apply. `said`: the caller logged it."""
+        new_map = plan_layers(config, self.discovery.names, checkpointing_off_by=off_by) if planned is None else planned
         installing = install and not self.is_enabled
         live = installing or self.is_enabled
         if live:
@@ -283,12 +202,12 @@ class Controller:
         self.offloader.min_bytes = config.offload_min_bytes
         if installing:
             self._install()
-        elif live:
+        if live:
             self._exclude_swapped_from_ddp_sync()
             self.apply_map()
         if off_by is None and not any(plan.offloaded for plan in new_map):
-            # The new plan offloads nothing (a route turning checkpointing off for a while does
-            # not count: it comes back, and re-pinning costs more than keeping torch's pinned cache).
+            # Nothing offloaded any more (a route's "off" does not count: it comes back, and
+            # re-pinning costs more than keeping torch's pinned cache).
             self.offloader.release_host_memory()
 
     def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> None:
@@ -298,19 +217,15 @@ class Controller:
         if new_map != self.checkpoint_map:
             logger.info("%s changed the checkpoint map: %r", cause, new_map)
         elif changes and config.layer_policies and "layer_policies" not in changes:
-            # A planned config names every layer: options such as every_n_layers change nothing.
-            logger.info(
+            logger.info(  # a planned config names every layer
                 "%s: the map stays as it was: layer_policies names the layers these options would change", cause
             )
 
     def _check_swap_change(self, new_map: CheckpointMap) -> None:
-        """Refuse, before anything changes, a swap that cannot be made (trainable or sharded
-        weights) or that would move weights something still holds (see `weights_in_use`)."""
+        """Refuse a swap that cannot be made, or would move weights an autograd graph still holds."""
         joining = [t for t in swap_targets(self.discovery, new_map) if t[0] not in self.swapper.layers]
-        if not joining:
-            return
         check_swappable(joining, self.model)
-        held = weights_in_use(joining, self.model)
+        held = joining and weights_in_use(joining, self.model)  # (walks every parameter: only when one joins)
         if held:
             raise StateError(
                 f"cannot start swapping layers {[t[0] for t in joining]} now: {held[0]} (and {len(held) - 1} more) is "
@@ -330,25 +245,19 @@ class Controller:
             logger.info("block swap: layer(s) %s have their weights back on the device", left)
 
     def _exclude_swapped_from_ddp_sync(self) -> None:
-        """DDP broadcasts every parameter when it is built; a swapped weight at rest is a
-        placeholder it cannot write into. Frozen weights are the same on every rank and DDP never
-        reduces them, so they are named in DDP's ignore list (`CheckpointedModel` shows the same
-        list with its own prefix, for DDP(cm))."""
+        """DDP broadcasts every parameter, and a swapped weight at rest is a placeholder: frozen weights
+        are the same on every rank, so they go in DDP's ignore list."""
         self._model_patches.undo()
-        if not self.swapper.layers:
-            return
-        model = self.model
-        existing = list(model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
-        self._model_patches.set(model, "_ddp_params_and_buffers_to_ignore", existing + self.swapper.swapped_names)
+        if self.swapper.layers:
+            own = list(self.model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
+            self._model_patches.set(self.model, "_ddp_params_and_buffers_to_ignore", own + self.swapper.swapped_names)
 
     def apply_map(self) -> None:
         """Make the installed flags say exactly what the map says, for the current mode."""
         if not self.is_enabled:
             return
-        active = not self.inference
-        layer_installs = self._installs[: len(self.discovery.layers)]
-        holder_installs = self._installs[len(self.discovery.layers) :]
-        for plan, install in zip(self.checkpoint_map, layer_installs, strict=True):
+        active, count = not self.inference, len(self.discovery.layers)
+        for plan, install in zip(self.checkpoint_map, self._installs[:count], strict=True):
             if plan.checkpointed and active:
                 shim = LayerCheckpoint(
                     plan.index,
@@ -363,16 +272,12 @@ class Controller:
                 install.set(True, shim)
             else:
                 install.set(False, run_without_checkpoint)
-        any_checkpointed = active and bool(self.checkpoint_map.checkpointed)
-        for install in holder_installs:
-            install.set(any_checkpointed, None)
+        for holder in self._installs[count:]:
+            holder.set(active and bool(self.checkpoint_map.checkpointed), None)
         self._set_guards(self.inference)
 
-    # -- modes ---------------------------------------------------------------------------------
-
     def set_mode(self, inference: bool) -> None:
-        """`for_inference()` / `for_training()`: the mode before the call is what a `with` block
-        around the call restores."""
+        """`for_inference()` / `for_training()`; a `with` block around the call restores the mode before."""
         self.check_not_replaced("for_inference()" if inference else "for_training()")
         self._mode_before_call = self._mode()
         self.inference = inference
@@ -389,11 +294,10 @@ class Controller:
                 "cm.__exit__() without a matching cm.__enter__(): use the wrapper as a context manager with "
                 "`with cm.for_inference(): ...` (or `with cm: ...`), which enters and exits in pairs"
             )
-        inference, flags = self._mode_stack.pop()
+        self.inference, flags = self._mode_stack.pop()
         for module, training in flags:
             if module() is not None:
                 module().training = training
-        self.inference = inference
         self.apply_map()
 
     def _mode(self) -> _Mode:
@@ -403,52 +307,31 @@ class Controller:
         for handle in self._guards:
             handle.remove()
         self._guards.clear()
-        if on:
-            for plan, layer in zip(self.checkpoint_map, self.discovery.layers, strict=True):
-                if plan.checkpointed:
-                    guard = _InferenceGuard(self, plan.index, plan.name)
-                    self._guards.append(layer.module.register_forward_pre_hook(guard, prepend=True))
+        for plan, layer in zip(self.checkpoint_map, self.discovery.layers, strict=True) if on else ():
+            if plan.checkpointed:
+                guard = functools.partial(self._refuse_training_in_inference, plan.index, plan.name)
+                self._guards.append(layer.module.register_forward_pre_hook(guard, prepend=True))
 
     def _before_forward(self, module: nn.Module, args: Any) -> None:
-        """A model put back into training after `for_inference()` (Trainer calls `model.train()`
-        every step; a submodule's `.train()` counts too) trains with its map, not without
-        checkpointing."""
+        """A model put back into training behind our back (Trainer calls `model.train()`) trains with its map."""
         self._mode_before_call = None  # a `with` needs the mode call right before it
-        if not self.inference:
-            return
-        if module.training or any(layer.module.training for layer in self.discovery.layers):
+        if self.inference and (module.training or any(layer.module.training for layer in self.discovery.layers)):
             logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
             self.inference = False
             self.apply_map()
 
-    # -- routes and saved configs -------------------------------------------------------------
-
-    def route_enable(
-        self, route: str, kwargs_dict: Mapping[str, Any] | None, keywords: dict[str, Any], from_trl: bool = False
-    ) -> None:
-        try:
-            config = config_from_route(self.config, route, kwargs_dict, keywords, from_trl)
-            self.replan(config, off_by=None, cause=route)
-        except (TypeError, ValueError) as err:
-            if self.off_by is None:
-                raise
-            # A generation toggle turned checkpointing off and its re-enable is what failed:
-            # training would go on without checkpointing unless the user hears it here.
-            raise type(err)(
-                f"{err} Checkpointing is still OFF (turned off by {self.off_by}); turn it back on with {route} "
-                "and options remat accepts, or with cm.enable()."
-            ) from None
-
-    def route_disable(self, route: str) -> None:
-        self.replan(self.config, off_by=route, cause=route)
+    def _refuse_training_in_inference(self, index: int, name: str, module: nn.Module, args: Any) -> None:
+        """In inference mode, a checkpointed layer run in training mode with gradients (bypassing the
+        model's forward, which applies the map) would train without its checkpoint: refused."""
+        if self.inference and module.training and torch.is_grad_enabled():
+            raise StateError(
+                f"layer {index} ({name}) is in training mode with gradients enabled, but the wrapper is in "
+                "inference mode (checkpointing off), so it would train without its checkpoint. Call "
+                "cm.for_training() first, or run the whole model (cm(...) or cm.model(...)), which applies the map"
+            )
 
     def adopt_saved_config(self, config: CheckpointConfig, cause: str) -> None:
-        """Take a config loaded from a checkpoint folder (resume, best model, load_adapter).
-
-        It replaces the config but not the on/off state: checkpointing a route turned off stays
-        off (the saved map applies when it is turned on again), and a disabled wrapper stays
-        disabled, its config unchanged, with a warning.
-        """
+        """A config loaded from a checkpoint folder; a route's "off" stays off, a disabled wrapper as it is."""
         if config == self.config:
             return
         if not self.is_enabled:
@@ -465,21 +348,3 @@ class Controller:
             own_map,
             self.checkpoint_map,
         )
-
-
-class _InferenceGuard:
-    """On each checkpointed layer while the wrapper is in inference mode (checkpointing off): a
-    layer that is about to run in training mode with gradients would train without its
-    checkpoint (and, if swapped, with weights that go away under autograd). A forward through
-    the model applies the map first (`_before_forward`); this catches the calls that bypass it."""
-
-    def __init__(self, controller: Controller, index: int, name: str):
-        self.controller, self.index, self.name = controller, index, name
-
-    def __call__(self, module: nn.Module, args: Any) -> None:
-        if self.controller.inference and module.training and torch.is_grad_enabled():
-            raise StateError(
-                f"layer {self.index} ({self.name}) is in training mode with gradients enabled, but the wrapper is in "
-                "inference mode (checkpointing off), so it would train without its checkpoint. Call "
-                "cm.for_training() first, or run the whole model (cm(...) or cm.model(...)), which applies the map"
-            )

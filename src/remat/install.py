@@ -1,20 +1,5 @@
-"""How a plan is put on one module, and taken off again.
-
-Three kinds of module, one interface (`set(enabled, function)`, `restore()`), all on the
-instance and all undone by `restore()`:
-
-- `FlagInstall`, for transformers' `GradientCheckpointingLayer`s: set the layer's own
-  `gradient_checkpointing` flag and `_gradient_checkpointing_func`. transformers then calls the
-  function with the layer's forward (from `__call__` before 5.23, from `forward` since) and drops
-  the KV cache for the step, as it always does.
-- `ForwardInstall`, for plain blocks (remote code, old-format models): replace `forward` on the
-  instance with one that checkpoints through the function while training with gradients, and
-  drops the KV-cache arguments the way transformers does for its own layers.
-- `HolderInstall`, for modules that only carry the flag: transformers reads it to turn
-  `use_cache` off while training. Their function is a pass-through, so a holder whose loop calls
-  `self._gradient_checkpointing_func(layer.__call__, ...)` never nests a checkpoint around a
-  layer; a holder whose code calls torch's checkpoint itself keeps its flag off.
-"""
+"""How a plan is put on one module (`set(enabled, function)`) and taken off (`restore()`), on the
+instance: a transformers layer's own flag, a plain block's `forward`, or a holder's flag."""
 
 from __future__ import annotations
 
@@ -28,9 +13,8 @@ from torch import nn
 
 from .compat.transformers_compat import CACHE_ARGUMENTS, LAYER_FLAG, LAYER_FUNCTION
 from .layers import DiscoveredLayer, calls_checkpoint_directly
-from .patches import MISSING, restore_attributes
 from .recompute import run_without_checkpoint
-from .refs import Ref
+from .refs import MISSING, Ref, restore_attributes
 
 logger = logging.getLogger("remat")
 
@@ -49,19 +33,20 @@ class _Installed:
 
 
 class FlagInstall(_Installed):
-    """A GradientCheckpointingLayer: drive its own flag and function."""
+    """A `GradientCheckpointingLayer`: its own flag and function, which transformers calls (dropping
+    the KV cache). A `holder` (transformers reads its flag to turn `use_cache` off) gets a
+    pass-through function, its flag on only where that cannot nest a checkpoint."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, holder: bool = False):
         super().__init__(module)
         self.saved = {key: module.__dict__.get(key, MISSING) for key in (LAYER_FLAG, LAYER_FUNCTION)}
-
-    @property
-    def was_checkpointing(self) -> bool:
-        return self.saved[LAYER_FLAG] is True
+        self.was_checkpointing = self.saved[LAYER_FLAG] is True
+        self.holder, self.nests = holder, holder and calls_checkpoint_directly(module)
 
     def set(self, enabled: bool, function: Any) -> None:
-        # object.__setattr__ keeps these out of nn.Module's parameter/buffer bookkeeping.
-        object.__setattr__(self.module, LAYER_FLAG, enabled)
+        if self.holder:
+            enabled, function = enabled and not self.nests, run_without_checkpoint
+        object.__setattr__(self.module, LAYER_FLAG, enabled)  # kept out of nn.Module's bookkeeping
         object.__setattr__(self.module, LAYER_FUNCTION, function)
 
     def restore(self) -> None:
@@ -69,53 +54,33 @@ class FlagInstall(_Installed):
             restore_attributes(self.module, self.saved)
 
 
-class HolderInstall(FlagInstall):
-    """A module that holds the flag for its layers: on only where that cannot nest a checkpoint."""
-
-    def __init__(self, module: nn.Module):
-        super().__init__(module)
-        self.safe = not calls_checkpoint_directly(module)
-
-    def set(self, enabled: bool, function: Any) -> None:
-        super().set(enabled and self.safe, run_without_checkpoint)
-
-
 class ForwardInstall(_Installed):
-    """A plain block: its forward, replaced on the instance, checkpoints through `function`.
+    """A plain block whose forward, replaced on the instance, checkpoints through `function` while
+    training with gradients, dropping the KV-cache arguments as transformers does. The replacement
+    names its module, so a deep copy, a pickle or a DataParallel replica runs its own module."""
 
-    The replacement is a `CheckpointingForward` object naming the module it runs, so a deep copy
-    or pickle of the model runs the copy; `nn.DataParallel` copies a module's `__dict__` into
-    each replica, so the replica gets a forward of its own (`_replicate_for_data_parallel`)."""
+    was_checkpointing = False
 
     def __init__(self, module: nn.Module):
         super().__init__(module)
         self.saved = {key: module.__dict__.get(key, MISSING) for key in ("forward", "_replicate_for_data_parallel")}
         self.first_parameter = next(iter(inspect.signature(module.forward).parameters), None)
-        self.enabled = False
-        self.function: Any = run_without_checkpoint
+        self.enabled, self.function = False, run_without_checkpoint
         self.wrapper = CheckpointingForward(self, module)
         object.__setattr__(module, "forward", self.wrapper)
-        object.__setattr__(module, "_replicate_for_data_parallel", _ReplicateWithForward(self, module))
-
-    @property
-    def was_checkpointing(self) -> bool:
-        return False
+        object.__setattr__(module, "_replicate_for_data_parallel", self.wrapper.replicate)
 
     def set(self, enabled: bool, function: Any) -> None:
         self.enabled, self.function = enabled, function
 
-    def original_forward(self, module: nn.Module) -> Any:
-        """The forward the module had before remat, bound to `module` (a replica, or the module)."""
-        saved = self.saved["forward"]
-        return type(module).forward.__get__(module) if saved is MISSING else saved
-
     def run(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        original = self.original_forward(module)
+        """`module` (this block or a replica) through its own forward, checkpointed while training."""
+        saved = self.saved["forward"]
+        original = type(module).forward.__get__(module) if saved is MISSING else saved
         if not (self.enabled and module.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         dropped = [k for k, off in CACHE_ARGUMENTS.items() if kwargs.get(k) not in (None, off)]
-        for key in dropped:
-            kwargs[key] = CACHE_ARGUMENTS[key]
+        kwargs.update({key: CACHE_ARGUMENTS[key] for key in dropped})
         if dropped and type(module).__name__ not in _warned:
             _warned.add(type(module).__name__)
             logger.warning(
@@ -136,28 +101,14 @@ class ForwardInstall(_Installed):
             restore_attributes(module, self.saved)
 
 
-class _OnTheModule(_Installed):
-    """What remat puts on a plain block (its `forward`, its `_replicate_for_data_parallel`). It
-    lives on the module, so it holds the module and its `ForwardInstall` (which holds it) weakly:
-    no reference cycle through the layer keeps the offloader's host memory alive. The install
-    lives as long as the controller that made it, which the model's hooks keep alive."""
+class CheckpointingForward(_Installed):
+    """What a plain block's `forward` is while remat wraps it. It lives on the module, so it holds
+    the module and its `ForwardInstall` weakly: no cycle through the layer keeps host memory alive
+    (the model's hooks keep the install alive)."""
 
     def __init__(self, install: ForwardInstall, module: nn.Module):
         super().__init__(module)
         self._install = Ref(install)
-
-    @property
-    def install(self) -> ForwardInstall:
-        return self._install.alive(
-            "this layer's checkpointing was removed while it was still called; call the model again"
-        )
-
-
-class CheckpointingForward(_OnTheModule):
-    """What a plain block's `forward` is while remat wraps it."""
-
-    def __init__(self, install: ForwardInstall, module: nn.Module):
-        super().__init__(install, module)
         self.__name__ = "forward"
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -170,21 +121,15 @@ class CheckpointingForward(_OnTheModule):
     def __signature__(self) -> inspect.Signature:
         return inspect.signature(type(self.module).forward.__get__(self.module))
 
-
-class _ReplicateWithForward(_OnTheModule):
-    """`module._replicate_for_data_parallel()` for a wrapped plain block: torch's replica, whose
-    forward runs the replica (the copied `__dict__` would run the original)."""
-
-    def __call__(self) -> nn.Module:
-        module = self.module
-        replica = type(module)._replicate_for_data_parallel(module)
-        object.__setattr__(replica, "forward", CheckpointingForward(self.install, replica))
+    def replicate(self) -> nn.Module:
+        """The block's `_replicate_for_data_parallel`: torch's replica, whose forward runs the replica."""
+        install = self._install.alive("this layer's checkpointing was removed while still in use; call the model again")
+        replica = type(self.module)._replicate_for_data_parallel(self.module)
+        object.__setattr__(replica, "forward", CheckpointingForward(install, replica))
         return replica
 
 
 def installer_for(discovered: DiscoveredLayer) -> FlagInstall | ForwardInstall:
     if discovered.kind == "wrap":
         return ForwardInstall(discovered.module)
-    if discovered.kind == "holder":
-        return HolderInstall(discovered.module)
-    return FlagInstall(discovered.module)
+    return FlagInstall(discovered.module, holder=discovered.kind == "holder")

@@ -1,25 +1,6 @@
-"""`CheckpointedModel`: owns a model and keeps its per-layer checkpoint map true.
-
-The wrapper follows PEFT's `PeftModel`: an `nn.Module` that holds the model as `.model`,
-delegates unknown attributes to it (with a recursion guard) and forwards calls. What it adds is
-the map: discover the layers, plan them from the config, install exactly what the plan says,
-and route every other way of touching checkpointing (transformers' enable/disable methods,
-Trainer, PEFT) back into the plan. The controller and the installing live in `remat.controller`;
-this class is the public face: arguments checked, then delegated.
-
-A wrapper is a real object: `forward` is a method of the class, and everything installed on the
-model points at this wrapper's own controller, so `copy.deepcopy(cm)` is independent, pickling works,
-and `nn.DataParallel` replicas each run their own replica (block swap refuses the three: its
-parameters hold placeholders). Offload and swap state live in one `Offloader` and one
-`WeightSwapper` per wrapper, so several wrapped models never share anything.
-
-One model, one wrapper: a wrapper whose model another wrapper took (after this one was disabled)
-stays replaced (`remat.controller`). Leaving remat is `disable()`, or `merge_and_unload()` /
-`unload()`, which disable first so the model PEFT returns carries nothing of remat.
-transformers' Trainer given the wrapper itself would save it as an unknown module (every weight,
-no config): the wrapper answers the first question Trainer asks of its model with an error that
-names `RematTrainer` (see `transformers_compat.TRAINER_PROBE`).
-"""
+"""`CheckpointedModel`, the public face: an `nn.Module` holding the model as `.model` and delegating
+to it as PEFT's `PeftModel` does. Arguments are checked here, before anything changes; the map, the
+installing and the routes live in `remat.controller`."""
 
 from __future__ import annotations
 
@@ -38,11 +19,13 @@ from .compat.tested_versions import warn_if_untested
 from .compat.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .config import OFFLOAD_IS_A_POLICY, CheckpointConfig
 from .controller import Controller, swap_targets
+from .controller import controller_of_wrapper as controller_of  # noqa: F401 (tests reach the controller so)
 from .display import describe_map
 from .errors import ConfigError, ConfigTypeError, StateError
 from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
 from .persistence import load_checkpointed_model, save_checkpointed_model
+from .persistence.peft_names import is_peft_model
 from .plan import CheckpointMap, plan_layers
 from .refs import LocalRef
 from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
@@ -58,18 +41,26 @@ logger = logging.getLogger("remat")
 
 
 def _plain_trainer_refusal(model: nn.Module) -> str:
-    """The error a plain Trainer given the wrapper gets: the line that works, and a word about
-    `peft_config` only when one was passed (TRL then put adapter layers into the model already)."""
-    trainer = _trainer_being_built()
-    if trainer in (None, "Trainer"):
-        works = "remat.RematTrainer(model=cm, ...)"
-    else:
-        works = f"remat.remat_trainer_class({trainer})(model=cm, ...)"
+    """A plain Trainer given the wrapper would save it as an unknown module: the error names the
+    line that works, and says when TRL's `peft_config` already put adapters into the model."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    trainer, frame = None, inspect.currentframe()
+    try:  # the Trainer class whose `__init__` is asking, for the error to name it
+        while frame is not None and trainer is None:
+            owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
+            if any(c.__name__ == "Trainer" and c.__module__ == "transformers.trainer" for c in type(owner).__mro__):
+                trainer = type(owner).__name__
+            frame = frame.f_back
+    finally:
+        del frame  # a frame held by a local of its own is a reference cycle
+    works = f"remat.remat_trainer_class({trainer})" if trainer not in (None, "Trainer") else "remat.RematTrainer"
+    works += "(model=cm, ...)"
     message = (
         f"{trainer or 'Trainer'}(model=cm) would save every weight of the wrapper and no checkpoint_config.json; "
         f"use {works}"
     )
-    if not _is_peft_model(model) and _has_adapter_layers(model):
+    if not is_peft_model(model) and any(isinstance(m, BaseTunerLayer) for m in model.modules()):
         message += (
             ". Your peft_config already put adapters into cm's model: build the model and the wrapper again, then "
             f"{works.replace('...', 'peft_config=...')}"
@@ -77,56 +68,14 @@ def _plain_trainer_refusal(model: nn.Module) -> str:
     return message
 
 
-def _trainer_being_built() -> str | None:
-    """The class name of the Trainer whose `__init__` is asking (for the error to name it)."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(30):
-            if frame is None:
-                return None
-            owner = frame.f_locals.get("self") if frame.f_code.co_name == "__init__" else None
-            mro = type(owner).__mro__ if owner is not None else ()
-            if any(c.__name__ == "Trainer" and c.__module__ == "transformers.trainer" for c in mro):
-                return type(owner).__name__
-            frame = frame.f_back
-        return None
-    finally:
-        del frame
-
-
-def _is_peft_model(model: nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
-
-
-def _has_adapter_layers(model: nn.Module) -> bool:
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    return any(isinstance(module, BaseTunerLayer) for module in model.modules())
-
-
-def _check_model(model: Any) -> None:
-    if isinstance(model, CheckpointedModel):
-        raise ConfigTypeError("this model is already a CheckpointedModel; wrap the original model once")
-    if not isinstance(model, nn.Module):
-        raise ConfigTypeError(f"CheckpointedModel wraps a torch.nn.Module, got {type(model).__name__}: pass the model")
-    pretrained = pretrained_model_class()
-    if not any(isinstance(m, pretrained) for m in model.modules()):
+def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointConfig:
+    """`config`, checked, with the CheckpointConfig fields given as keywords to `call` changed."""
+    example = "CheckpointedModel(model, " if call == "CheckpointedModel" else "cm.enable("
+    if not isinstance(config, CheckpointConfig):
         raise ConfigTypeError(
-            f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
-            f"{type(model).__name__} contains no PreTrainedModel"
+            f"config must be a CheckpointConfig, got {type(config).__name__}: {example}CheckpointConfig(...)), or "
+            f"fields as keywords, {example}every_n_layers=3)"
         )
-    owner = model.__dict__.get("_remat_owner")
-    if owner is not None and not owner.orphaned:
-        raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
-
-
-def _with_fields(config: CheckpointConfig, fields: dict[str, Any], call: str) -> CheckpointConfig:
-    """`config` with the CheckpointConfig fields given as keywords to `call` changed (the
-    constructor's and `enable`'s first guess, `CheckpointedModel(model, every_n_layers=2)`)."""
-    if not fields:
-        return config
     if "offload" in fields:
         raise ConfigTypeError(f"{call}(offload=...) is gone: {OFFLOAD_IS_A_POLICY}")
     names = [f.name for f in dataclasses.fields(CheckpointConfig)]
@@ -139,47 +88,22 @@ def _with_fields(config: CheckpointConfig, fields: dict[str, Any], call: str) ->
             f"{call}() got an unexpected keyword argument {unknown[0]!r}{hint}; it takes the fields of "
             f"CheckpointConfig ({', '.join(names)}){extra}"
         )
-    return config.replace(**fields)
-
-
-def controller_of(cm: CheckpointedModel) -> Controller:
-    """The controller behind a wrapper (`remat.controller.Controller`): how remat's own modules
-    (the memory report, Trainer support) and tests reach the map, the offloader and the swapper
-    without reading the wrapper's private attributes."""
-    return cm._controller
+    return config.replace(**fields) if fields else config
 
 
 class CheckpointedModel(nn.Module):
     """A model whose activation checkpointing is decided layer by layer by `config`.
 
     Args:
-        model: a transformers `PreTrainedModel`, or a peft `PeftModel` over one. It is kept as
-            `cm.model`, unchanged in type, parameter names and parameter objects.
+        model: a transformers `PreTrainedModel`, or a peft `PeftModel` over one, kept as `cm.model`.
         config: the `CheckpointConfig`; the default checkpoints every layer.
-        offload_transport: how the "offload" policy moves bytes between device and host. The
-            default picks one per device (CUDA: side stream and pinned memory; CPU: nothing to
-            move). A `remat.testing.SimulatedTransport` plays a device/host pair on the CPU.
-        swap_mover: how block swap copies weights host to device; the default picks one from the
-            weights' device (CUDA: pinned host copies and a side stream; CPU: plain copies).
-        layer_class: the class (or class name, or several) of the model's repeated block, for
-            models where discovery cannot decide (see `remat.layers`). A name that matches no
-            module of the model is an error.
-        offload_host_budget: pinned host memory offload may hold at once in this process, in
-            bytes or as a size like "8GiB"; default: half the host's memory divided among the
-            processes on the host (`LOCAL_WORLD_SIZE`). Past it, buffers are pageable (one warning).
-        **fields: fields of `CheckpointConfig`, as a shorthand: `CheckpointedModel(model,
-            every_n_layers=2)` is `CheckpointedModel(model, CheckpointConfig(every_n_layers=2))`;
-            given with `config`, they change those fields of it (`config.replace(...)`).
+        offload_transport: how "offload" moves bytes (default: per device; `remat.testing.SimulatedTransport`).
+        swap_mover: how block swap copies weights host to device (default: one per device).
+        layer_class: the class(es), or name(s), of the repeated block where discovery cannot decide.
+        offload_host_budget: pinned host bytes offload may hold, or "8GiB" (default: half the host's, per process).
+        **fields: `CheckpointConfig` fields changed on `config`: `CheckpointedModel(model, every_n_layers=2)`.
 
-    Every argument is checked here, before anything changes.
-
-    Example::
-
-        cm = CheckpointedModel(model, every_n_layers=2)  # or CheckpointConfig(every_n_layers=2) as config
-        print(cm.checkpoint_map)
-        loss = cm(**batch).loss
-        with cm.for_inference():
-            tokens = cm.generate(**prompt)
+    Raises `remat.RematError` subclasses (TypeError / ValueError) before anything changes.
     """
 
     def __init__(
@@ -195,48 +119,52 @@ class CheckpointedModel(nn.Module):
         **fields: Any,
     ):
         warn_if_untested()  # once per process: torch or transformers outside the tested range
-        config = CheckpointConfig() if config is None else config
-        if isinstance(config, CheckpointConfig):  # anything else is refused below, naming the type
-            config = _with_fields(config, fields, "CheckpointedModel")
+        config = _with_fields(CheckpointConfig() if config is None else config, fields, "CheckpointedModel")
         options = WrapperOptions(offload_transport, swap_mover, layer_class, offload_host_budget)
         if _prepared is None:  # every check before anything changes
-            discovery = self._discover(model, options, config)
-            checkpoint_map = self._plan(model, discovery, config)
-        else:
-            discovery, checkpoint_map = _prepared
+            discovery = self._discover(model, options)
+            _prepared = (discovery, self._plan(model, discovery, config))
         orphan = model.__dict__.get("_remat_owner")
         if orphan is not None:
             logger.warning(
                 "this model still carries the checkpointing of a CheckpointedModel that no longer exists (dropped, "
                 "or the model is a copy of a wrapped one); the new wrapper takes over and replaces it"
             )
-            orphan_config, orphan_off_by = orphan.config, orphan.off_by
             orphan.disable()  # its swapped weights come home before the new map checks and swaps them
         super().__init__()
         self.model = model
         offloader = Offloader(config.offload_min_bytes, offload_transport, options.host_budget())
         # A plain attribute (not a submodule): the controller holds the model weakly.
-        self._controller = Controller(model, config, discovery, checkpoint_map, offloader, WeightSwapper(swap_mover))
+        self._controller = Controller(model, config, *_prepared, offloader, WeightSwapper(swap_mover))
         self._controller.wrapper = LocalRef(self)
         try:
-            self._controller.enable(config, planned=checkpoint_map)
+            self._controller.replan(config, None, "enable()", install=True, planned=_prepared[1])
         except BaseException:
             if orphan is not None:  # refused: the model keeps the checkpointing it had
-                orphan.enable(orphan_config, off_by=orphan_off_by, cause="a refused takeover (restoring)")
+                orphan.enable(orphan.config, off_by=orphan.off_by, cause="a refused takeover (restoring)")
             raise
 
     @staticmethod
-    def _discover(model: nn.Module, options: WrapperOptions, config: Any = None) -> Discovery:
+    def _discover(model: nn.Module, options: WrapperOptions) -> Discovery:
         """Every check of the arguments that needs no plan, with nothing changed; then the layers."""
-        _check_model(model)
-        if config is not None and not isinstance(config, CheckpointConfig):
-            raise ConfigTypeError(f"config must be a CheckpointConfig, got {type(config).__name__}: pass one")
+        if isinstance(model, CheckpointedModel):
+            raise ConfigTypeError("this model is already a CheckpointedModel; wrap the original model once")
+        if not isinstance(model, nn.Module):
+            raise ConfigTypeError(f"CheckpointedModel wraps an nn.Module, got {type(model).__name__}: pass the model")
+        if not any(isinstance(m, pretrained_model_class()) for m in model.modules()):
+            raise ConfigTypeError(
+                f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
+                f"{type(model).__name__} contains no PreTrainedModel"
+            )
+        owner = model.__dict__.get("_remat_owner")
+        if owner is not None and not owner.orphaned:
+            raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
         options.host_budget()
         return discover_layers(model, options.layer_class)
 
     @staticmethod
     def _plan(model: nn.Module, discovery: Discovery, config: CheckpointConfig) -> CheckpointMap:
-        """The map, with the swap it asks for checked (a plan the constructor is handed ready)."""
+        """The map, with the swap it asks for checked."""
         checkpoint_map = plan_layers(config, discovery.names)
         check_swappable(swap_targets(discovery, checkpoint_map), model)
         return checkpoint_map
@@ -247,14 +175,11 @@ class CheckpointedModel(nn.Module):
         self._controller.wrapper = LocalRef(self)
 
     def __copy__(self) -> CheckpointedModel:
-        """Refused: a shallow copy would share this wrapper's model and controller, so two
-        wrappers would claim one map (and ownership would follow whichever was made last)."""
+        """Refused: two wrappers would share one model and map."""
         raise ConfigTypeError(
             "copy.copy(cm) would make a second wrapper sharing cm's model and map; a model has one wrapper. Use cm "
             "itself, or copy.deepcopy(cm) for an independent wrapper over a copy of the model"
         )
-
-    # -- delegation (PEFT's pattern) -----------------------------------------------------------
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -266,8 +191,7 @@ class CheckpointedModel(nn.Module):
                 raise ConfigTypeError(_plain_trainer_refusal(self.model)) from None
             if name == "plan_for_budget":
                 raise AttributeError(
-                    "cm.plan_for_budget(batch, budget) is gone: "
-                    "cm.profile(batch, ...).plan(budget, scope=..., tokens=...)"
+                    "cm.plan_for_budget() is gone: cm.profile(batch, ...).plan(budget, scope=..., tokens=...)"
                 ) from None
             return getattr(self.model, name)
 
@@ -276,9 +200,8 @@ class CheckpointedModel(nn.Module):
         return self.model(*args, **kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """torch's `nn.Module.compile(...)` (same arguments), applied to the wrapped model:
-        `cm.model.compile(...)`. cm's forward calls cm.model, and a trainer given cm trains
-        cm.model, so both run compiled. `disable()` leaves the compile in place (it is the model's)."""
+        """`cm.model.compile(...)`: cm and a trainer given cm both run cm.model, so both run compiled.
+        `disable()` leaves the compile in place (it is the model's)."""
         self.model.compile(*args, **kwargs)
 
     @property
@@ -289,18 +212,14 @@ class CheckpointedModel(nn.Module):
             raise AttributeError("_ddp_params_and_buffers_to_ignore")
         return ["model." + name for name in names]
 
-    # -- public state --------------------------------------------------------------------------
-
     @property
     def checkpoint_config(self) -> CheckpointConfig:
-        """The current `CheckpointConfig`. `cm.config` is the wrapped model's own config (delegated,
-        as `PeftModel.config` is), which Trainer, TRL and PEFT read and write."""
+        """The current `CheckpointConfig` (`cm.config` is the wrapped model's, as for `PeftModel`)."""
         return self._controller.config
 
     @property
     def checkpoint_map(self) -> CheckpointMap:
-        """The per-layer plan, in layer order. It is what runs whenever the model trains; while
-        the wrapper is disabled nothing runs, and the map says so when printed."""
+        """The per-layer plan, in layer order; while disabled, printed as switched off."""
         controller = self._controller
         if controller.is_enabled:
             return controller.checkpoint_map
@@ -309,7 +228,7 @@ class CheckpointedModel(nn.Module):
 
     @property
     def is_enabled(self) -> bool:
-        """True while remat's shims are installed (between `enable()` and `disable()`)."""
+        """True between `enable()` and `disable()`."""
         return self._controller.is_enabled
 
     @property
@@ -317,46 +236,25 @@ class CheckpointedModel(nn.Module):
         """The discovered layers, index i being `checkpoint_map[i]`."""
         return [layer.module for layer in self._controller.discovery.layers]
 
-    # -- enable / disable ----------------------------------------------------------------------
-
     def enable(self, config: CheckpointConfig | None = None, **fields: Any) -> CheckpointedModel:
-        """Turn checkpointing on, with `config` if given (else the current one). Returns self.
-        A refused config (bad layer indices, a swap that cannot be made) changes nothing.
-
-        Keywords are `CheckpointConfig` fields changed on that config: `cm.enable(every_n_layers=3)`
-        is `cm.enable(cm.checkpoint_config.replace(every_n_layers=3))` (the other fields, `layer_policies`
-        included, stay as they are)."""
-        config = self._controller.config if config is None else config
-        if not isinstance(config, CheckpointConfig):
-            raise ConfigTypeError(
-                f"config must be a CheckpointConfig, got {type(config).__name__}: "
-                "cm.enable(CheckpointConfig(...)), or fields as keywords, cm.enable(every_n_layers=3)"
-            )
-        self._controller.enable(_with_fields(config, fields, "enable"))
+        """Turn checkpointing on with `config` (default: the current one), its fields changed by
+        the keywords: `cm.enable(every_n_layers=3)`. Returns self; a refused config changes nothing."""
+        self._controller.enable(_with_fields(self._controller.config if config is None else config, fields, "enable"))
         return self
 
     def disable(self) -> CheckpointedModel:
-        """Remove everything remat installed: flags, functions, routes, hooks. Returns self.
-
-        The model is left as it was before wrapping (same parameters and state_dict, no hooks);
-        `enable()` installs the shims again.
-        """
+        """Remove everything remat installed, leaving the model as before wrapping. Returns self."""
         self._controller.disable()
         return self
 
-    # -- training / inference ------------------------------------------------------------------
-
     def for_inference(self) -> CheckpointedModel:
-        """Eval mode with checkpointing off, so generation can use its cache. The map is kept.
-
-        Usable as a context manager: ``with cm.for_inference(): ...`` returns on exit to the mode
-        before the call (training, usually), each module's train/eval flag included; blocks nest.
-        """
+        """Eval mode with checkpointing off, so generation can use its cache; the map is kept.
+        As a context manager (``with cm.for_inference():``) the mode before is restored on exit."""
         self._controller.set_mode(inference=True)
         return self
 
     def for_training(self) -> CheckpointedModel:
-        """Training mode with the map applied exactly as it is. Returns self (a context manager too)."""
+        """Training mode with the map applied. Returns self (a context manager too)."""
         self._controller.set_mode(inference=False)
         return self
 
@@ -369,8 +267,7 @@ class CheckpointedModel(nn.Module):
 
     @property
     def offload_stats(self) -> dict[int, LayerOffloadStats]:
-        """Per layer index: bytes offloaded, bytes kept on the device and why, copies made,
-        summed since the wrapper was made (or `reset_offload_stats()`)."""
+        """Per layer: bytes offloaded and kept (and why), copies made, since made or reset."""
         return dict(self._controller.offloader.stats)
 
     def reset_offload_stats(self) -> None:
@@ -378,28 +275,23 @@ class CheckpointedModel(nn.Module):
 
     @property
     def swap_stats(self) -> dict[int, LayerSwapStats]:
-        """Per swapped layer: how many times its weights were fetched, and the bytes, summed since
-        the layer was swapped (or `reset_swap_stats()`)."""
+        """Per swapped layer: fetches and bytes, since the layer was swapped or reset."""
         return {i: e.stats for i, e in self._controller.swapper.layers.items()}
 
     def reset_swap_stats(self) -> None:
         self._controller.swapper.reset_stats()
 
     def summary(self) -> str:
-        """The map's table with what offload and block swap did per layer (headed by a line
-        saying remat is off while the wrapper is disabled)."""
+        """The map's table with what offload and block swap did per layer."""
         return describe_map(self.checkpoint_map, self._controller.offloader.stats, self.swap_stats)
 
-    # -- leaving remat -------------------------------------------------------------------------
-
     def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
-        """PEFT's `merge_and_unload` (arguments go to PEFT) on a plain model: remat is disabled
-        first, so the returned model carries nothing of remat (no flag, shim, route or override)
-        and trains as transformers would. This wrapper stays disabled: its adapters are gone."""
+        """PEFT's `merge_and_unload` after disabling remat, so the model returned is plain; this
+        wrapper stays disabled (its adapters are gone)."""
         return self._leave("merge_and_unload", args, kwargs)
 
     def unload(self, *args: Any, **kwargs: Any) -> nn.Module:
-        """PEFT's `unload` (the base model without the adapters), like `merge_and_unload`."""
+        """PEFT's `unload`, like `merge_and_unload`."""
         return self._leave("unload", args, kwargs)
 
     def _leave(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
@@ -409,14 +301,13 @@ class CheckpointedModel(nn.Module):
                 f"cm.{name}() is PEFT's, and cm.model is a {type(self.model).__name__}, not a PeftModel: there are no "
                 "adapters to unload. cm.disable() leaves the model as it was before wrapping"
             )
-        controller = self._controller
-        was_enabled, config = controller.is_enabled, controller.config
+        controller, was_enabled = self._controller, self._controller.is_enabled
         controller.disable(cause=f"cm.{name}()")
         try:
             result = method(*args, **kwargs)
         except BaseException:
             if was_enabled:  # PEFT refused: the wrapper is back as it was
-                controller.enable(config)
+                controller.enable(controller.config)
             raise
         if was_enabled:
             logger.warning(
@@ -427,20 +318,9 @@ class CheckpointedModel(nn.Module):
             )
         return result
 
-    # -- measurement ---------------------------------------------------------------------------
-
     def memory_report(self, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None) -> MemoryReport:
-        """Run one training step on `batch` and measure, per layer: bytes held for backward after
-        forward (device / host), resident weight bytes, and how often the layer ran (2 means
-        recomputed); the weights total counts every parameter and buffer of the model
-        (embeddings and head in "outside layers"). The loss is the model's (`outputs.loss`, from
-        labels in the batch) or `loss_fn(outputs, batch)`. No optimizer step is taken.
-
-        Everything is left as it was, as `profile` leaves it: the gradients (accumulated ones
-        included: a report between two micro-batches changes nothing the next optimizer step
-        sees), `offload_stats` and `swap_stats` (the report's step is not counted), buffers and
-        counters of the modules, the RNG, train/eval flags; tensors of the batch that require
-        grad (a soft prompt) get no gradient."""
+        """One training step on `batch` (loss: `outputs.loss` or `loss_fn(outputs, batch)`), measured per
+        layer; everything is left as it was (`remat.report`). Raises `StateError` in inference mode."""
         from .report import memory_report_leaving_state
 
         if self._controller.inference or not self.model.training:
@@ -456,41 +336,24 @@ class CheckpointedModel(nn.Module):
         progress: bool = True,
         repeats: int = 3,
     ) -> Profile:
-        """Measure this model on `batch` once, for plans at any budget without running it again:
-        `profile.plan(budget, scope="activations" | "step", tokens=None)` returns the fastest map
-        whose held activations (or, with `scope="step"`, the peak of a whole training step) fit
-        `budget` (bytes, or a size like "6GiB"), a `CheckpointConfig` that prints its prediction,
-        for `cm.enable(planned)`; also `profile.frontier()`, `profile.plot()`. A few training
-        steps (13.6 steps' worth on the benchmark's small preset with `repeats=3`, 14.5 with an
-        optimizer; a progress bar unless `progress=False`). `loss_fn(outputs, batch)` gives the
-        loss for a model whose output has none; `optimizer` adds the peak of a whole step (for
-        `scope="step"`). Everything is left as it was: the model (config, gradients, buffers,
-        counters, RNG), the optimizer, tensors outside the model. See `remat.planner`."""
+        """Measure on `batch` once, for `.plan(budget, scope=..., tokens=...)` at any budget; `optimizer`
+        adds the whole step's peak (`scope="step"`). Everything is left as it was (`remat.planner`)."""
         from .planner import ProfileOptions, profile_model
 
         return profile_model(self._controller, batch, ProfileOptions(loss_fn, optimizer, progress, repeats))
 
-    # -- save / load ---------------------------------------------------------------------------
-
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Write the adapters exactly as PEFT writes them (when the model is a PeftModel; keyword
-        arguments go to PEFT) and `checkpoint_config.json`, into `save_directory`, touching no
-        other file there. A crash at any moment leaves the previous save or this one, never a
-        mix. `is_main_process=False` writes nothing. A plain base model saves the config alone:
-        its weights are the user's to save."""
+        """Write the adapters as PEFT does (keywords go to PEFT) and `checkpoint_config.json`,
+        touching no other file; a crash leaves the previous save or this one, never a mix."""
         save_checkpointed_model(self._controller, save_directory, **kwargs)
 
     @classmethod
     def from_pretrained(
         cls, model: nn.Module, path: str | os.PathLike, is_trainable: bool = True, **kwargs: Any
     ) -> CheckpointedModel:
-        """Load the adapters saved at `path` (all of them) and the checkpoint config into `model`
-        and wrap it. `model` is the base model, or a PeftModel whose adapters of the same names
-        and structure then receive the saved weights. Anything that does not fit (other layers,
-        adapter files that are not the ones the config was saved with, an adapter of another
-        structure) is refused before anything changes. `is_trainable=False` loads for inference
-        (`for_inference()`); the map is applied whenever the model trains. Keyword arguments go
-        to PEFT, except the constructor's own (`remat.arguments.WrapperOptions`)."""
+        """Load what `save_pretrained` wrote at `path` into `model` (the base model, or a PeftModel with
+        those adapters) and wrap it, refusing before any change what does not fit. Keywords go to PEFT,
+        except the constructor's own."""
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     def extra_repr(self) -> str:

@@ -1,28 +1,7 @@
-"""The transformers routes that turn checkpointing on and off, redirected into the map.
-
-`gradient_checkpointing_enable` / `activation_checkpointing_enable` and their `_disable` twins
-are replaced on the wrapped model's `PreTrainedModel` instances (never on a class), so every
-caller (user code, Trainer, PEFT's `prepare_model_for_kbit_training`, TRL's generation toggles)
-ends up changing remat's config and map and nothing else. `disable()` puts the originals back.
-
-What a route call means:
-- the options it may carry are `every_n_layers`, `offload`, `use_reentrant`,
-  `preserve_rng_state` and `selective`, as keywords or as keys of the kwargs dict; anything else
-  is an error, never passed silently into layer calls;
-- a value equal to remat's default (`every_n_layers=1`, `offload=False`, `selective=False`, ...)
-  expresses no wish: Trainer and PEFT pass those on every call, so they keep the wrapper's config;
-- a non-default value updates the config, and the change is logged; `offload=True` (transformers'
-  own option) asks for the "offload" policy, `checkpoint_policy="offload"`.
-
-`selective=True` is TRL's switch for op-level selective checkpointing, and chooses remat's
-"selective" policy for every checkpointed layer (`checkpoint_policy="selective"`, non-reentrant).
-TRL's SFTTrainer does not pass the switch itself: it wraps the model's enable method to pass a
-`context_fn` over torch's selective checkpoint contexts with a policy of its own (keep attention
-outputs) and `use_reentrant=False`; that context, recognised by torch's function and the mark TRL
-puts on the method it wraps (`transformers_compat.TRL_SAC_MARKER`), also selects remat's policy
-(which keeps the projections' outputs too), and says so. Any other `context_fn` is refused: what
-each layer saves is the map's to say.
-"""
+"""transformers' checkpointing routes (`gradient_checkpointing_enable`, `activation_checkpointing_*`)
+replaced on the model's `PreTrainedModel` instances, so every caller changes remat's map. An option
+equal to remat's default (Trainer and PEFT pass those every call) keeps the config; `offload=True`,
+`selective=True` and TRL's selective `context_fn` ask for that policy; any other `context_fn` is refused."""
 
 from __future__ import annotations
 
@@ -40,8 +19,7 @@ from .compat.transformers_compat import (
 )
 from .config import CheckpointConfig
 from .errors import ConfigError, ConfigTypeError
-from .patches import InstancePatches
-from .refs import Ref
+from .refs import InstancePatches, Ref
 
 if TYPE_CHECKING:
     from torch import nn
@@ -59,14 +37,13 @@ def _is_default(key: str, value: Any) -> bool:
 
 
 def _selective_from_context(route: str, options: dict[str, Any], from_trl: bool) -> None:
-    """TRL's selective checkpointing arrives as a `context_fn` (see the module docstring), through
-    the enable method TRL wrapped and marked (`from_trl`, see `transformers_compat.TRL_SAC_MARKER`)."""
+    """TRL's selective checkpointing: a `context_fn` through the enable method TRL wrapped and marked."""
     if "context_fn" not in options:
         return
     context_fn = options.pop("context_fn")
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    if getattr(context_fn, "func", None) is not create_selective_checkpoint_contexts or not from_trl:
+    if not from_trl or getattr(context_fn, "func", None) is not create_selective_checkpoint_contexts:
         raise ConfigError(
             f"{route}: remat does not take a context_fn ({context_fn!r}): which activations each layer keeps is "
             "the checkpoint map's to say. For op-level selective checkpointing use checkpoint_policy='selective' "
@@ -87,16 +64,13 @@ def config_from_route(
     keywords: Mapping[str, Any],
     from_trl: bool = False,
 ) -> CheckpointConfig:
-    """The config a route call asks for, starting from `current`. Raises before anything changes.
-    `from_trl`: the call came through TRL's selective-checkpointing wrapper."""
+    """The config a route call asks for, starting from `current`. Raises before anything changes."""
     if kwargs_dict is not None and not isinstance(kwargs_dict, Mapping):
         raise ConfigTypeError(f"{route}: the checkpointing kwargs must be a dict, got {type(kwargs_dict).__name__}")
     options = dict(kwargs_dict or {})
     for key, value in keywords.items():
         if key in options and not _is_default(key, value) and options[key] != value:
-            raise ConfigError(
-                f"{route}: {key} is given twice with different values ({options[key]!r} and {value!r}); give one"
-            )
+            raise ConfigError(f"{route}: {key} is given twice ({options[key]!r} and {value!r}); give one")
         if key not in options or not _is_default(key, value):
             options[key] = value
     _selective_from_context(route, options, from_trl)
@@ -113,9 +87,7 @@ def config_from_route(
         if not isinstance(changes.pop(name), bool):
             raise ConfigTypeError(f"{route}: {name} must be True or False, got {options[name]!r}")
     if len(switched) > 1:
-        raise ConfigError(
-            f"{route}: selective=True and offload=True ask for two policies; pass one. Nothing was changed."
-        )
+        raise ConfigError(f"{route}: selective=True and offload=True are two policies; pass one. Nothing was changed.")
     if switched:
         changes["checkpoint_policy"] = switched[0]
         if switched == ["selective"] and options.get("use_reentrant") is False:  # asked with selective, which needs it
@@ -132,39 +104,22 @@ def describe_changes(old: CheckpointConfig, new: CheckpointConfig) -> str:
     return ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in old.changed_fields(new).items())
 
 
-class RouteOverrides:
-    """Instance-level replacements of the enable/disable routes, and how to undo them.
-
-    Each replacement is a small object holding the wrapper it reports to (not a closure), so
-    a deep copy or a pickle of the model carries routes that drive the copy's own wrapper.
-    """
-
-    def __init__(self) -> None:
-        self._patches = InstancePatches()
-
-    def install(self, owner: Any, model: nn.Module) -> None:
-        pretrained = pretrained_model_class()
-        targets = [m for m in model.modules() if isinstance(m, pretrained)]
-        for module in targets:
-            for name in routes_defined_on(module):
-                route = (EnableRoute if name in ENABLE_ROUTES else DisableRoute)(owner, name, module)
-                self._patches.set(module, name, route)
-
-    def uninstall(self) -> None:
-        self._patches.undo()
+def install_routes(patches: InstancePatches, owner: Any, model: nn.Module) -> None:
+    """The routes on the model's `PreTrainedModel` instances: objects, so a copy drives the copy's wrapper."""
+    for module in [m for m in model.modules() if isinstance(m, pretrained_model_class())]:
+        for name in routes_defined_on(module):
+            patches.set(module, name, (EnableRoute if name in ENABLE_ROUTES else DisableRoute)(owner, name, module))
 
 
 class _Route:
-    """A route method put on one module for one owner. Code can keep a reference to it after
-    the owner let go of the model (TRL wraps the enable method it finds): such a call goes to
-    the route of whichever wrapper owns the module now, or to transformers' own method, so it
-    never drives a wrapper that was disabled."""
+    """A route method on one module for one owner. Code may keep it after the owner let go of the
+    model (TRL wraps the enable method): such a call goes to the route of the wrapper that owns
+    the module now, or to transformers' own method, never to a disabled wrapper."""
 
     def __init__(self, owner: Any, route: str, module: Any):
-        self.owner = owner
-        self.route = route
-        self._module = Ref(module)
+        self.owner, self.route, self._module = owner, route, Ref(module)
         self.__name__ = route
+        self.__doc__ = f"remat: `{route}` {type(self).__doc__}"
 
     def _current(self) -> Any:
         """None while this route's owner is enabled; else where the call goes instead."""
@@ -178,45 +133,41 @@ class _Route:
 
 
 class EnableRoute(_Route):
-    """`*_enable(kwargs_dict=None, *, every_n_layers=1, offload=False)`: updates the owner's config."""
+    """changes the checkpoint map of the CheckpointedModel that owns this model (its kwargs dict's options,
+    `every_n_layers`, `offload`)."""
 
     def __init__(self, owner: Any, route: str, module: Any):
         super().__init__(owner, route, module)
         self.kwargs_name = route.replace("_enable", "_kwargs")
-        self.__doc__ = f"remat: `{route}` changes the checkpoint map of the CheckpointedModel that owns this model."
 
     @property
     def __signature__(self) -> inspect.Signature:
         # PEFT inspects the signature for this parameter name before passing the dict.
         P = inspect.Parameter
-        return inspect.Signature(
-            [
-                P(self.kwargs_name, P.POSITIONAL_OR_KEYWORD, default=None),
-                P("every_n_layers", P.KEYWORD_ONLY, default=1),
-                P("offload", P.KEYWORD_ONLY, default=False),
-            ]
-        )
+        options = [P(name, P.KEYWORD_ONLY, default=d) for name, d in (("every_n_layers", 1), ("offload", False))]
+        return inspect.Signature([P(self.kwargs_name, P.POSITIONAL_OR_KEYWORD, default=None), *options])
 
     def __call__(self, *args: Any, every_n_layers: int = 1, offload: bool = False, **kwargs: Any) -> None:
+        keywords = {"every_n_layers": every_n_layers, "offload": offload}
         current = self._current()
         if current is not None:  # (transformers before 5.16 takes neither keyword: pass them only if given)
-            given = {
-                k: v for k, v in (("every_n_layers", every_n_layers), ("offload", offload)) if not _is_default(k, v)
-            }
-            return current(*args, **given, **kwargs)
-        route, kwargs_name = self.route, self.kwargs_name
-        if len(args) > 1:
-            raise ConfigTypeError(f"{route}() takes at most one positional argument ({kwargs_name}), got {len(args)}")
-        if args and kwargs_name in kwargs:
-            raise ConfigTypeError(f"{route}() got {kwargs_name} twice; pass it once")
-        kwargs_dict = args[0] if args else kwargs.pop(kwargs_name, None)
-        if kwargs:
-            raise ConfigTypeError(
-                f"{route}() got unexpected argument(s) {sorted(kwargs)}; it takes {kwargs_name}, "
-                "every_n_layers and offload"
-            )
-        keywords = {"every_n_layers": every_n_layers, "offload": offload}
-        self.owner.route_enable(f"{route}()", kwargs_dict, keywords, from_trl=self._wrapped_by_trl())
+            return current(*args, **{k: v for k, v in keywords.items() if not _is_default(k, v)}, **kwargs)
+        try:
+            kwargs_dict = self.__signature__.bind(*args, **kwargs).arguments.get(self.kwargs_name)
+        except TypeError as err:
+            raise ConfigTypeError(f"{self.route}(): {err}; pass {self.kwargs_name}, every_n_layers, offload") from None
+        owner, route = self.owner, f"{self.route}()"
+        try:
+            config = config_from_route(owner.config, route, kwargs_dict, keywords, self._wrapped_by_trl())
+            owner.replan(config, None, route)
+        except (TypeError, ValueError) as err:
+            if owner.off_by is None:
+                raise
+            # A generation toggle turned checkpointing off and its re-enable failed: say it is off.
+            raise type(err)(
+                f"{err} Checkpointing is still OFF (turned off by {owner.off_by}); turn it back on with {route} "
+                "and options remat accepts, or with cm.enable()."
+            ) from None
 
     def _wrapped_by_trl(self) -> bool:
         """Whether TRL's selective checkpointing wrapped this enable method (on this module, or on
@@ -228,11 +179,7 @@ class EnableRoute(_Route):
 
 
 class DisableRoute(_Route):
-    """`*_disable()`: every layer of the owner's map becomes "none" until the next enable."""
-
-    def __init__(self, owner: Any, route: str, module: Any):
-        super().__init__(owner, route, module)
-        self.__doc__ = f"remat: `{route}` turns every layer of the checkpoint map to 'none'."
+    """turns every layer of the owner's checkpoint map to "none" until the next enable."""
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -242,4 +189,4 @@ class DisableRoute(_Route):
         current = self._current()
         if current is not None:
             return current()
-        self.owner.route_disable(f"{self.route}()")
+        self.owner.replan(self.owner.config, off_by=f"{self.route}()", cause=f"{self.route}()")

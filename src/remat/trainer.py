@@ -1,32 +1,7 @@
-"""The Trainer family with `model=cm`: Trainer, TRL's SFT / GRPO / DPO trainers, your own.
-
-transformers' Trainer and TRL decide what to do by what the model is: `isinstance(model,
-(PreTrainedModel, PeftModel))` to save and resume, `is_peft_model(model)` for TRL's PEFT paths
-(the reference adapter, input gradients, a fused LM head on the base model). A wrapper is
-neither, and remat patches no class, so no check can be made to see through it. Instead,
-`_RematTrainerMixin` hands the trainer the wrapped model itself: given `model=cm`, the trainer
-is built with `cm.model`, and every check it (or TRL) makes sees what it would see without
-remat: a PeftModel where the user has one. Nothing else is needed, because everything remat
-installs lives on `cm.model`: the routes that TRL's generation toggles call, the
-`save_pretrained` that writes `checkpoint_config.json` into each checkpoint, the `load_adapter`
-that applies it on resume. `trainer.checkpointed_model` is the wrapper.
-
-A TRL trainer given `peft_config=` builds a PeftModel around `cm.model` while it is constructed;
-the wrapper then adopts it (`Controller.adopt`: the same layers under their new names, the map
-kept), so checkpoints carry the adapters the trainer trains. At train begin the map that runs
-goes into the trainer's logs under `remat/` keys, and training arguments that replace the
-wrapper's config say so once, as a WARNING.
-
-Beyond that the mixin only covers what the model cannot: it writes `checkpoint_config.json`
-after each save even while the wrapper is disabled, applies the saved config after resuming a
-model without PEFT (Trainer loads its weights with `load_state_dict`), and loads folders that a
-plain `Trainer(model=cm)` wrote (the whole wrapper under `model.`-prefixed names) into the
-wrapper. Two names, one thing: `RematTrainer` is transformers' Trainer with the mixin in front,
-`remat_trainer_class(cls)` any other Trainer class (`remat_trainer_class(Trainer) is RematTrainer`).
-
-`TrainingArguments(gradient_checkpointing=False)`, Trainer's default, leaves checkpointing alone
-for any model: the wrapper's map applies; `cm.disable()` trains without checkpointing.
-"""
+"""The Trainer family with `model=cm` (Trainer, TRL's trainers, your own). remat patches no class:
+the mixin builds the trainer with `cm.model`, so each isinstance check sees what it would without
+remat, and adds what the model cannot: adopting the PeftModel TRL builds from `peft_config=`, the map
+in the logs, a warning when the training arguments replace it, the config in every save and resume."""
 
 from __future__ import annotations
 
@@ -60,9 +35,8 @@ __all__ = ["RematTrainer", "remat_trainer_class"]
 
 
 class _RematTrainerMixin:
-    """What `RematTrainer` and `remat_trainer_class(cls)` put in front of a Trainer class. With
-    `model=cm` the trainer holds `cm.model` (`trainer.model`) and `trainer.checkpointed_model` is
-    `cm`; any other model goes through the base class untouched."""
+    """What `RematTrainer` and `remat_trainer_class(cls)` put in front of a Trainer class; a model
+    that is not a wrapper goes through the base class untouched."""
 
     model: Any
     args: Any
@@ -70,20 +44,20 @@ class _RematTrainerMixin:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         model = kwargs["model"] if "model" in kwargs else (args[0] if args else None)
         _refuse_compiled_wrapper(model)
-        self.checkpointed_model = model if controller_of_wrapper(model) is not None else None
-        cm = self.checkpointed_model
-        own_config = controller_of_wrapper(cm).config if cm is not None else None
-        if cm is not None:
-            if "model" in kwargs:
-                kwargs["model"] = model.model
-            else:
-                args = (model.model, *args[1:])
-        super().__init__(*args, **kwargs)
+        controller = controller_of_wrapper(model)
+        self.checkpointed_model = cm = model if controller is not None else None
         if cm is None:
+            super().__init__(*args, **kwargs)
             return
+        own_config, own_map = controller.config, controller.checkpoint_map
+        if "model" in kwargs:
+            kwargs["model"] = model.model
+        else:
+            args = (model.model, *args[1:])
+        super().__init__(*args, **kwargs)
         if self.model is not cm.model:  # a TRL trainer given peft_config= built a PeftModel around cm.model
-            controller_of_wrapper(cm).adopt(self.model, f"{type(self).__name__}(peft_config=...)")
-        _warn_if_arguments_change_the_map(cm, own_config, self.args)
+            controller.adopt(self.model, f"{type(self).__name__}(peft_config=...)")
+        _warn_if_arguments_change_the_map(controller, own_config, own_map, self.args)
         self.add_callback(_MapInLogs(self))
         if cm.is_enabled and not trainer_asks_for_checkpointing(self.args) and cm.checkpoint_map.checkpointed:
             logger.info(
@@ -102,35 +76,26 @@ class _RematTrainerMixin:
         return model
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Trainer's save, staged and committed with `checkpoint_config.json` as one save (the
-        one `cm.save_pretrained` makes): a crash leaves the previous checkpoint loadable, and
-        saves from several processes into one folder commit one after another. Also while the
-        wrapper is disabled. A process that does not save runs Trainer's `_save` as is (it may
+        """Trainer's save and `checkpoint_config.json` committed as one (as `cm.save_pretrained`),
+        also while disabled; a process that does not save runs Trainer's `_save` as is (it may
         take part in gathering a sharded model)."""
-        cm = self.checkpointed_model
-        base_save = super()._save  # type: ignore[misc]
+        cm, base_save = self.checkpointed_model, super()._save  # type: ignore[misc]
         if cm is None or not getattr(self.args, "should_save", True):
-            base_save(output_dir, state_dict=state_dict)
-            return
+            return base_save(output_dir, state_dict=state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        controller = controller_of_wrapper(cm)
-        save_model_pair(controller, output_dir, lambda staging: base_save(staging, state_dict=state_dict))
+        save_model_pair(controller_of_wrapper(cm), output_dir, lambda to: base_save(to, state_dict=state_dict))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
-        cm = self.checkpointed_model
-        if cm is not None and model is None and _saved_whole(cm, resume_from_checkpoint):
-            logger.info(
-                "%s holds the whole wrapper (written by transformers' Trainer(model=cm)): loading it as is",
-                resume_from_checkpoint,
-            )
+        cm, folder = self.checkpointed_model, resume_from_checkpoint
+        if cm is not None and model is None and _saved_whole(cm, folder):
+            logger.info("%s holds the whole wrapper (a plain Trainer(model=cm) wrote it): loading it as is", folder)
             model = cm
-        super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
+        super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
         if cm is not None:
-            _apply_saved_config(cm, resume_from_checkpoint, "resuming")
+            _apply_saved_config(cm, folder, "resuming")
 
     def _load_best_model(self) -> None:
-        cm = self.checkpointed_model
-        best = self.state.best_model_checkpoint  # type: ignore[attr-defined]
+        cm, best = self.checkpointed_model, self.state.best_model_checkpoint  # type: ignore[attr-defined]
         if cm is not None and best is not None and _saved_whole(cm, best):
             self.model = cm  # Trainer loads into self.model; the folder holds the wrapper's names
             try:
@@ -144,9 +109,8 @@ class _RematTrainerMixin:
 
 
 def _refuse_compiled_wrapper(model: Any) -> None:
-    """`torch.compile(cm)` is a module around the wrapper: Trainer would save it as an unknown
-    module and TRL would not see the PeftModel. Compiling is the Trainer's to do on the model it
-    trains, or the wrapper's (`cm.compile()` compiles `cm.model`, which the trainer trains)."""
+    """`torch.compile(cm)` hides the wrapper: Trainer would save an unknown module, TRL would not
+    see the PeftModel. The trainer compiles what it trains, or `cm.compile()` compiles `cm.model`."""
     if is_compiled_module(model) and controller_of_wrapper(getattr(model, "_orig_mod", None)) is not None:
         raise ConfigTypeError(
             "RematTrainer was given torch.compile(cm): pass the CheckpointedModel itself and let the trainer compile "
@@ -155,10 +119,9 @@ def _refuse_compiled_wrapper(model: Any) -> None:
         )
 
 
-def _warn_if_arguments_change_the_map(cm: Any, own_config: Any, args: Any) -> None:
-    """One WARNING when the training arguments' checkpointing options replace what the wrapper
-    was configured with (`gradient_checkpointing_kwargs={"every_n_layers": 3}` over the
-    wrapper's 2): the route they go through changes the config, which is logged only at INFO."""
+def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map: Any, args: Any) -> None:
+    """One WARNING when the training arguments' checkpointing options replace the wrapper's config
+    (`gradient_checkpointing_kwargs={"every_n_layers": 3}` over its 2): the route logs at INFO only."""
     if not trainer_asks_for_checkpointing(args):
         return
     kwargs = trainer_checkpointing_kwargs(args)
@@ -169,88 +132,69 @@ def _warn_if_arguments_change_the_map(cm: Any, own_config: Any, args: Any) -> No
     changes = describe_changes(own_config, asked)
     if not changes:
         return
-    names = controller_of_wrapper(cm).discovery.names
     logger.warning(
         "the training arguments' checkpointing options %r replace the CheckpointedModel's own config (%s): the map "
         "%r becomes %r when training starts. To keep the wrapper's map, leave those options out of the training "
         "arguments (gradient_checkpointing=True alone keeps it)",
         kwargs,
         changes,
-        plan_layers(own_config, names),
-        plan_layers(asked, names),
+        own_map,
+        plan_layers(asked, controller.discovery.names),
     )
 
 
 class _MapInLogs(TrainerCallback):
-    """At train begin, the map that will run, in the trainer's logs (`state.log_history` and every
-    reporting integration: TensorBoard, W&B, MLflow), under `remat/` keys, numbers only (the
-    integrations record numbers; TensorBoard and MLflow drop anything else with a warning)."""
+    """At train begin, the map that will run in the trainer's logs (and so every reporting
+    integration), under `remat/` keys, numbers only (TensorBoard and MLflow drop anything else)."""
 
     def __init__(self, trainer: Any):
         self._trainer = weakref.ref(trainer)
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._trainer()
-        cm = None if trainer is None else trainer.checkpointed_model
-        if cm is None:
-            return
-        # The base class's log: TRL's trainers average their own metrics in theirs.
-        Trainer.log(trainer, map_summary(controller_of_wrapper(cm)))
+        if trainer is not None and trainer.checkpointed_model is not None:
+            # The base class's log: TRL's trainers average their own metrics in theirs.
+            Trainer.log(trainer, map_summary(controller_of_wrapper(trainer.checkpointed_model)))
 
 
 def map_summary(controller: Any) -> dict[str, int | float]:
-    """The map that runs, as numbers: layers, checkpointed layers, layers per policy, swapped
-    layers, and, for a planned config, its predicted bytes and budget."""
-    running = controller.is_enabled and not controller.inference
+    """The map that runs as numbers: layers per policy, swapped, and a planned config's prediction."""
     plans = list(controller.checkpoint_map)
-    policies = [plan.policy if running else "none" for plan in plans]
-    summary: dict[str, int | float] = {
-        "remat/enabled": int(controller.is_enabled),
-        "remat/layers": len(plans),
-        "remat/checkpointed_layers": sum(policy in CHECKPOINTED for policy in policies),
-    }
+    policies = [plan.policy if controller.is_enabled and not controller.inference else "none" for plan in plans]
+    summary: dict[str, int | float] = {"remat/enabled": int(controller.is_enabled), "remat/layers": len(plans)}
+    summary["remat/checkpointed_layers"] = sum(policy in CHECKPOINTED for policy in policies)
     summary.update({f"remat/layers_{name}": policies.count(name) for name in POLICY_NAMES})
     summary["remat/swapped_layers"] = sum(plan.swapped for plan in plans) if controller.is_enabled else 0
-    config = controller.config
     for key, field in (
         ("remat/planned_activation_bytes", "predicted_device_bytes"),
         ("remat/planned_host_bytes", "predicted_host_bytes"),
         ("remat/planned_step_peak_bytes", "predicted_peak_bytes"),
         ("remat/planned_budget_bytes", "budget"),
     ):
-        value = getattr(config, field, None)
+        value = getattr(controller.config, field, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             summary[key] = value
     return summary
 
 
 def _saved_whole(cm: Any, folder: str) -> bool:
-    """Whether the folder's weights are `cm.state_dict()` itself (names with the wrapper's
-    prefix), as transformers' Trainer writes them for `Trainer(model=cm)`. Loading those into
-    `cm.model` would match no name and silently keep untrained weights."""
-    names = _saved_names(folder)
-    wrapped = set(cm.model.state_dict())
-    return bool(names) and not names <= wrapped and names <= {_WRAPPER_PREFIX + name for name in wrapped}
-
-
-def _saved_names(folder: str) -> set[str]:
-    """Tensor names in the folder's single-file weights (safetensors, or a .bin written with
-    `save_safetensors=False`), read without loading the tensors."""
-    file = os.path.join(folder, SAFE_WEIGHTS_NAME)
+    """Whether the folder's weights are `cm.state_dict()`, as `Trainer(model=cm)` writes them: loaded
+    into `cm.model` they would match no name and silently keep untrained weights."""
+    file = os.path.join(folder, SAFE_WEIGHTS_NAME)  # single-file weights, names read without the tensors
     if os.path.isfile(file):
         with safetensors.safe_open(file, framework="pt") as saved:
-            return set(saved.keys())
-    file = os.path.join(folder, WEIGHTS_NAME)
-    if os.path.isfile(file):
-        return set(torch.load(file, map_location="meta", weights_only=True))
-    return set()
+            names = set(saved.keys())
+    elif os.path.isfile(file := os.path.join(folder, WEIGHTS_NAME)):
+        names = set(torch.load(file, map_location="meta", weights_only=True))
+    else:
+        return False
+    wrapped = set(cm.model.state_dict())
+    return not names <= wrapped and names <= {_WRAPPER_PREFIX + name for name in wrapped}
 
 
 def _apply_saved_config(cm: Any, folder: str | None, cause: str) -> None:
-    """Apply the folder's checkpoint config, if it has one, after checking it (the one load:
-    `remat.persistence.apply_saved_config`). A PeftModel's `load_adapter`, through remat's
-    override, has already applied the config of the very save whose adapters it loaded: read
-    again, a save committed in between would pair its config with the older adapters."""
+    """Apply the folder's checkpoint config, checked, unless remat's `load_adapter` applied it
+    already (read again, a save committed in between would pair its config with older adapters)."""
     if folder is not None:
         recover(folder)  # a save that crashed mid-commit may not have its config in place yet
     if folder is None or not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
@@ -264,9 +208,8 @@ def _apply_saved_config(cm: Any, folder: str | None, cause: str) -> None:
 
 
 class RematTrainer(_RematTrainerMixin, Trainer):
-    """`transformers.Trainer` given `model=cm`: trains, saves and resumes `cm.model` as Trainer
-    does for a PeftModel (adapters, not full weights), with `checkpoint_config.json` in every
-    checkpoint and the saved map applied on resume."""
+    """`transformers.Trainer` given `model=cm`: trains, saves and resumes `cm.model` as for a
+    PeftModel, with `checkpoint_config.json` in every checkpoint and the saved map applied on resume."""
 
 
 @functools.cache

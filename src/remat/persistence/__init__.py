@@ -17,7 +17,7 @@ from torch import nn
 
 from ..arguments import WrapperOptions
 from ..errors import ConfigError, FolderChangedError, NotSavedError
-from ..patches import InstancePatches
+from ..refs import InstancePatches
 from ..saving.folder import CONFIG_NAME, is_staging, recover
 from .pair_format import Expected, PairOwner, is_peft_model, original_method, read_model_pair, save_model_pair
 from .peft_loading import check_peft_load, load_adapters, undone_on_failure

@@ -15,8 +15,7 @@ import torch
 from torch import nn
 
 from ..errors import ConfigTypeError, StateError
-from ..patches import InstancePatches
-from ..refs import Ref
+from ..refs import InstancePatches, Ref
 from .slots import SwappedLayer
 
 SwapperView = Any  # `swapper.WeightSwapper`, which installs the guards

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..patches import InstancePatches
+from ..refs import InstancePatches
 from ..transport import Event, WeightMover
 
 Layout = tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
