@@ -44,8 +44,7 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The wrapper and Trainer support are imported on first use: `import remat.config` and
-    `remat.plan` stay free of torch, `import remat` of Trainer's imports."""
+    """The wrapper and Trainer support load on first use: `import remat` stays free of torch."""
     if name == "CheckpointedModel":
         from .model import CheckpointedModel
 
