@@ -1,8 +1,7 @@
 """`python -m remat.demo`: a LoRA fine-tune of a tiny model on CPU, with its checkpoint map.
 
-Everything ships with remat (a model config, a short text read byte by byte): no downloads. It
-prints the map, the loss falling, and for no checkpointing, every layer and every second layer the
-median step time with its spread and the activation bytes held, naming settings too close to rank.
+Everything ships with remat (no downloads). It prints the map, the loss falling, and per setting (none,
+every layer, every second layer) the median step time with its spread and activation bytes held.
 """
 
 from __future__ import annotations
@@ -23,16 +22,17 @@ import transformers
 
 from .config import CheckpointConfig
 from .display import mib, render_table
-from .measure import measure_step
+from .measure import held_bytes_after, weight_storages
 
 if TYPE_CHECKING:  # the wrapper (and PEFT, which it imports) only once a script has quieted the noise
     from .model import CheckpointedModel
 
+Row = tuple[str, float, int, tuple[float, float]]  # setting, median seconds, activation bytes held, spread
+
 
 def quiet_third_party_noise() -> None:
-    """Keep what the demo and examples print theirs: at import bitsandbytes (through PEFT) warns on
-    CPUs with AVX512-BF16 that an optional Hub kernel cannot load, transformers about deprecations.
-    Scripts call it before those imports; the library never touches other libraries' logging."""
+    """Keep what scripts print theirs: at import bitsandbytes (through PEFT) warns that an optional Hub
+    kernel cannot load, transformers about deprecations. The library never touches others' logging."""
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     transformers.logging.set_verbosity_error()
@@ -45,10 +45,8 @@ def load_assets() -> tuple[dict, bytes]:
 
 def build_model(config: dict, seed: int = 0):
     torch.manual_seed(seed)
-    fields = {k: v for k, v in config.items() if k not in ("architectures", "model_type")}
-    return transformers.AutoModelForCausalLM.from_config(
-        transformers.LlamaConfig(**fields), attn_implementation="eager"
-    )
+    llama = transformers.LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    return transformers.AutoModelForCausalLM.from_config(llama, attn_implementation="eager")
 
 
 def add_lora(model):
@@ -84,9 +82,7 @@ def batches(text: bytes, seq: int, size: int, seed: int):
         yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
-def compare_with_spread(
-    cm: CheckpointedModel, batch: dict, repeats: int
-) -> list[tuple[str, float, int, tuple[float, float]]]:
+def compare_with_spread(cm: CheckpointedModel, batch: dict, repeats: int) -> list[Row]:
     """Each setting's median step time (alternated over `repeats`), activation bytes held, and
     `spread` of its step times."""
     settings = {
@@ -95,14 +91,15 @@ def compare_with_spread(
         "every second layer": partial(cm.enable, CheckpointConfig(every_n_layers=2)),
     }
     memory, times = {}, {name: [] for name in settings}
-    for name, select in settings.items():
+    for name, select in settings.items():  # the tracking mode slows forward down: these steps are not timed
         select()
-        memory[name] = measure_step(cm, batch).activation_bytes
-    cm.zero_grad(set_to_none=True)
+        memory[name] = held_bytes_after(lambda: cm(**batch).loss, weight_storages(cm))[1]
     for _ in range(repeats):
         for name, select in settings.items():
             select()
-            times[name].append(measure_step(cm, batch, track_memory=False).seconds)
+            start = time.perf_counter()
+            cm(**batch).loss.backward()
+            times[name].append(time.perf_counter() - start)
             cm.zero_grad(set_to_none=True)
     settings["every second layer"]()
     return [(name, statistics.median(times[name]), memory[name], spread(times[name])) for name in settings]
@@ -116,33 +113,28 @@ def spread(values: list[float]) -> tuple[float, float]:
     return q1, q3
 
 
-def unranked(rows: list[tuple[str, float, int, tuple[float, float]]]) -> list[str]:
+def unranked(rows: list[Row]) -> list[str]:
     """Pairs of settings the machine was too busy to rank: their spreads overlap."""
-    out = []
-    for (a, ta, _, (la, ha)), (b, tb, _, (lb, hb)) in itertools.combinations(rows, 2):
-        if la <= hb and lb <= ha:
-            out.append(
-                f"{a} and {b}: {abs(ta - tb) * 1e3:.0f} ms apart, within the spread ({la * 1e3:.0f}-{ha * 1e3:.0f} "
-                f"and {lb * 1e3:.0f}-{hb * 1e3:.0f} ms)"
-            )
-    return out
+    return [
+        f"{a} and {b}: {abs(ta - tb) * 1e3:.0f} ms apart, within the spread ({la * 1e3:.0f}-{ha * 1e3:.0f} "
+        f"and {lb * 1e3:.0f}-{hb * 1e3:.0f} ms)"
+        for (a, ta, _, (la, ha)), (b, tb, _, (lb, hb)) in itertools.combinations(rows, 2)
+        if la <= hb and lb <= ha
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
+    for flag, default in (("--steps", 80), ("--seq", 128), ("--batch-size", 8), ("--seed", 0)):
+        parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per setting in the comparison")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     quiet_third_party_noise()  # transformers' use_cache notice, too, would repeat what the map says
     from .model import CheckpointedModel
 
     config, text = load_assets()
-    model = add_lora(build_model(config, args.seed)).train()
-    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    cm = CheckpointedModel(add_lora(build_model(config, args.seed)).train(), CheckpointConfig(every_n_layers=2))
     print("remat demo: LoRA fine-tune of a tiny Llama (from remat/assets) on CPU")
     print(
         f"{args.steps} training steps, then {3 * (args.repeats + 1)} measured ones: with the defaults about 1-2 "

@@ -27,7 +27,6 @@ def off_notice(why: str) -> str:
 
 
 def map_table(checkpoint_map: Sequence[Any]) -> str:
-    """One row per layer: index, name, policy, swapped, why."""
     return render_table(
         ("index", "name", "policy", "swapped", "why"),
         [(str(p.index), p.name, p.policy, "yes" if p.swapped else "no", p.reason) for p in checkpoint_map],

@@ -1,7 +1,4 @@
-"""Every error remat raises to a user: `RematError` and its subclasses, each also the builtin a
-caller caught before (`except ValueError` keeps working). Imports nothing of remat."""
-
-from __future__ import annotations
+"""Every error remat raises to a user; each is also the builtin a caller caught before (`except ValueError`)."""
 
 
 class RematError(Exception):

@@ -1,9 +1,7 @@
-"""The loss of a measuring step (the memory report's, the planner's) and the inputs it runs on.
-
-The loss is the model's own (`outputs.loss`, from labels) or `loss_fn(outputs, batch)` for a
-model whose output has none; a batch with neither is refused before any work. A batch tensor that
-requires grad (a soft prompt) becomes a fresh leaf, so the steps' gradients never reach it.
-"""
+"""The loss of a measuring step (the memory report's, the planner's) and the inputs it runs on: the
+model's own (`outputs.loss`) or `loss_fn(outputs, batch)`, a batch with neither refused before any
+work; a batch tensor that requires grad (a soft prompt) becomes a fresh leaf, so the steps'
+gradients never reach it."""
 
 from __future__ import annotations
 

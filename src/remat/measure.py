@@ -1,19 +1,16 @@
 """Measure what backward holds: the bytes of activations alive after forward.
 
-On CPU there is no allocator to ask, so forward runs under a dispatch mode holding a weak reference
-to every op's output; those alive after forward are what autograd keeps for backward (a weak
-reference dies only when the memory is released). Not seen: tensors made outside the dispatcher,
-the CPU RNG state a checkpoint keeps for dropout (5 KB per layer) and Python scalars autograd saves
-as 0-dim tensors (the suite's allocator count, tests/independent_memory.py, finds exactly these).
+On CPU there is no allocator to ask: op outputs alive after forward (weakly referenced) are what
+autograd keeps for backward. Not seen: tensors made outside the dispatcher, the CPU RNG state a
+checkpoint keeps for dropout (5 KB per layer) and Python scalars autograd saves as 0-dim tensors
+(the suite's allocator count, tests/independent_memory.py, finds exactly these).
 """
 
 from __future__ import annotations
 
 import gc
-import time
 import weakref
 from collections.abc import Callable, Container, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,14 +43,13 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        scope = None if self._device_type is not None else self._scope()
-        for value in tree_flatten(out)[0]:
-            if not isinstance(value, torch.Tensor):
-                continue
-            if self._device_type is None:
-                self.outputs.append((weakref.ref(value), scope))
-            else:
-                self._count(value)
+        tensors = [value for value in tree_flatten(out)[0] if isinstance(value, torch.Tensor)]
+        if self._device_type is None:
+            scope = self._scope()
+            self.outputs += [(weakref.ref(tensor), scope) for tensor in tensors]
+        else:
+            for tensor in tensors:
+                self._count(tensor)
         return out
 
     def held(self, exclude: Container[int] = (), device: torch.device | str | None = None) -> dict[int, tuple]:
@@ -69,11 +65,6 @@ class LiveStorages(TorchDispatchMode):
             if key[0] not in seen or key[1] > seen[key[0]][0]:
                 seen[key[0]] = (key[1], scope, tensor.device)
         return seen
-
-    def held_bytes(self, exclude: Container[int] = (), device: torch.device | str | None = None) -> int:
-        """The bytes of `held()`, after collecting garbage."""
-        gc.collect()
-        return sum(entry[0] for entry in self.held(exclude, device).values())
 
     def _count(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != self._device_type:
@@ -121,31 +112,10 @@ def held_bytes_after(
     there: an offloaded input waits in host memory)."""
     with LiveStorages() as tracker:
         result = forward()
-    return result, tracker.held_bytes(exclude, device)
+    gc.collect()
+    return result, sum(entry[0] for entry in tracker.held(exclude, device).values())
 
 
 def _on(device: torch.device, where: torch.device | None) -> bool:
     """Whether `device` is `where` ("cuda" means any CUDA device; None, anywhere)."""
     return where is None or (device.type == where.type and where.index in (None, device.index))
-
-
-@dataclass(frozen=True)
-class StepMeasurement:
-    """One training step: how long it took and how many activation bytes backward held."""
-
-    seconds: float
-    activation_bytes: int
-    loss: float
-
-
-def measure_step(model: nn.Module, batch: dict[str, torch.Tensor], *, track_memory: bool = True) -> StepMeasurement:
-    """One forward + backward of `model(**batch).loss`; gradients are left in place. The memory
-    count slows forward down, so a step measured for memory is not timed (`track_memory=False`)."""
-    if track_memory:
-        loss, held = held_bytes_after(lambda: model(**batch).loss, weight_storages(model))
-        loss.backward()
-        return StepMeasurement(float("nan"), held, loss.item())
-    start = time.perf_counter()
-    loss = model(**batch).loss
-    loss.backward()
-    return StepMeasurement(time.perf_counter() - start, -1, loss.item())

@@ -1,11 +1,9 @@
 """`cm.memory_report(batch)`: one training step, measured layer by layer.
 
 Every op's output is recorded with the layer running (`remat.measure`). A checkpointed layer holds
-its positional inputs, so their storages count for it; every other storage for the layer that
-made it, or "outside layers" (embeddings, final norm, logits, loss). Each storage counts once, so
-the rows add up to the total. The report reads the wrapper's controller (`Measured`), never the
-wrapper: rooms below it do not reach back up.
-"""
+its positional inputs, so their storages count for it; every other storage for the layer that made
+it, or "outside layers" (embeddings, final norm, logits, loss): each once, so rows add up to the
+total. Reads the wrapper's controller (`Measured`): rooms below the wrapper never reach back up."""
 
 from __future__ import annotations
 
@@ -58,13 +56,11 @@ class LayerMemory:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """What one training step held, per layer and in total. `str()` renders a table.
-
-    Held bytes (`device_bytes`, `host_bytes`, `total_bytes`): activations alive after forward,
-    which backward needs. Weights (`weight_bytes`): every parameter and buffer of the model
-    resident where it is (a swapped layer's frozen weights wait on the host), the layers'
-    (`LayerMemory.weight_bytes`) and the rest's (`outside_weight_bytes`: embeddings, final norm,
-    head). Each storage counts once."""
+    """What one training step held, per layer and in total; `str()` renders a table. Held bytes
+    (`device_bytes`, `host_bytes`, `total_bytes`): activations alive after forward, which backward
+    needs. Weights (`weight_bytes`): every parameter and buffer resident where it is (a swapped
+    layer's frozen weights wait on the host), the layers' and the rest's (`outside_weight_bytes`:
+    embeddings, final norm, head). Each storage counts once."""
 
     layers: tuple[LayerMemory, ...]
     outside_device_bytes: int
@@ -96,10 +92,9 @@ class MemoryReport:
             figures = (mib(b, 3) for b in (m.device_bytes, m.host_bytes, m.weight_bytes))
             swapped, fetches = ("yes", str(m.weight_fetches)) if m.swapped else ("no", "")
             rows.append((str(m.index), m.name, m.policy, swapped, str(m.runs), *figures, fetches, m.offload))
-        for name, held in (
-            ("outside layers", (self.outside_device_bytes, self.outside_host_bytes, self.outside_weight_bytes)),
-            ("total (whole model)", (self.device_bytes, self.host_bytes, self.weight_bytes)),
-        ):
+        outside = (self.outside_device_bytes, self.outside_host_bytes, self.outside_weight_bytes)
+        total = (self.device_bytes, self.host_bytes, self.weight_bytes)
+        for name, held in (("outside layers", outside), ("total (whole model)", total)):
             rows.append(("", name, "", "", "", *(mib(b, 3) for b in held), "", ""))
         header = ("index", "name", "policy", "swapped", "runs", "held MiB (device)", "held MiB (host)", "weights MiB")
         lines = [
@@ -119,10 +114,9 @@ class MemoryReport:
 
 
 class _LayerHooks:
-    """Hooks on the layers: which one is running (innermost), how often each body starts (the
-    first child to run marks a start), and weak references to each layer's positional inputs and
-    to the layers' outputs, resolved to storages after forward (an address recorded during it could
-    be reused by another tensor before it ends)."""
+    """Which layer runs (innermost), how often each body starts (its first child to run marks it), and
+    weak references to each layer's positional inputs and the layers' outputs, resolved to storages
+    after forward (an address recorded during it could be reused by another tensor before it ends)."""
 
     def __init__(self, layers: list[nn.Module]):
         self.stack: list[int] = []
@@ -134,9 +128,7 @@ class _LayerHooks:
         for i, layer in enumerate(layers):
             self._handles.append(layer.register_forward_pre_hook(partial(self._enter, i)))
             self._handles.append(layer.register_forward_hook(partial(self._leave, i), always_call=True))
-            self._handles += [
-                child.register_forward_pre_hook(partial(self._start, i, child)) for child in layer.children()
-            ]
+            self._handles += [c.register_forward_pre_hook(partial(self._start, i, c)) for c in layer.children()]
 
     def current(self) -> int | None:
         return self.stack[-1] if self.stack else None
@@ -165,14 +157,11 @@ def _alive_storages(refs: Iterable[weakref.ref[torch.Tensor]]) -> set[int]:
 
 
 def memory_report_leaving_state(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
-    """`memory_report` with everything the step changed put back, whatever happens (what
-    `cm.memory_report` runs): gradients (accumulated ones too: a report between two micro-batches
-    changes nothing the next optimizer step sees), module buffers and counters, RNG, and the
-    offload and swap counters."""
-    with (
-        counters_left_as_they_were(state),
-        model_left_as_it_was(state.model, copy_limit=BUFFER_COPY_LIMIT, what="memory_report"),
-    ):
+    """`memory_report` with everything the step changed put back, whatever happens (`cm.memory_report`):
+    gradients (accumulated ones too: a report between micro-batches changes nothing the optimizer
+    sees), module buffers and counters, RNG, the offload and swap counters."""
+    model_kept = model_left_as_it_was(state.model, copy_limit=BUFFER_COPY_LIMIT, what="memory_report")
+    with counters_left_as_they_were(state), model_kept:
         return memory_report(state, batch, loss_fn)
 
 
@@ -188,16 +177,14 @@ def counters_left_as_they_were(state: Measured) -> Iterator[None]:
     finally:
         state.offloader.stats.clear()
         state.offloader.stats.update(offload_stats)
-        for index, stats in swap_stats.items():
-            if index in state.swapper.layers:
-                state.swapper.layers[index].stats = stats
+        for index in swap_stats.keys() & state.swapper.layers.keys():  # layers still swapped
+            state.swapper.layers[index].stats = swap_stats[index]
         state.swapper.peak_resident_bytes = swap_peak
 
 
 def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
-    """Run one training step (forward, backward; no optimizer step) and measure it. Gradients and
-    the offload and swap counters are left as the step made them, for the planner, which steps an
-    optimizer on them and puts everything back itself."""
+    """Run one training step (forward, backward) and measure it, leaving its gradients and counters
+    for the planner, which steps an optimizer on them and puts everything back itself."""
     model, offloader, swapper = state.model, state.offloader, state.swapper
     check_loss_source(model, batch, loss_fn, "memory_report")
     batch = own_inputs(batch)
@@ -221,12 +208,10 @@ def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None
         gc.collect()
         offloaded = offloader.live_host_bytes()  # host buffers come from the transport, not from ops
         held = tracker.held(exclude | offloader.host_storages())  # storage -> (bytes, layer, device)
-        # A layer's output is held by whoever consumes it: the next layer (below) or the head.
-        for ptr in _alive_storages(hooks.outputs) & held.keys():
-            held[ptr] = (held[ptr][0], None, held[ptr][2])
-        for index in range(len(layers)):
-            for ptr in _alive_storages(hooks.inputs[index]) & held.keys():
-                held[ptr] = (held[ptr][0], index, held[ptr][2])
+        # A layer's output is held by whoever consumes it: the next layer (its inputs, after) or the head.
+        for owner, refs in [(None, hooks.outputs), *enumerate(hooks.inputs)]:
+            for ptr in _alive_storages(refs) & held.keys():
+                held[ptr] = (held[ptr][0], owner, held[ptr][2])
         loss.backward()
     finally:
         hooks.remove()
@@ -244,22 +229,11 @@ def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None
         rows.append(LayerMemory(*row, _offload_note(offloader, i)))
     every_weight = weight_storages(model)
     in_layers = set().union(*(weight_storages(layer).keys() for layer in layers))
-    outside_weights = sum(size for ptr, size in every_weight.items() if ptr not in in_layers)
-    swap_figures = (swapper.peak_resident_bytes, swapper.pool_bytes) if swapper.layers else (0, 0)
-    notes = ()
-    if device.type == "cpu" and not offloaded:
-        notes = ("the model runs on the CPU: there is no separate host memory, so nothing is offloaded",)
-    return MemoryReport(
-        tuple(rows),
-        *outside,
-        str(device),
-        loss.item(),
-        allocator,
-        *swap_figures,
-        notes,
-        outside_weights,
-        sum(every_weight.values()),
-    )
+    weights = (sum(size for ptr, size in every_weight.items() if ptr not in in_layers), sum(every_weight.values()))
+    swapping = (swapper.peak_resident_bytes, swapper.pool_bytes) if swapper.layers else (0, 0)
+    on_cpu = "the model runs on the CPU: there is no separate host memory, so nothing is offloaded"
+    notes = (on_cpu,) if device.type == "cpu" and not offloaded else ()
+    return MemoryReport(tuple(rows), *outside, str(device), loss.item(), allocator, *swapping, notes, *weights)
 
 
 def _offload_note(offloader: Any, index: int) -> str:

@@ -1,11 +1,9 @@
-"""Putting modules back as they were: the one helper behind "measuring leaves the model as it
-was" (`remat.planner`) and "a recompute leaves the layer as its forward did" (`remat.recompute`).
+"""Putting modules back as they were, after measuring (`remat.planner`) or a recompute (`remat.recompute`).
 
-A forward changes more than activations: an MoE router counts tokens in a buffer, a module
-advances a step counter kept as an int or float attribute, a rotary embedding replaces its cache
-buffer. Only what changed is written back: writing every buffer would bump version counters that
-a reentrant backward checks, and copying every buffer on every recompute would clone large caches
-for nothing; so a recompute first asks what its forward changed (`Snapshot.changed()`, no copies).
+A forward changes more than activations: an MoE router counts tokens in a buffer, a step counter
+is an int attribute, a rotary embedding replaces its cache buffer. Only what changed is written
+back: writing every buffer would bump version counters a reentrant backward checks, and copying
+every buffer on every recompute would clone large caches; so a recompute first asks `changed()`.
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,23 +23,14 @@ logger = logging.getLogger("remat")
 
 
 @dataclass(frozen=True)
-class _BufferEntry:
+class _Entry:
     owner: Ref[nn.Module]
     name: str
+    buffer: bool  # a buffer, or an int/float attribute
 
-    def current(self) -> torch.Tensor | None:
+    def current(self) -> Any:
         module = self.owner()
-        return None if module is None else module._buffers.get(self.name)
-
-
-@dataclass(frozen=True)
-class _NumberEntry:
-    owner: Ref[nn.Module]
-    key: str
-
-    def current(self) -> int | float | None:
-        module = self.owner()
-        return None if module is None else vars(module).get(self.key)
+        return None if module is None else (module._buffers if self.buffer else vars(module)).get(self.name)
 
 
 class Watched:
@@ -48,43 +38,35 @@ class Watched:
     advance) of some modules, listed once, held weakly."""
 
     def __init__(self, modules: Iterable[nn.Module] = ()):
-        self.buffers: list[_BufferEntry] = []
-        self.numbers: list[_NumberEntry] = []
+        self.buffers: list[_Entry] = []
+        self.numbers: list[_Entry] = []
         for module in modules:
             owner = Ref(module)
-            self.buffers += [_BufferEntry(owner, n) for n, b in module._buffers.items() if b is not None]
-            self.numbers += [_NumberEntry(owner, k) for k, v in vars(module).items() if type(v) in (int, float)]
+            self.buffers += [_Entry(owner, n, True) for n, b in module._buffers.items() if b is not None]
+            self.numbers += [_Entry(owner, k, False) for k, v in vars(module).items() if type(v) in (int, float)]
 
     def __bool__(self) -> bool:
         return bool(self.buffers or self.numbers)
 
     def snapshot(self, *, copy: bool = False, copy_limit: int | None = None) -> Snapshot:
-        """Versions and values now; with `copy`, a copy of each buffer (on the host when
-        `copy_limit` is given, and only of buffers up to that many bytes: larger ones are weights
-        kept as buffers, e.g. a quantized model's, not counters)."""
-        tensors = [entry.current() for entry in self.buffers]
-        return Snapshot(
-            [
-                (e, t, -1 if t is None else t._version, _copy(t, copy_limit) if copy and t is not None else None)
-                for e, t in zip(self.buffers, tensors, strict=True)
-            ],
-            [(entry, entry.current()) for entry in self.numbers],
-        )
+        """Versions and values now; with `copy`, a copy of each buffer (with `copy_limit`, on the host
+        and only up to that many bytes: larger ones are weights kept as buffers, not counters)."""
+        tensors = [(entry, entry.current()) for entry in self.buffers]
+        buffers = [(e, t, t._version, _copy(t, copy_limit) if copy else None) for e, t in tensors if t is not None]
+        return Snapshot(buffers, [(entry, entry.current()) for entry in self.numbers])
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """What `Watched.snapshot` recorded: put back with `restore()`, compared with `changed()`."""
 
-    buffers: list[tuple[_BufferEntry, torch.Tensor | None, int, torch.Tensor | None]]  # entry, tensor, version, copy
-    numbers: list[tuple[_NumberEntry, int | float | None]]  # entry, value
+    buffers: list[tuple[_Entry, torch.Tensor, int, torch.Tensor | None]]  # entry, tensor, version, copy
+    numbers: list[tuple[_Entry, int | float | None]]  # entry, value
 
     def changed(self) -> Watched:
         """The entries changed since: a buffer replaced or written to, a number with another value."""
         changed = Watched()
-        changed.buffers = [
-            e for e, t, version, _ in self.buffers if t is not None and (t._version != version or e.current() is not t)
-        ]
+        changed.buffers = [e for e, t, version, _ in self.buffers if t._version != version or e.current() is not t]
         changed.numbers = [entry for entry, value in self.numbers if entry.current() != value]
         return changed
 
@@ -93,7 +75,7 @@ class Snapshot:
         lost = []
         for entry, tensor, version, copy in self.buffers:
             module = entry.owner()
-            if tensor is None or module is None:
+            if module is None:
                 continue
             if module._buffers.get(entry.name) is not tensor:
                 module._buffers[entry.name] = tensor  # replaced by a new tensor (a rotary cache)
@@ -106,8 +88,8 @@ class Snapshot:
                 tensor.copy_(copy)
         for entry, value in self.numbers:
             module = entry.owner()
-            if module is not None and value is not None and vars(module).get(entry.key) != value:
-                object.__setattr__(module, entry.key, value)
+            if module is not None and value is not None and vars(module).get(entry.name) != value:
+                object.__setattr__(module, entry.name, value)
         return lost
 
 

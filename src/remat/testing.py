@@ -1,8 +1,5 @@
-"""Test doubles and checks for code that uses remat, as `torch.testing` is for torch; remat itself
-never imports this module. `SimulatedTransport` plays a device/host pair on the CPU through the
-whole transport protocol (`remat.transport.Transport`); `measure_held_activations` and
-`measure_step_peak` check a plan's bytes on a real step of the map enabled now.
-"""
+"""Test doubles and checks for code that uses remat, as `torch.testing` is for torch (remat itself
+never imports this module): a transport played on the CPU, and a plan's bytes counted on a real step."""
 
 from __future__ import annotations
 
@@ -18,12 +15,11 @@ from .compat.transformers_compat import has_activation_checkpointing_names
 from .errors import ConfigError
 from .loss import LossFn, step_loss
 from .measure import held_bytes_after, weight_storages
-from .transport import DoneEvent, Event, TensorMeta, as_bytes, from_bytes
+from .transport import CpuTransport, Event, TensorMeta
 
 
 def trainer_checkpointing_args(enabled: bool = True, kwargs: dict | None = None) -> dict[str, Any]:
-    """The `TrainingArguments` keywords that ask Trainer for checkpointing on this transformers
-    (`activation_checkpointing*` from 5.23, `gradient_checkpointing*` before)."""
+    """The `TrainingArguments` keywords asking Trainer for checkpointing on this transformers (renamed in 5.23)."""
     prefix = "activation" if has_activation_checkpointing_names() else "gradient"
     return {f"{prefix}_checkpointing": enabled, f"{prefix}_checkpointing_kwargs": kwargs}
 
@@ -61,12 +57,11 @@ def measure_step_peak(
     model: nn.Module, batch: Mapping[str, Any], optimizer: Optimizer | None = None, *, loss_fn: LossFn | None = None
 ) -> int:
     """The peak bytes on the batch's device of one training step (forward, backward and, given an
-    `optimizer`, its step) as `MemTracker` counts them: weights, gradients, optimizer state, the
-    batch and every op's output while alive (also with frozen parameters, where `MemTracker` alone
-    fails). Compare with a plan's `predicted_peak_bytes`
-    (`scope="step"`, profiled with the same optimizer). A real step: the optimizer updates the
-    trainable weights; one with no state yet first takes an uncounted step to make it, as remat
-    predicts a step after the first. Gradients are cleared after.
+    `optimizer`, its step) as `MemTracker` counts them (weights, gradients, optimizer state, the batch,
+    every op's output while alive), also with frozen parameters, where `MemTracker` alone fails.
+    Compare with a plan's `predicted_peak_bytes` (`scope="step"`, profiled with the same optimizer).
+    A real step: the optimizer updates the weights; one with no state yet first takes an uncounted
+    step to make it, as remat predicts a step after the first. Gradients are cleared after.
 
     Example::
 
@@ -98,7 +93,7 @@ def measure_step_peak(
     return int(tracker.get_tracker_snapshot("peak").get(device, {}).get("Total", 0))
 
 
-class SimulatedTransport:
+class SimulatedTransport(CpuTransport):
     """A device/host pair played on the CPU: `handles` every tensor, so "offload" moves inputs through
     it as on an accelerator, with real copies logged in order, pinning that can be made to fail,
     and a count of its buffers still alive (host memory given back)."""
@@ -117,7 +112,7 @@ class SimulatedTransport:
         if self.pin_fails:
             raise RuntimeError("simulated: cannot pin host memory")
         self.allocations += 1
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer = super().allocate_host(nbytes)
         key = id(buffer)
         self._allocated[key] = weakref.ref(buffer, lambda _, key=key: self._allocated.pop(key, None))
         return buffer
@@ -130,19 +125,16 @@ class SimulatedTransport:
         self.cache_emptied += 1
         self.live_when_emptied.append(self.live_buffers())
 
-    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().clone()
-
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
-        dst[: src.nbytes].copy_(as_bytes(src))
+        event = super().to_host(src, dst, layer)
         self.log.append(("to_host", layer))
-        return DoneEvent()
+        return event
 
     def to_device(self, src: torch.Tensor, meta: TensorMeta, layer: int) -> tuple[torch.Tensor, Event]:
         self.log.append(("to_device", layer))
-        return from_bytes(src.clone(), meta), DoneEvent()
+        return super().to_device(src, meta, layer)
 
     def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        dst.copy_(src)
+        event = super().fetch(dst, src)
         self.log.append(("fetch", None))
-        return DoneEvent()
+        return event

@@ -1,10 +1,7 @@
-"""The releases of torch and transformers remat is tested with, and one WARNING on any other.
-
-remat overrides private Trainer methods and reads attributes transformers does not promise, so an
-untested release may break in a way no error names. pyproject.toml (one minor release of headroom),
-the README's Compatibility table and `TESTED` agree (tests/test_packaging.py). Checked when the
-first `CheckpointedModel` is built (`import remat` stays free of torch), once per package and version.
-"""
+"""The torch and transformers releases remat is tested with, and one WARNING on any other (remat
+overrides private Trainer methods, so an untested release may break in ways no error names).
+pyproject.toml (one minor release of headroom), the README and `TESTED` agree (tests/test_packaging.py).
+Checked once per package and version when the first `CheckpointedModel` is built, not on import."""
 
 from __future__ import annotations
 
@@ -16,10 +13,7 @@ from collections.abc import Callable
 logger = logging.getLogger("remat")
 
 # (oldest, newest) minor release tested, inclusive: torch 2.13; transformers 4.57.6, 5.17.0, 5.24.0.
-TESTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
-    "torch": ((2, 13), (2, 13)),
-    "transformers": ((4, 57), (5, 24)),
-}
+TESTED = {"torch": ((2, 13), (2, 13)), "transformers": ((4, 57), (5, 24))}
 
 _warned: set[tuple[str, str]] = set()
 
@@ -36,9 +30,8 @@ def installed_version(package: str) -> str:
 
 
 def warn_if_untested(version_of: Callable[[str], str] | None = None) -> list[str]:
-    """Log one WARNING for each of torch and transformers installed outside the tested range, once
-    per package and version in this process; `version_of` defaults to `installed_version`. Returns
-    what it warned."""
+    """Log (and return) one WARNING for each of torch and transformers installed outside the tested
+    range, once per package and version in this process; `version_of` defaults to `installed_version`."""
     said = []
     for package, (oldest, newest) in TESTED.items():
         try:

@@ -1,13 +1,11 @@
 """Every difference between transformers versions that remat cares about, in one place.
 
-- 4.52+: `GradientCheckpointingLayer` exists; it checkpoints from `__call__` (module hooks run
-  inside the recompute).
+- 4.52+: `GradientCheckpointingLayer` checkpoints from `__call__` (module hooks run inside the recompute).
 - 5.0: the default `use_reentrant` becomes False.
-- 5.16 / 5.17: `gradient_checkpointing_enable(..., every_n_layers=, offload=)`; Trainer pops
-  both keys out of `gradient_checkpointing_kwargs` and passes them explicitly.
-- 5.23: everything renamed to `activation_checkpointing_*` (the old names warn until v6);
-  `TrainingArguments(activation_checkpointing=..., activation_checkpointing_kwargs=...)`; the
-  checkpoint moved from `__call__` to `forward`.
+- 5.16 / 5.17: `gradient_checkpointing_enable(..., every_n_layers=, offload=)`; Trainer pops both
+  keys out of `gradient_checkpointing_kwargs` and passes them explicitly.
+- 5.23: everything renamed `activation_checkpointing_*` (old names warn until v6), in
+  `TrainingArguments` too; the checkpoint moved from `__call__` to `forward`.
 
 remat drives the per-layer flag and function itself, so only the enable/disable routes' names
 differ. Also here: each shim resting on what a library does not promise (an attribute it reads, a
@@ -16,7 +14,6 @@ message it raises), with the versions checked; a test per shim fails when a rele
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
 import transformers
@@ -31,11 +28,8 @@ ENABLE_ROUTES = ("gradient_checkpointing_enable", "activation_checkpointing_enab
 DISABLE_ROUTES = ("gradient_checkpointing_disable", "activation_checkpointing_disable")
 
 
-@cache
 def gradient_checkpointing_layer_class() -> type:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return GradientCheckpointingLayer
+    return transformers.modeling_layers.GradientCheckpointingLayer
 
 
 def pretrained_model_class() -> type:
