@@ -7,7 +7,8 @@ import pytest
 from conftest import batch, tiny_model
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.measure import measure_step
+from remat.measure import held_bytes_after, weight_storages
+from remat.testing import measure_held_activations
 
 B, S, H = 2, 16, 32
 LAYER_INPUT = B * S * H * 4  # one fp32 layer input: batch x seq x hidden x 4 bytes
@@ -17,8 +18,8 @@ def _held(layers, every_n):
     model = tiny_model(num_hidden_layers=layers, attention_dropout=0.0)
     data = batch(size=B, seq=S)
     if every_n is None:
-        return measure_step(model, data).activation_bytes
-    return measure_step(CheckpointedModel(model, CheckpointConfig(every_n_layers=every_n)), data).activation_bytes
+        return measure_held_activations(model, data)
+    return measure_held_activations(CheckpointedModel(model, CheckpointConfig(every_n_layers=every_n)), data)
 
 
 def test_checkpointing_every_layer_holds_one_layer_input_per_layer():
@@ -75,7 +76,8 @@ def test_measuring_leaves_gradients_equal_to_a_plain_step(every_n):
     cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=every_n))
     for _, p in named:
         p.grad = None
-    measure_step(cm, data)
+    loss, _ = held_bytes_after(lambda: cm(**data).loss, weight_storages(cm))
+    loss.backward()
     assert_same_grads(ref, {n: p.grad for n, p in named})
 
 
@@ -83,8 +85,6 @@ def test_held_bytes_can_be_counted_on_one_device_only():
     """An offloaded input waits in host memory: a device count must not include it. Here the
     held tensors are on the CPU, so a count on another device sees none of them."""
     import torch
-
-    from remat.measure import held_bytes_after
 
     weight = torch.randn(64, 64, requires_grad=True)
     forward = lambda: (torch.randn(8, 64) @ weight).tanh().sum()

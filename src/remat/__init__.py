@@ -44,19 +44,16 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The wrapper and Trainer support are imported on first use: `import remat.config` and
-    `remat.plan` stay free of torch, `import remat` of Trainer's imports."""
+    """The wrapper and Trainer support load on first use: `import remat` stays free of torch."""
     if name == "CheckpointedModel":
-        from .model import CheckpointedModel
-
-        return CheckpointedModel
-    if name in ("RematTrainer", "remat_trainer_class"):
-        from . import trainer
-
-        return getattr(trainer, name)
-    if name == "RematTrainerMixin":
+        from . import model as home
+    elif name in ("RematTrainer", "remat_trainer_class"):
+        from . import trainer as home
+    elif name == "RematTrainerMixin":
         raise AttributeError(
             "remat.RematTrainerMixin is gone: remat.RematTrainer for transformers' Trainer, "
             "remat.remat_trainer_class(YourTrainer) for any other Trainer class (TRL's, your own)"
         )
-    raise AttributeError(f"module 'remat' has no attribute {name!r}")
+    else:
+        raise AttributeError(f"module 'remat' has no attribute {name!r}")
+    return getattr(home, name)

@@ -1,10 +1,7 @@
 """`python -m remat.demo`: a LoRA fine-tune of a tiny model on CPU, with its checkpoint map.
 
-Everything it needs ships with remat (a model config and a short text, read one byte at a
-time), so it runs on a fresh machine with no downloads. It prints the checkpoint map, the loss
-falling, and a table measured in this run: median step time (with its spread: the quartiles of
-the repeats) and activation bytes held for backward, for no checkpointing, every layer and every
-second layer; settings whose spreads overlap are named as too close to rank on this machine.
+Everything ships with remat (no downloads). It prints the map, the loss falling, and per setting (none,
+every layer, every second layer) the median step time with its spread and activation bytes held.
 """
 
 from __future__ import annotations
@@ -16,6 +13,7 @@ import logging
 import statistics
 import time
 import warnings
+from functools import partial
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -24,18 +22,17 @@ import transformers
 
 from .config import CheckpointConfig
 from .display import mib, render_table
-from .measure import measure_step
+from .measure import held_bytes_after, weight_storages
 
 if TYPE_CHECKING:  # the wrapper (and PEFT, which it imports) only once a script has quieted the noise
     from .model import CheckpointedModel
 
+Row = tuple[str, float, int, tuple[float, float]]  # setting, median seconds, activation bytes held, spread
+
 
 def quiet_third_party_noise() -> None:
-    """Keep what the demo and the examples print theirs. Libraries installed beside remat for
-    the test suite say things at import that a user would take for an error: bitsandbytes (which
-    PEFT imports) warns, on CPUs with AVX512-BF16, that an optional kernel from the Hub cannot be
-    loaded; transformers warns about deprecations. Called by scripts, before those imports; the
-    library itself never touches other libraries' logging."""
+    """Keep what scripts print theirs: at import bitsandbytes (through PEFT) warns that an optional Hub
+    kernel cannot load, transformers about deprecations. The library never touches others' logging."""
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     transformers.logging.set_verbosity_error()
@@ -43,35 +40,25 @@ def quiet_third_party_noise() -> None:
 
 def load_assets() -> tuple[dict, bytes]:
     folder = resources.files("remat") / "assets"
-    config = json.loads((folder / "tiny_llama_config.json").read_text())
-    text = (folder / "demo_text.txt").read_bytes()
-    return config, text
+    return json.loads((folder / "tiny_llama_config.json").read_text()), (folder / "demo_text.txt").read_bytes()
 
 
 def build_model(config: dict, seed: int = 0):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     torch.manual_seed(seed)
-    model_config = LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
-    return AutoModelForCausalLM.from_config(model_config, attn_implementation="eager")
+    llama = transformers.LlamaConfig(**{k: v for k, v in config.items() if k not in ("architectures", "model_type")})
+    return transformers.AutoModelForCausalLM.from_config(llama, attn_implementation="eager")
 
 
 def add_lora(model):
     from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(
-        r=16,
-        lora_alpha=32,
-        lora_dropout=0.05,
-        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    )
-    return get_peft_model(model, lora)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=targets))
 
 
 def byte_tokenizer():
-    """A tokenizer whose ids are the bytes of the text (as `batches` reads it), built here with
-    no download: `<pad>`, `<s>` and `</s>` take ids 0, 1 and 2 (bytes that text never holds), the
-    other 253 bytes their own value. It fits any model with a vocabulary of 256."""
+    """A tokenizer whose ids are the text's bytes (as `batches` reads it), with no download: `<pad>`,
+    `<s>`, `</s>` take ids 0, 1, 2 (bytes text never holds), the other bytes their own value."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -95,39 +82,26 @@ def batches(text: bytes, seq: int, size: int, seed: int):
         yield {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
-def compare_policies(cm: CheckpointedModel, batch: dict, repeats: int) -> list[tuple[str, float, int]]:
-    """Median step time and activation bytes for each setting, alternated over `repeats`."""
-    return [(name, median, held) for name, median, held, _ in compare_with_spread(cm, batch, repeats)]
-
-
-def compare_with_spread(
-    cm: CheckpointedModel, batch: dict, repeats: int
-) -> list[tuple[str, float, int, tuple[float, float]]]:
-    """`compare_policies` with each setting's spread: the quartiles of its step times (half the
-    repeats lie between them; with one or two repeats, the lowest and highest)."""
+def compare_with_spread(cm: CheckpointedModel, batch: dict, repeats: int) -> list[Row]:
+    """Each setting's median step time (alternated over `repeats`), activation bytes held, and
+    `spread` of its step times."""
     settings = {
-        "no checkpointing": None,
-        "every layer": CheckpointConfig(every_n_layers=1),
-        "every second layer": CheckpointConfig(every_n_layers=2),
+        "no checkpointing": cm.disable,
+        "every layer": partial(cm.enable, CheckpointConfig(every_n_layers=1)),
+        "every second layer": partial(cm.enable, CheckpointConfig(every_n_layers=2)),
     }
-
-    def select(config):
-        if config is None:
-            cm.disable()
-        else:
-            cm.enable(config)
-
     memory, times = {}, {name: [] for name in settings}
-    for name, config in settings.items():
-        select(config)
-        memory[name] = measure_step(cm, batch, track_memory=True).activation_bytes
-    cm.zero_grad(set_to_none=True)
+    for name, select in settings.items():  # the tracking mode slows forward down: these steps are not timed
+        select()
+        memory[name] = held_bytes_after(lambda: cm(**batch).loss, weight_storages(cm))[1]
     for _ in range(repeats):
-        for name, config in settings.items():
-            select(config)
-            times[name].append(measure_step(cm, batch, track_memory=False).seconds)
+        for name, select in settings.items():
+            select()
+            start = time.perf_counter()
+            cm(**batch).loss.backward()
+            times[name].append(time.perf_counter() - start)
             cm.zero_grad(set_to_none=True)
-    cm.enable(settings["every second layer"])
+    settings["every second layer"]()
     return [(name, statistics.median(times[name]), memory[name], spread(times[name])) for name in settings]
 
 
@@ -139,43 +113,34 @@ def spread(values: list[float]) -> tuple[float, float]:
     return q1, q3
 
 
-def unranked(rows: list[tuple[str, float, int, tuple[float, float]]]) -> list[str]:
-    """Pairs of settings the machine was too busy to rank: their spreads overlap, so the
-    difference of their medians is smaller than the noise."""
-    out = []
-    for (a, ta, _, (la, ha)), (b, tb, _, (lb, hb)) in itertools.combinations(rows, 2):
-        if la <= hb and lb <= ha:
-            out.append(
-                f"{a} and {b}: {abs(ta - tb) * 1e3:.0f} ms apart, within the spread ({la * 1e3:.0f}-{ha * 1e3:.0f} "
-                f"and {lb * 1e3:.0f}-{hb * 1e3:.0f} ms)"
-            )
-    return out
+def unranked(rows: list[Row]) -> list[str]:
+    """Pairs of settings the machine was too busy to rank: their spreads overlap."""
+    return [
+        f"{a} and {b}: {abs(ta - tb) * 1e3:.0f} ms apart, within the spread ({la * 1e3:.0f}-{ha * 1e3:.0f} "
+        f"and {lb * 1e3:.0f}-{hb * 1e3:.0f} ms)"
+        for (a, ta, _, (la, ha)), (b, tb, _, (lb, hb)) in itertools.combinations(rows, 2)
+        if la <= hb and lb <= ha
+    ]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=80)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=8)
+    for flag, default in (("--steps", 80), ("--seq", 128), ("--batch-size", 8), ("--seed", 0)):
+        parser.add_argument(flag, type=int, default=default)
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per setting in the comparison")
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-
     quiet_third_party_noise()  # transformers' use_cache notice, too, would repeat what the map says
     from .model import CheckpointedModel
 
     config, text = load_assets()
-    model = add_lora(build_model(config, args.seed))
-    model.train()
-    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    cm = CheckpointedModel(add_lora(build_model(config, args.seed)).train(), CheckpointConfig(every_n_layers=2))
     print("remat demo: LoRA fine-tune of a tiny Llama (from remat/assets) on CPU")
     print(
         f"{args.steps} training steps, then {3 * (args.repeats + 1)} measured ones: with the defaults about 1-2 "
         "minutes on an idle CPU (the second step's time gives the estimate for this machine)\n"
     )
     print(cm.checkpoint_map, "\n")
-
     optimizer = torch.optim.AdamW([p for p in cm.parameters() if p.requires_grad], lr=args.lr)
     data = batches(text, args.seq, args.batch_size, args.seed)
     for step in range(1, args.steps + 1):
@@ -189,30 +154,21 @@ def main(argv: list[str] | None = None) -> None:
         if step == 2:  # the first step pays for one-time set-up
             left = (time.perf_counter() - started) * (args.steps - 2 + 3 * (args.repeats + 1))
             print(f"          (a step takes {time.perf_counter() - started:.2f} s here: about {left:.0f} s to go)")
-
     with cm.for_inference():
         prompt = torch.tensor([list(b"The map is ")])
         out = cm.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
         sample = bytes(out[0].tolist()).decode("utf-8", errors="replace")
         print(f"\nsample: {sample!r}\n")
-
     rows = compare_with_spread(cm, next(data), args.repeats)
-    base_time = rows[0][1]
     what = "quartiles" if args.repeats >= 3 else "lowest-highest"
     print(f"Measured here: batch {args.batch_size} x {args.seq} tokens, median of {args.repeats} steps each ({what})")
-    print(
-        render_table(
-            ("setting", "step ms", "vs none", "activation MiB held"),
-            [
-                (name, f"{t * 1e3:.0f} ({lo * 1e3:.0f}-{hi * 1e3:.0f})", f"{t / base_time:.2f}x", mib(b))
-                for name, t, b, (lo, hi) in rows
-            ],
-        )
-    )
-    close = unranked(rows)
-    if close:
-        print("Too busy to rank these here (the machine's noise is larger than their difference):")
-        print("\n".join(f"  {line}" for line in close))
+    cells = [
+        (n, f"{t * 1e3:.0f} ({lo * 1e3:.0f}-{hi * 1e3:.0f})", f"{t / rows[0][1]:.2f}x", mib(b))
+        for n, t, b, (lo, hi) in rows
+    ]
+    print(render_table(("setting", "step ms", "vs none", "activation MiB held"), cells))
+    if close := unranked(rows):
+        print("Too busy to rank these here (the machine's noise is larger than their difference):", *close, sep="\n  ")
 
 
 if __name__ == "__main__":

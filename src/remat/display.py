@@ -1,5 +1,4 @@
-"""Tables for people: the map, the map with offload and swap counters. Display only; the
-plan itself (`remat.plan`) knows nothing of how it is shown."""
+"""Tables for people: the map, with offload and swap counters. `remat.plan` knows nothing of display."""
 
 from __future__ import annotations
 
@@ -10,11 +9,8 @@ from typing import Any
 def render_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """A plain fixed-width table; the last column is left unpadded."""
     widths = [max(len(str(row[i])) for row in (header, *rows)) for i in range(len(header))]
-    lines = []
-    for row in (header, tuple("-" * w for w in widths), *rows):
-        cells = [str(cell).ljust(width) for cell, width in zip(row, widths, strict=True)]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+    lines = (header, tuple("-" * w for w in widths), *rows)
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in lines)
 
 
 def mib(nbytes: float, digits: int = 2) -> str:
@@ -31,19 +27,15 @@ def off_notice(why: str) -> str:
 
 
 def map_table(checkpoint_map: Sequence[Any]) -> str:
-    """One row per layer: index, name, policy, swapped, why."""
     return render_table(
         ("index", "name", "policy", "swapped", "why"),
         [(str(p.index), p.name, p.policy, "yes" if p.swapped else "no", p.reason) for p in checkpoint_map],
     )
 
 
-def describe_map(
-    checkpoint_map: Sequence[Any], offload_stats: Mapping[int, Any], swap_stats: Mapping[int, Any] | None = None
-) -> str:
-    """The map's table plus per-layer counters: offload (bytes offloaded / kept and why, copies)
-    and block swap (weight fetches and bytes fetched)."""
-    swap_stats = swap_stats or {}
+def describe_map(checkpoint_map: Sequence[Any], offload_stats: Mapping[int, Any], swap_stats: Mapping[int, Any]) -> str:
+    """The map's table plus per-layer offload counters (bytes offloaded / kept and why, copies) and
+    block swap ones (weight fetches and bytes fetched)."""
     rows = []
     for p in checkpoint_map:
         stats = offload_stats.get(p.index)
@@ -58,7 +50,6 @@ def describe_map(
         swapped = "yes" if p.swapped else "no"
         rows.append((str(p.index), p.name, p.policy, swapped, moved, kept, copies, fetched, why or p.reason))
     header = ("index", "name", "policy", "swapped", "offloaded MiB", "kept MiB", "copies out/in", "weight fetches")
-    header += ("why",)
-    table = render_table(header, rows)
+    table = render_table((*header, "why"), rows)
     off = getattr(checkpoint_map, "off", None)
     return table if off is None else f"{off_notice(off)}\n{table}"

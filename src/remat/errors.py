@@ -1,11 +1,4 @@
-"""Every error remat raises to a user: `RematError` and its subclasses, importable from `remat`.
-
-Each class is also the builtin a caller caught before the family existed (`except ValueError`
-keeps working), and each message names what to do. This module imports nothing of remat, so
-every room can raise from it.
-"""
-
-from __future__ import annotations
+"""Every error remat raises to a user; each is also the builtin a caller caught before (`except ValueError`)."""
 
 
 class RematError(Exception):

@@ -1,16 +1,7 @@
-"""The loss of one measuring step, and the inputs it runs on.
-
-The memory report and the planner run training steps on a batch the user hands them. Two things
-are settled here, once for both:
-
-- Where the loss comes from: the model's own (`outputs.loss`, which transformers computes when
-  the batch has labels), or `loss_fn(outputs, batch)` for a model whose output has none (a base
-  model with a custom head, BertModel). A batch with neither is refused before any work.
-- That the step touches nothing outside the model: a tensor of the batch that requires grad (a
-  soft prompt passed as `inputs_embeds`) is replaced by a fresh leaf with the same values, so
-  the measuring steps' gradients never reach the user's tensor. The autograd graph the model
-  builds is the same (its input still requires grad).
-"""
+"""The loss of a measuring step (the memory report's, the planner's) and the inputs it runs on: the
+model's own (`outputs.loss`) or `loss_fn(outputs, batch)`, a batch with neither refused before any
+work; a batch tensor that requires grad (a soft prompt) becomes a fresh leaf, so the steps'
+gradients never reach it."""
 
 from __future__ import annotations
 
@@ -25,15 +16,6 @@ from .errors import ConfigError, ConfigTypeError
 LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
 
 
-def label_names(model: nn.Module) -> set[str]:
-    """The batch keys from which the model computes its own loss (transformers' `find_labels`
-    on the transformers model, under a PeftModel if there is one), and "labels"."""
-    from transformers.utils import find_labels
-
-    base = model.get_base_model() if hasattr(type(model), "get_base_model") else model
-    return {"labels", *find_labels(type(base))}
-
-
 def check_loss_source(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None, what: str) -> None:
     """Refuse, before any work, a batch from which no loss can come."""
     if loss_fn is not None:
@@ -42,7 +24,10 @@ def check_loss_source(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossF
                 f"{what}: loss_fn must be a callable (outputs, batch) -> loss, got {type(loss_fn).__name__}"
             )
         return
-    names = label_names(model)
+    from transformers.utils import find_labels
+
+    base = model.get_base_model() if hasattr(type(model), "get_base_model") else model  # under a PeftModel
+    names = {"labels", *find_labels(type(base))}  # the batch keys from which the model computes its own loss
     if not any(batch.get(name) is not None for name in names):
         raise ConfigError(
             f"{what} runs training steps and needs a loss: this batch has no labels ({', '.join(sorted(names))}) "
@@ -52,8 +37,7 @@ def check_loss_source(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossF
 
 
 def own_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-    """The batch with every tensor that requires grad replaced by a fresh leaf of the same values
-    (sharing its memory), so gradients of the measuring steps stay inside the model."""
+    """The batch with every tensor that requires grad replaced by a fresh leaf sharing its memory."""
     return {
         key: value.detach().requires_grad_(True) if isinstance(value, torch.Tensor) and value.requires_grad else value
         for key, value in batch.items()
@@ -61,7 +45,7 @@ def own_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def step_loss(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None) -> torch.Tensor:
-    """Forward `model(**batch)` and the loss of it (see the module docstring)."""
+    """Forward `model(**batch)` and its scalar loss."""
     outputs = model(**batch)
     if loss_fn is not None:
         loss = loss_fn(outputs, batch)

@@ -1,27 +1,16 @@
 """Measure what backward holds: the bytes of activations alive after forward.
 
-`LiveStorages` is remat's one tracker of live tensors (the memory report, the planner's step
-peak, `measure_step` and `remat.testing` all use it). On CPU there is no allocator to ask, so the
-forward runs under a dispatch mode that keeps a weak reference to every tensor an op produces.
-After forward, the ones still alive are what the autograd graph (and the loss) keep for
-backward: everything else was freed when the layer returned. torch keeps a tensor's Python
-object alive as long as its C++ tensor lives, so a weak reference dies only when the memory is
-really released. Storages are counted once each; those of parameters and buffers are weights.
-
-Tensors saved by a checkpoint are its inputs, produced by the previous layer's ops, so they are
-counted; the activations inside a checkpointed layer die with the layer and are not. Not seen:
-tensors made outside the dispatcher, the CPU RNG state a checkpoint keeps to replay dropout (5 KB
-per layer, host memory on an accelerator) and Python scalars autograd saves as 0-dim tensors
+On CPU there is no allocator to ask: op outputs alive after forward (weakly referenced) are what
+autograd keeps for backward. Not seen: tensors made outside the dispatcher, the CPU RNG state a
+checkpoint keeps for dropout (5 KB per layer) and Python scalars autograd saves as 0-dim tensors
 (the suite's allocator count, tests/independent_memory.py, finds exactly these).
 """
 
 from __future__ import annotations
 
 import gc
-import time
 import weakref
-from collections.abc import Callable, Container, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Iterable
 from typing import Any
 
 import torch
@@ -31,14 +20,10 @@ from torch.utils._pytree import tree_flatten
 
 
 class LiveStorages(TorchDispatchMode):
-    """remat's one tracker of live tensors: a dispatch mode that sees every tensor an op returns.
-
-    Two readings, one per use. Without `peak_on`: a weak reference to each output, with the
-    `scope` it ran in (the layer running, for the memory report); `alive()` and `held_bytes()`
-    after the body are what is still alive. With `peak_on` (a device): a running count of the
-    bytes of storages alive there, each counted once from the moment it is known (`known`, or
-    returned by an op) until it is freed, and `peak`, the most at any moment (a step's peak as
-    torch's `MemTracker` counts it, see `remat.planner.peak`)."""
+    """remat's one tracker of live tensors. Without `peak_on`: each op output with the `scope` it ran
+    in (the running layer), read after the body by `held()`. With `peak_on` (a device): a running
+    count of the bytes of storages alive there, from when known (`known`, or returned by an op)
+    until freed, and `peak`, the most at any moment (as torch's `MemTracker` counts it)."""
 
     def __init__(
         self,
@@ -58,35 +43,28 @@ class LiveStorages(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        scope = None if self._device_type is not None else self._scope()
-        for value in tree_flatten(out)[0]:
-            if not isinstance(value, torch.Tensor):
-                continue
-            if self._device_type is None:
-                self.outputs.append((weakref.ref(value), scope))
-            else:
-                self._count(value)
+        tensors = [value for value in tree_flatten(out)[0] if isinstance(value, torch.Tensor)]
+        if self._device_type is None:
+            scope = self._scope()
+            self.outputs += [(weakref.ref(tensor), scope) for tensor in tensors]
+        else:
+            for tensor in tensors:
+                self._count(tensor)
         return out
 
-    def alive(self) -> Iterator[tuple[torch.Tensor, Any]]:
-        """The recorded tensors that still exist, with their scopes."""
+    def held(self, exclude: Container[int] = (), device: torch.device | str | None = None) -> dict[int, tuple]:
+        """{data pointer: (bytes, scope, device)} of the outputs still alive, one entry per storage,
+        leaving out pointers in `exclude`; with `device`, only storages there."""
+        where = torch.device(device) if device is not None else None
+        seen: dict[int, tuple[int, Any, torch.device]] = {}
         for ref, scope in self.outputs:
             tensor = ref()
-            if tensor is not None:
-                yield tensor, scope
-
-    def held_bytes(self, exclude: Container[int] = (), device: torch.device | str | None = None) -> int:
-        """The bytes of recorded outputs still alive, one count per storage, leaving out storages
-        whose data pointer is in `exclude`; with `device`, only storages there."""
-        where = torch.device(device) if device is not None else None
-        gc.collect()
-        seen: dict[int, int] = {}
-        for tensor, _ in self.alive():
-            key = storage_key(tensor)
+            key = None if tensor is None else storage_key(tensor)
             if key is None or key[0] in exclude or key[0] == 0 or not _on(tensor.device, where):
                 continue
-            seen[key[0]] = max(seen.get(key[0], 0), key[1])
-        return sum(seen.values())
+            if key[0] not in seen or key[1] > seen[key[0]][0]:
+                seen[key[0]] = (key[1], scope, tensor.device)
+        return seen
 
     def _count(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != self._device_type:
@@ -121,53 +99,23 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
 
 
 def weight_storages(module: nn.Module, device: torch.device | None = None) -> dict[int, int]:
-    """{data pointer: bytes} of the storages of the module's parameters and buffers, each once
-    (with `device`, only those there: a swapped weight waits on the host)."""
-    seen: dict[int, int] = {}
-    for tensor in (*module.parameters(), *module.buffers()):
-        key = storage_key(tensor)
-        if key is not None and key[0] != 0 and _on(tensor.device, device):
-            seen[key[0]] = key[1]
-    return seen
+    """{data pointer: bytes} of the module's parameters' and buffers' storages, each once (with
+    `device`, only those there: a swapped weight waits on the host)."""
+    keys = ((storage_key(t), t.device) for t in (*module.parameters(), *module.buffers()))
+    return {key[0]: key[1] for key, where in keys if key is not None and key[0] != 0 and _on(where, device)}
 
 
 def held_bytes_after(
     forward: Callable[[], Any], exclude: Container[int], device: torch.device | str | None = None
 ) -> tuple[Any, int]:
-    """Run `forward()`, return its result and the bytes of op outputs still alive afterwards
-    (`LiveStorages.held_bytes`; with `device`, only there: an offloaded input waits in host
-    memory, which holds no device bytes)."""
+    """`forward()`'s result and the bytes of op outputs still alive after it (with `device`, only
+    there: an offloaded input waits in host memory)."""
     with LiveStorages() as tracker:
         result = forward()
-    return result, tracker.held_bytes(exclude, device)
+    gc.collect()
+    return result, sum(entry[0] for entry in tracker.held(exclude, device).values())
 
 
 def _on(device: torch.device, where: torch.device | None) -> bool:
     """Whether `device` is `where` ("cuda" means any CUDA device; None, anywhere)."""
     return where is None or (device.type == where.type and where.index in (None, device.index))
-
-
-@dataclass(frozen=True)
-class StepMeasurement:
-    """One training step: how long it took and how many activation bytes backward held."""
-
-    seconds: float
-    activation_bytes: int
-    loss: float
-
-
-def measure_step(model: nn.Module, batch: dict[str, torch.Tensor], *, track_memory: bool = True) -> StepMeasurement:
-    """One forward + backward of `model(**batch).loss`, timed; gradients are left in place.
-
-    The memory count runs the forward under a tracking mode that slows it down, so a step
-    measured for memory is not the one timed: call twice, once with `track_memory=False`.
-    """
-    if track_memory:
-        exclude = weight_storages(model)
-        loss, held = held_bytes_after(lambda: model(**batch).loss, exclude)
-        loss.backward()
-        return StepMeasurement(float("nan"), held, loss.item())
-    start = time.perf_counter()
-    loss = model(**batch).loss
-    loss.backward()
-    return StepMeasurement(time.perf_counter() - start, -1, loss.item())

@@ -1,19 +1,9 @@
-"""Putting modules back as they were: the one helper behind "measuring leaves the model as it
-was" (`remat.planner`) and "a recompute leaves the layer as its forward did" (`remat.recompute`).
+"""Putting modules back as they were, after measuring (`remat.planner`) or a recompute (`remat.recompute`).
 
-A forward changes more than activations. An MoE router counts tokens in a buffer, a module
-advances a step counter kept as a plain int or float attribute, a rotary embedding replaces its
-cache buffer. `Watched` lists those places once (buffers, and int/float attributes); a
-`Snapshot` of them records each buffer's version counter (and, when asked, a copy of its
-values) and each number's value; `Snapshot.restore()` writes back only what changed since.
-
-Only what changed is touched: writing back every buffer would bump version counters that a
-reentrant backward checks (rotary caches read through views), and copying every buffer on
-every recompute would clone large caches for nothing. So a recompute first asks which entries
-its forward changed (`Snapshot.changed()`, no copies), and copies only those.
-
-`model_left_as_it_was` adds what a training step changes besides the modules' state: the
-parameters' gradients and the RNG (through `torch.random.fork_rng`, on the model's device).
+A forward changes more than activations: an MoE router counts tokens in a buffer, a step counter
+is an int attribute, a rotary embedding replaces its cache buffer. Only what changed is written
+back: writing every buffer would bump version counters a reentrant backward checks, and copying
+every buffer on every recompute would clone large caches; so a recompute first asks `changed()`.
 """
 
 from __future__ import annotations
@@ -22,6 +12,7 @@ import contextlib
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,86 +21,61 @@ from .refs import Ref
 
 logger = logging.getLogger("remat")
 
-_NUMBER_TYPES = (int, float)  # exact types: a bool is a flag a forward does not advance
-
 
 @dataclass(frozen=True)
-class _BufferEntry:
+class _Entry:
     owner: Ref[nn.Module]
     name: str
+    buffer: bool  # a buffer, or an int/float attribute
 
-
-@dataclass(frozen=True)
-class _NumberEntry:
-    owner: Ref[nn.Module]
-    key: str
+    def current(self) -> Any:
+        module = self.owner()
+        return None if module is None else (module._buffers if self.buffer else vars(module)).get(self.name)
 
 
 class Watched:
-    """The buffers and int/float attributes of some modules, listed once (a layer's shim lists
-    them when it is installed and reads them around every forward). Modules are held weakly."""
+    """The buffers and int/float attributes (exact types: a bool is a flag a forward does not
+    advance) of some modules, listed once, held weakly."""
 
-    def __init__(self, modules: Iterable[nn.Module] = (), *, numbers: bool = True):
-        self.buffers: list[_BufferEntry] = []
-        self.numbers: list[_NumberEntry] = []
+    def __init__(self, modules: Iterable[nn.Module] = ()):
+        self.buffers: list[_Entry] = []
+        self.numbers: list[_Entry] = []
         for module in modules:
             owner = Ref(module)
-            self.buffers += [_BufferEntry(owner, n) for n, b in module._buffers.items() if b is not None]
-            if numbers:
-                self.numbers += [_NumberEntry(owner, k) for k, v in vars(module).items() if type(v) in _NUMBER_TYPES]
-
-    @classmethod
-    def of(cls, buffers: list[_BufferEntry], numbers: list[_NumberEntry]) -> Watched:
-        watched = cls()
-        watched.buffers, watched.numbers = buffers, numbers
-        return watched
+            self.buffers += [_Entry(owner, n, True) for n, b in module._buffers.items() if b is not None]
+            self.numbers += [_Entry(owner, k, False) for k, v in vars(module).items() if type(v) in (int, float)]
 
     def __bool__(self) -> bool:
         return bool(self.buffers or self.numbers)
 
     def snapshot(self, *, copy: bool = False, copy_limit: int | None = None) -> Snapshot:
-        """The entries as they are now: versions and values; with `copy`, a copy of each buffer
-        (on the host when `copy_limit` is given, and only of buffers up to that many bytes:
-        larger ones are weights kept as buffers, e.g. a quantized model's, not counters)."""
-        tensors = [_current(entry) for entry in self.buffers]
-        copies = [_copy(t, copy_limit) if copy and t is not None else None for t in tensors]
-        versions = [-1 if t is None else t._version for t in tensors]
-        values = [_value(entry) for entry in self.numbers]
-        return Snapshot(self, tensors, versions, copies, values)
+        """Versions and values now; with `copy`, a copy of each buffer (with `copy_limit`, on the host
+        and only up to that many bytes: larger ones are weights kept as buffers, not counters)."""
+        tensors = [(entry, entry.current()) for entry in self.buffers]
+        buffers = [(e, t, t._version, _copy(t, copy_limit) if copy else None) for e, t in tensors if t is not None]
+        return Snapshot(buffers, [(entry, entry.current()) for entry in self.numbers])
 
 
 @dataclass(frozen=True)
 class Snapshot:
     """What `Watched.snapshot` recorded: put back with `restore()`, compared with `changed()`."""
 
-    watched: Watched
-    tensors: list[torch.Tensor | None]
-    versions: list[int]
-    copies: list[torch.Tensor | None]
-    values: list[int | float | None]
+    buffers: list[tuple[_Entry, torch.Tensor, int, torch.Tensor | None]]  # entry, tensor, version, copy
+    numbers: list[tuple[_Entry, int | float | None]]  # entry, value
 
     def changed(self) -> Watched:
-        """The entries that changed since the snapshot: a buffer replaced or written to, a number
-        with another value."""
-        buffers = [
-            entry
-            for entry, tensor, version in zip(self.watched.buffers, self.tensors, self.versions, strict=True)
-            if tensor is not None and (tensor._version != version or _current(entry) is not tensor)
-        ]
-        numbers = [
-            entry for entry, value in zip(self.watched.numbers, self.values, strict=True) if _value(entry) != value
-        ]
-        return Watched.of(buffers, numbers)
+        """The entries changed since: a buffer replaced or written to, a number with another value."""
+        changed = Watched()
+        changed.buffers = [e for e, t, version, _ in self.buffers if t._version != version or e.current() is not t]
+        changed.numbers = [entry for entry, value in self.numbers if entry.current() != value]
+        return changed
 
     def restore(self) -> list[str]:
-        """Put back what changed since the snapshot; returns the names of changed buffers that
-        could not be put back (no copy was taken: too large)."""
+        """Put back what changed; returns the names of changed buffers with no copy (too large)."""
         lost = []
-        for entry, tensor, version, copy in zip(
-            self.watched.buffers, self.tensors, self.versions, self.copies, strict=True
-        ):
+        for entry, tensor, version, copy in self.buffers:
             module = entry.owner()
-            if tensor is None or module is None:
+            if module is None:
                 continue
             if module._buffers.get(entry.name) is not tensor:
                 module._buffers[entry.name] = tensor  # replaced by a new tensor (a rotary cache)
@@ -120,37 +86,25 @@ class Snapshot:
                 continue
             with torch.no_grad():
                 tensor.copy_(copy)
-        for entry, value in zip(self.watched.numbers, self.values, strict=True):
+        for entry, value in self.numbers:
             module = entry.owner()
-            if module is not None and value is not None and vars(module).get(entry.key) != value:
-                object.__setattr__(module, entry.key, value)
+            if module is not None and value is not None and vars(module).get(entry.name) != value:
+                object.__setattr__(module, entry.name, value)
         return lost
-
-
-def _current(entry: _BufferEntry) -> torch.Tensor | None:
-    module = entry.owner()
-    return None if module is None else module._buffers.get(entry.name)
-
-
-def _value(entry: _NumberEntry) -> int | float | None:
-    module = entry.owner()
-    return None if module is None else vars(module).get(entry.key)
 
 
 def _copy(tensor: torch.Tensor, limit: int | None) -> torch.Tensor | None:
     if limit is None:
         return tensor.detach().clone()
-    if tensor.numel() * tensor.element_size() > limit:
-        return None
-    return tensor.detach().to("cpu", copy=True)
+    return None if tensor.numel() * tensor.element_size() > limit else tensor.detach().to("cpu", copy=True)
 
 
 @contextlib.contextmanager
 def model_left_as_it_was(model: nn.Module, *, copy_limit: int, what: str) -> Iterator[None]:
     """Run the body (training steps) and put back, whatever happens: the parameters' gradients
-    (the body starts with none), the buffers and int/float attributes of every module, and the
-    RNG state of the CPU and of the model's accelerator. Buffers larger than `copy_limit` bytes
-    are not copied; if one of those changed, a warning names it (`what` says who measured)."""
+    (the body starts with none), every module's buffers and int/float attributes, and the RNG of
+    the CPU and the model's accelerator. Buffers over `copy_limit` bytes are not copied; if one
+    changed, a warning names it (`what` says who measured)."""
     grads = [(p, p.grad) for p in model.parameters()]
     snapshot = Watched(model.modules()).snapshot(copy=True, copy_limit=copy_limit)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))

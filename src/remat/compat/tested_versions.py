@@ -1,14 +1,7 @@
-"""The releases of torch and transformers remat is tested with, and one WARNING on any other.
-
-remat overrides private Trainer methods (`_save`, `_load_from_checkpoint`) and reads attributes
-transformers does not promise (`transformers_compat`), so a release outside the tested range may
-work or may break in a way no error names. pyproject.toml declares these ranges with one minor
-release of headroom past the newest tested (installable, with this warning); the README's
-Compatibility table states them; tests/test_packaging.py checks the three agree.
-
-The check runs when the first `CheckpointedModel` is built (not on `import remat`, which stays
-free of torch) and warns once per package and version.
-"""
+"""The torch and transformers releases remat is tested with, and one WARNING on any other (remat
+overrides private Trainer methods, so an untested release may break in ways no error names).
+pyproject.toml (one minor release of headroom), the README and `TESTED` agree (tests/test_packaging.py).
+Checked once per package and version when the first `CheckpointedModel` is built, not on import."""
 
 from __future__ import annotations
 
@@ -19,12 +12,8 @@ from collections.abc import Callable
 
 logger = logging.getLogger("remat")
 
-# (oldest, newest) minor release tested, inclusive. The suite runs on torch 2.13 and on
-# transformers 4.57.6, 5.17.0 and 5.24.0.
-TESTED: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {
-    "torch": ((2, 13), (2, 13)),
-    "transformers": ((4, 57), (5, 24)),
-}
+# (oldest, newest) minor release tested, inclusive: torch 2.13; transformers 4.57.6, 5.17.0, 5.24.0.
+TESTED = {"torch": ((2, 13), (2, 13)), "transformers": ((4, 57), (5, 24))}
 
 _warned: set[tuple[str, str]] = set()
 
@@ -35,35 +24,28 @@ def minor_release(version: str) -> tuple[int, int] | None:
     return (int(match.group(1)), int(match.group(2))) if match else None
 
 
-def _shown(release: tuple[int, int]) -> str:
-    return f"{release[0]}.{release[1]}"
-
-
 def installed_version(package: str) -> str:
     """The installed distribution's version string (tests replace this to fake a release)."""
     return importlib.metadata.version(package)
 
 
 def warn_if_untested(version_of: Callable[[str], str] | None = None) -> list[str]:
-    """Log one WARNING (logger "remat") for each of torch and transformers whose installed release
-    lies outside the tested range, once per package and version in this process. `version_of`
-    answers a distribution's version (default `installed_version`). Returns what it warned."""
-    version_of = version_of or installed_version
+    """Log (and return) one WARNING for each of torch and transformers installed outside the tested
+    range, once per package and version in this process; `version_of` defaults to `installed_version`."""
     said = []
     for package, (oldest, newest) in TESTED.items():
         try:
-            version = version_of(package)
+            version = (version_of or installed_version)(package)
         except importlib.metadata.PackageNotFoundError:
             continue
         release = minor_release(version)
         if release is None or oldest <= release <= newest or (package, version) in _warned:
             continue
         _warned.add((package, version))
-        tested = _shown(oldest) if oldest == newest else f"{_shown(oldest)} to {_shown(newest)}"
-        message = (
+        tested = "{}.{}".format(*oldest) + ("" if oldest == newest else " to {}.{}".format(*newest))
+        said.append(
             f"{package} {version} is not a release remat is tested with ({package} {tested}); it may work, or fail in "
             f"ways no error names (the README's Install section shows how to install a tested release)"
         )
-        logger.warning(message)
-        said.append(message)
+        logger.warning(said[-1])
     return said
