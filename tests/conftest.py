@@ -8,11 +8,19 @@ gradients of one training step to compare against a run without checkpointing.
 from __future__ import annotations
 
 import logging
+import os
+
+# One intra-op thread, here and in every process a test starts (they inherit the environment): the
+# tiny models' ops are too small to share among threads, and two threads spend several times the
+# CPU on handing them over (six times on a busy 2-core machine), which only slows the suite.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
 import transformers
 from torch import nn
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 VOCAB = 96
 SEQ = 12

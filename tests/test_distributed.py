@@ -88,7 +88,7 @@ def test_block_swap_on_fsdp2_sharded_layers_is_refused_before_anything_moves(ddp
 
 
 def test_reentrant_under_ddp_is_replaced_by_non_reentrant_and_said_once(ddp_results):
-    """Once per process: each rank says it in the first case that asks for reentrant (three steps,
+    """Once per process: each rank says it in the first case that asks for reentrant (two steps,
     one line), and not again in the next one."""
     for first, later in zip(ddp_results["reentrant"], ddp_results["reentrant-find-unused"], strict=True):
         assert [m for m in first["logs"] if "use_reentrant=True is ignored" in m] != []

@@ -60,14 +60,24 @@ def _span(cm, data):
     return low, high
 
 
-@pytest.fixture(scope="module", params=[_llama, _llava], ids=["llama-lora", "llava"])
-def profiled(request):
-    cm, data = request.param()
+def _profiled(build):
+    cm, data = build()
     low, high = _span(cm, data)
     forwards = Forwards(cm.model)
     profile = cm.profile(data, progress=False)
     forwards.remove()
     return cm, data, profile, low, high, forwards.count
+
+
+@pytest.fixture(scope="module")
+def llama_profiled():
+    """One profile of `_llama`, shared: tests that enable a plan on its wrapper put back the default."""
+    return _profiled(_llama)
+
+
+@pytest.fixture(scope="module", params=["llama-lora", "llava"])
+def profiled(request):
+    return request.getfixturevalue("llama_profiled") if request.param == "llama-lora" else _profiled(_llava)
 
 
 @pytest.mark.parametrize("fraction", [0.2, 0.5, 0.85])
@@ -207,9 +217,9 @@ def test_a_soft_prompt_outside_the_model_keeps_its_gradient(how):
     assert fresh.grad is None
 
 
-def test_the_plan_prints_per_layer_and_is_a_config_like_any_other(tmp_path):
-    cm, data = _llama()
-    planned = cm.profile(data, repeats=1, progress=False).plan("1GiB")
+def test_the_plan_prints_per_layer_and_is_a_config_like_any_other(llama_profiled, tmp_path):
+    cm, _, profile, *_ = llama_profiled
+    planned = profile.plan("1GiB")
     text = str(planned)
     assert text.count("base_model.model.model.layers.") == 6 and "total (predicted)" in text and "budget" in text
     path = planned.save_pretrained(tmp_path)
@@ -220,11 +230,14 @@ def test_the_plan_prints_per_layer_and_is_a_config_like_any_other(tmp_path):
     cm.model.gradient_checkpointing_disable()
     cm.model.gradient_checkpointing_enable()  # a generation toggle: the plan comes back as it was
     assert [p.policy for p in cm.checkpoint_map] == [c.policy for c in planned.choices]
+    cm.enable(CheckpointConfig())
 
 
-def test_bad_budgets_scopes_and_a_step_scope_without_optimizer_are_refused_by_the_plan_which_runs_nothing():
-    cm, data = _llama()
-    profile = cm.profile(data, repeats=1, progress=False)
+def test_bad_budgets_scopes_and_a_step_scope_without_optimizer_are_refused_by_the_plan_which_runs_nothing(
+    llama_profiled,
+):
+    cm, _, profile, *_ = llama_profiled
+    assert cm.checkpoint_config == CheckpointConfig() and controller_of(cm).is_enabled
     forwards = Forwards(cm.model)
     for budget, error, match in [
         ("lots", ValueError, "budget"),
@@ -239,6 +252,7 @@ def test_bad_budgets_scopes_and_a_step_scope_without_optimizer_are_refused_by_th
         profile.plan("1GiB", scope="step")
     with pytest.raises(ValueError, match="scope"):
         profile.plan("1GiB", scope="everything")
+    forwards.remove()
     assert forwards.count == 0
     assert cm.checkpoint_config == CheckpointConfig() and controller_of(cm).is_enabled
 
@@ -372,9 +386,8 @@ def test_tokens_a_plan_for_twice_the_tokens_holds_its_prediction_at_that_length(
         assert activation_bytes(cm, batch(size=4, seq=32)) <= budget  # twice the batch instead: within the budget
 
 
-def test_a_profile_is_its_own_object_copyable_and_printable():
-    cm, data = _llama()
-    profile = cm.profile(data, repeats=1, progress=False)
+def test_a_profile_is_its_own_object_copyable_and_printable(llama_profiled):
+    profile = llama_profiled[2]
     assert "6 layers" in repr(profile) and profile.tokens == 64
     twin = copy.deepcopy(profile)
     assert twin.plan("1GiB") == profile.plan("1GiB")
