@@ -1,9 +1,7 @@
-"""Guards on a swapped layer's instance (and on the model while anything is swapped), undone when
-the layer leaves the set: forward hooks fetch and give back its weights; `state_dict()` reads and
-`load_state_dict()` writes the host copies; `.to()` and friends convert them too; copies,
-pickling, DataParallel replication, `assign=True` loads and PEFT merges are refused (each would
-treat the placeholders as the weights). The forward hooks run eagerly under `torch.compile`:
-traced, pointing `p.data` at a slot is a `set_` on a graph input, which inductor cannot compile.
+"""Guards on a swapped layer's instance (and on the model while anything is swapped), undone when it
+leaves: forward hooks fetch and give back its weights; `state_dict()`, `load_state_dict()` and `.to()`
+work on the host copies; copies, pickling, DataParallel, `assign=True` loads and PEFT merges are refused.
+The forward hooks run eagerly under `torch.compile` (inductor cannot compile a `set_` on a graph input).
 """
 
 from __future__ import annotations
