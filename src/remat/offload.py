@@ -1,14 +1,9 @@
-"""Host offload of checkpoint inputs: the "offload" policy. Bytes cross through `remat.transport`
-(shared with block swap); this module decides which input moves when, and keeps the per-layer
-counters and the host budget. `remat.testing.SimulatedTransport` plays a device and a host on the
-CPU, so all of it runs in CI without a GPU.
-
-torch's non-reentrant checkpoint saves a layer's positional inputs before entering its own hooks,
-so a `saved_tensors_hooks` context around the call sees exactly those. Only the hidden states move
-(masks and position embeddings are shared by every layer), and not under `offload_min_bytes`.
-Backward needs the last checkpointed layer's input first, so each input is held back until the
-next checkpointed layer starts, then copied out while that layer computes; whatever is held when
-forward ends stays. Host buffers go with the autograd graph that holds them, an abandoned step's too.
+"""The "offload" policy: which checkpoint input moves to the host when (bytes cross in `remat.transport`),
+per-layer counters and the host budget. torch's checkpoint saves a layer's positional inputs before
+entering its own hooks, so a `saved_tensors_hooks` context around the call sees exactly those. Only the
+hidden states move, and not under `offload_min_bytes`. Backward needs the last checkpointed layer's
+input first, so each input is held back until the next checkpointed layer starts, then copied out while
+that layer computes. Host buffers go with the autograd graph that holds them, an abandoned step's too.
 """
 
 from __future__ import annotations
@@ -89,8 +84,7 @@ class HostBuffers:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def give_back(self, buffer: torch.Tensor) -> bool:
-        """Uncount `buffer`. True: nothing offloads any more and this was the last pinned buffer, so
-        the caller, once it has dropped its reference, calls `return_freed_host_memory()`."""
+        """True: the last pinned buffer after `release()`; the caller drops it, then returns host memory."""
         counted = self._pinned.pop(buffer.untyped_storage().data_ptr(), None) is not None
         last = counted and self._returning and not self._pinned
         self._cached &= not last
@@ -106,9 +100,8 @@ class HostBuffers:
 
 
 class _Packed:
-    """One offloaded input, and what the autograd graph stores for it: held on the device until
-    forward moves past it, then on the host. When the graph is freed (after backward, or when a
-    step is abandoned) this goes, and its host buffer with it."""
+    """One offloaded input, as the autograd graph stores it: on the device until forward moves past it,
+    then on the host. It goes with the graph (after backward, or an abandoned step), its buffer too."""
 
     def __init__(self, offloader: Offloader, buffers: HostBuffers, layer: int, tensor: torch.Tensor, order: int):
         self.stats, self.buffers, self.transport = offloader.stats, buffers, buffers.transport
@@ -151,9 +144,8 @@ class _Packed:
 
 
 class Offloader:
-    """Packs and unpacks the saved inputs of "offload" layers: one per CheckpointedModel.
-    `transport=None` takes each device's shared transport (`transport_for`) as inputs arrive;
-    `max_host_bytes=None` budgets pinned memory with `default_host_budget()`."""
+    """Packs and unpacks the saved inputs of "offload" layers, one per CheckpointedModel; `transport=None`
+    takes each device's shared transport, `max_host_bytes=None` the `default_host_budget()`."""
 
     def __init__(self, min_bytes: int, transport: OffloadTransport | None = None, max_host_bytes: int | None = None):
         self.min_bytes = min_bytes
@@ -166,8 +158,7 @@ class Offloader:
         self._order = 0
 
     def __reduce__(self) -> Any:
-        """A copy (deepcopy, pickle) has the same settings and counters and no buffers: host buffers
-        and in-flight inputs belong to this process and this graph."""
+        """A copy (deepcopy, pickle) keeps settings and counters, not buffers (this process's, this graph's)."""
         transport = self._fixed.transport if self._fixed is not None else None
         stats = defaultdict(LayerOffloadStats, self.stats)
         return (type(self), (self.min_bytes, transport, self.max_host_bytes), {"stats": stats})
@@ -193,17 +184,13 @@ class Offloader:
 
     def hooks(self, layer: int, target: torch.Tensor | None) -> torch.autograd.graph.saved_tensors_hooks:
         """The context around one checkpoint call. Only `target` (the hidden states) is offloaded,
-        recognised by storage, shape and dtype, not by the order a torch version saves inputs in
-        (some save a 0-byte marker first). Only its signature is kept: autograd stores the pack hook
-        with every saved tensor, so a closure over the tensor would keep it on the device."""
+        recognised by storage, shape and dtype (some torch versions save a 0-byte marker first). Only its
+        signature is kept: a closure over the tensor, stored with every saved tensor, would pin it."""
         signature = _signature(target) if target is not None else None
-        return torch.autograd.graph.saved_tensors_hooks(
-            lambda tensor: self._pack(layer, tensor, signature), self._unpack
-        )
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(layer, t, signature), self._unpack)
 
     def checkpoint_started(self) -> None:
-        """A checkpointed layer (any policy) starts: the input held back so far is not the one
-        backward needs first, so it goes to the host now."""
+        """A checkpointed layer starts: the input held back so far is not backward's first, so it goes out."""
         previous, self._held_back = self._held_back(), _nothing_held
         if previous is not None and previous.alive:
             previous.move_to_host()
@@ -229,16 +216,14 @@ class Offloader:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        if packed.device_tensor is not None and packed is self._held_back():
-            # Backward has started: the held-back input is the first one it needs.
+        if packed.device_tensor is not None and packed is self._held_back():  # backward's first input
             self.stats[packed.layer].keep(packed.meta.nbytes, KEPT_LAST)
             self._held_back = _nothing_held
         tensor = packed.fetch()
-        # Start fetching the input backward needs next: the one packed just before this one.
         earlier = [o for o in self._live if o < packed.order]
         candidate = self._live.get(max(earlier)) if earlier else None
         if candidate is not None and candidate.alive:
-            candidate.prefetch()
+            candidate.prefetch()  # backward needs the input packed just before this one next
         return tensor
 
     def live_host_bytes(self) -> dict[int, int]:

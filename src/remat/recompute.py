@@ -1,10 +1,6 @@
-"""The recompute shim: what a checkpointed layer calls instead of running its forward directly.
-
-transformers' `GradientCheckpointingLayer` calls ``layer._gradient_checkpointing_func(fn, *args)``
-when its `gradient_checkpointing` flag is set and it is training; remat sets both per layer, on the
-instance, as its map says. Holders (modules that carry the flag only so transformers turns
-`use_cache` off) get `run_without_checkpoint`: no layer is checkpointed twice.
-"""
+"""The recompute shim: what transformers' `GradientCheckpointingLayer` calls
+(``layer._gradient_checkpointing_func(fn, *args)``) when remat sets its flag on the instance. Holders
+(modules flagged only so transformers turns `use_cache` off) get `run_without_checkpoint`."""
 
 from __future__ import annotations
 
@@ -35,11 +31,9 @@ def run_without_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: A
 
 
 class _LayerState:
-    """The buffers and numeric attributes a layer's forward changes (an MoE router's token counts, a
-    step counter), so the recompute leaves them as the forward did. Only what the forward changed is
-    copied and written back: writing back every buffer would bump version counters a reentrant
-    backward checks (rotary caches read through views) and clone large caches on every recompute.
-    """
+    """The buffers and numeric attributes a layer's forward changes (an MoE router's token counts), so the
+    recompute leaves them as the forward did. Only those are written back: writing back every buffer would
+    bump version counters a reentrant backward checks (rotary caches) and clone large caches each time."""
 
     def __init__(self, module: nn.Module):
         self.watched = Watched(module.modules())  # weakly: the shim lives on the layer
@@ -71,22 +65,14 @@ def _distributed() -> bool:
         return False
     if "reentrant" not in _told:
         _told.add("reentrant")
-        logger.info(
-            "use_reentrant=True is ignored while torch.distributed runs several processes: "
-            "remat checkpoints non-reentrantly (same gradients, and DDP can mark each parameter once)"
-        )
+        logger.info("use_reentrant=True is ignored under torch.distributed: remat checkpoints non-reentrantly")
     return True
 
 
 class LayerCheckpoint:
-    """Checkpoint one layer as its policy (`remat.policies`) says: keep its inputs (on the device, or
-    in host memory when offloaded), drop its activations (or with "selective" only those of cheap
-    ops) and recompute them in backward.
-
-    Non-reentrant by default. With `use_reentrant=True`, a layer whose inputs do not require grad (a
-    frozen embedding under LoRA) would give an output with no grad_fn, and its LoRA weights would
-    never learn; its first floating-point input is then detached and made to require grad.
-    """
+    """Checkpoint one layer as its policy (`remat.policies`) says. With `use_reentrant=True`, a layer whose
+    inputs do not require grad (a frozen embedding under LoRA) would give an output with no grad_fn, and its
+    LoRA weights would never learn: its first floating-point input is then made to require grad."""
 
     def __init__(
         self,
@@ -109,8 +95,6 @@ class LayerCheckpoint:
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.offloader.checkpoint_started()
-        # The checkpoint saves its positional inputs before it enters its own hooks, so these
-        # hooks see exactly the layer's inputs (see remat.offload).
         target = next((a for a in args if isinstance(a, torch.Tensor)), None)
         saving = self.offloader.hooks(self.index, target) if self.offload else contextlib.nullcontext()
         with saving:
@@ -126,9 +110,8 @@ class LayerCheckpoint:
             calls[0] += 1
             if calls[0] == 1:
                 return state.watch_forward(function, *args, **kwargs)
-            # That bookkeeping is remat's, not the layer's computation: it runs outside torch's
-            # dispatch modes ("selective" expects exactly the forward's ops, and a memory
-            # measurement must not count weights as activations).
+            # remat's bookkeeping runs outside torch's dispatch modes ("selective" expects exactly the
+            # forward's ops, and a memory measurement must not count weights as activations).
             around = contextlib.ExitStack()
             try:  # entered inside: one that fails to enter must not leave the other entered
                 with _disable_current_modes():

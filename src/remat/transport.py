@@ -1,10 +1,7 @@
-"""The one host<->device transport per device (`transport_for`), shared by offload (`remat.offload`)
-and block swap (`remat.swap`), so a process has one set of copy streams per device. It only moves
-bytes and says when they arrived. `CudaTransport` has a side stream per copy direction (one copy
-engine each: an input going out overlaps a weight coming in); the compute stream waits on an event
-only where it reads what a copy wrote. On `CpuTransport` offload handles nothing (no device memory
-to free) while swap still copies weights into slots given back between uses. Test doubles live
-in `remat.testing`.
+"""The one host<->device transport per device (`transport_for`), shared by offload and block swap: it
+moves bytes and says when they arrived. `CudaTransport` has a side stream per copy direction (one copy
+engine each: an input going out overlaps a weight coming in); the compute stream waits on an event only
+where it reads what a copy wrote. Test doubles live in `remat.testing`.
 """
 
 from __future__ import annotations
@@ -132,9 +129,7 @@ class CudaTransport:
         elif not self._said_cache_stays:  # pragma: no cover - older torch
             self._said_cache_stays = True
             logger.warning(
-                "offload: torch %s cannot empty its pinned-memory cache; freed buffers stay pinned "
-                "until the process ends",
-                torch.__version__,
+                "offload: torch %s cannot empty its pinned-memory cache; freed buffers stay pinned", torch.__version__
             )
 
     def _recorded(self, stream: Any) -> Event:

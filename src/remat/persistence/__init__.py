@@ -1,9 +1,7 @@
-"""Saving and loading a `CheckpointedModel`: PEFT's adapters as PEFT writes them, plus
-`checkpoint_config.json` (`pair_format`), through the folder transaction (`remat.saving`). A load
-checks the whole save before anything changes; what PEFT then does is undone if it fails halfway or
-wrapping fails after it. The wrapped model's own `save_pretrained` and `load_adapter` (Trainer's) go
-the same way. `owner` is the wrapper's controller; the class to build is handed in (no import).
-"""
+"""Saving and loading a `CheckpointedModel`: PEFT's adapters plus `checkpoint_config.json`, through the
+folder transaction (`remat.saving`). A load checks the whole save before anything changes; what PEFT
+then does is undone if it or wrapping fails. The model's own `save_pretrained` and `load_adapter` go
+the same way."""
 
 from __future__ import annotations
 
@@ -63,9 +61,8 @@ def load_checkpointed_model(
     if not os.path.isdir(folder):
         raise NotSavedError(f"no saved CheckpointedModel at {folder}; save one with cm.save_pretrained(folder)")
     options = WrapperOptions.taken_from(kwargs)
-    # Every check that needs no change comes first: PEFT's loading changes the model. The layers
-    # are found once, planned once; again only in the PeftModel PEFT builds around a base model
-    # (its layers, with any its tuner adds), whose swap is checked after PEFT froze the weights.
+    # Every check comes before PEFT's loading changes the model. Layers are found and planned again only
+    # in the PeftModel PEFT builds around a base model (its tuner may add layers; PEFT froze the weights).
     discovery = cls._discover(model, options)
     for attempt in range(1, _READ_AGAIN + 1):
         with read_model_pair(folder, Expected.of(model, discovery.names)) as loaded:
@@ -93,8 +90,7 @@ def load_checkpointed_model(
 
 
 def apply_saved_config(owner: Any, folder: str, cause: str) -> None:
-    """Read and check the pair in `folder` for `owner`'s model, then apply its config (Trainer's
-    resume, its best model at the end)."""
+    """Check the pair in `folder` for `owner`'s model, then apply its config (Trainer's resume, best model)."""
     with read_model_pair(folder, Expected.for_owner(owner)) as loaded:
         config = loaded.saved.config
     owner.adopt_saved_config(config, f"{cause} from {folder}")

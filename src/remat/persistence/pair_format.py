@@ -1,9 +1,7 @@
-"""The pair's format: what `checkpoint_config.json` holds beside PEFT's adapters (the map's layer names
-relative to the transformers model, the architecture, the sha256 of every file PEFT reads, so a folder
-mixing two saves is refused), PEFT's file names, and every check a load makes before anything changes.
-Older saves load: format 2 has no `architecture` or `config_sha256` (those checks are skipped), format
-1 no `adapters` (PEFT's default adapter loads unchecked), and those before relative layer names carry
-a PeftModel's full names.
+"""What `checkpoint_config.json` holds beside PEFT's adapters (layer names relative to the transformers
+model, the architecture, the sha256 of every file PEFT reads, so a folder mixing two saves is refused),
+and every check a load makes before anything changes. Older saves load: format 2 lacks `architecture`
+and `config_sha256` (those checks are skipped), format 1 `adapters`, older ones carry full layer names.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ _AGAIN = "; save again to rewrite it"
 
 
 def adapter_folder(adapter_name: str) -> str:
-    """Where `PeftModel.save_pretrained` puts an adapter (PEFT computes it inline, exporting no
-    helper; `tests/test_folder_transaction.py` checks it against PEFT)."""
+    """Where `PeftModel.save_pretrained` puts an adapter (PEFT exports no helper; a test checks it)."""
     return "" if adapter_name == "default" else adapter_name
 
 
@@ -171,8 +168,7 @@ class Expected:
         return cls.of(owner.model, [plan.name for plan in owner.checkpoint_map])
 
     def check(self, saved: Saved) -> None:
-        """Refuse another architecture, other layers, or indices this model lacks, naming the file
-        and the fix (the planner's error would not name the file)."""
+        """Refuse another architecture, other layers, or indices this model lacks, naming file and fix."""
         mine, theirs, file, config = self.architecture, saved.architecture or {}, saved.file, saved.config
         values = [(k, mine.get(k), theirs.get(k)) for k in ("model_type", "hidden_size")]  # depth: see layers
         if differs := [k for k, here, there in values if None not in (here, there) and here != there]:
@@ -207,8 +203,7 @@ class Expected:
 
 
 def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
-    """The adapters this save holds, each checked against its fingerprints (`FolderChangedError`
-    for files that are not the ones the config was saved with)."""
+    """The adapters this save holds, each checked against its fingerprints (else `FolderChangedError`)."""
     root_weights = [w for w in ADAPTER_WEIGHTS if snapshot.has(w)]
     if root_weights and not snapshot.has(ADAPTER_CONFIG):
         raise SavedFileError(
@@ -262,8 +257,7 @@ def fingerprints(model: Any, folder: str, selected: list[str] | None = None) -> 
 def save_model_pair(
     owner: PairOwner, target: str | os.PathLike, write: Callable[[str], object], *, selected: list[str] | None = None
 ) -> list[str]:
-    """Save `owner`'s pair into `target` (`folder.save_pair`); `write(staging)` writes the model's
-    own files (a full model's: with transformers' clean-up of stale shards)."""
+    """Save `owner`'s pair into `target`; `write(staging)` writes the model's own files."""
     model = owner.model
 
     def config_text(staging: str) -> str:

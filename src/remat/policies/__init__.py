@@ -1,9 +1,6 @@
-"""Checkpoint policies: how a layer's call runs, what it holds for backward, and what it costs.
-
-The map (`remat.plan`) gives each layer one policy by name; the shim
-(`remat.recompute.LayerCheckpoint`) runs the layer that way. No torch at import (`remat.config`
-and `remat.plan` use this package): the selective policy's torch side is `_selective_ops`.
-"""
+"""Checkpoint policies: how a layer's call runs, what it holds for backward, and what it costs. No torch
+at import (`remat.config` and `remat.plan` use this package): the selective policy's torch side is
+`_selective_ops`."""
 
 from __future__ import annotations
 
@@ -16,10 +13,8 @@ from ..errors import PolicyError
 
 @dataclass(frozen=True)
 class LayerProfile:
-    """What one layer was measured to hold and cost, per policy (see `remat.planner`):
-    `held[policy]` is the (device, host) bytes it holds for backward after forward,
-    `seconds[policy]` the step time that policy adds over "none". A checkpointed layer keeps at
-    least its `input_bytes`."""
+    """What one layer was measured to hold and cost, per policy (`remat.planner`): `held[policy]` the
+    (device, host) bytes held for backward, `seconds[policy]` the step time added over "none"."""
 
     index: int
     input_bytes: int
@@ -29,8 +24,7 @@ class LayerProfile:
 
 @dataclass(frozen=True)
 class Cost:
-    """What a policy costs one layer: bytes held for backward on the device and on the host, and
-    seconds added to the step."""
+    """What a policy costs one layer: bytes held for backward (device, host) and seconds added."""
 
     device_bytes: int
     host_bytes: int
@@ -39,15 +33,9 @@ class Cost:
 
 @dataclass(frozen=True)
 class Policy:
-    """One way to pay for a layer's activations.
-
-    Attributes:
-        name: the name in `layer_policies` and the map.
-        checkpointed: activations are dropped after forward and recomputed in backward (the shim
-            is installed); only "none" is not.
-        input_on_host: the saved input waits for backward in host memory (else on the device).
-        needs_non_reentrant: torch supports the policy only in non-reentrant checkpointing.
-    """
+    """One way to pay for a layer's activations. `checkpointed`: activations are recomputed in backward
+    (all but "none"); `input_on_host`: the saved input waits in host memory; `needs_non_reentrant`: torch
+    supports the policy only in non-reentrant checkpointing."""
 
     name: str
     checkpointed: bool

@@ -73,6 +73,7 @@ def _storages(value: Any) -> set[int]:
 
 _KEPT_PACKETS = frozenset(getattr(torch.ops.aten, name) for name in KEPT_OPS if hasattr(torch.ops.aten, name))
 _GEMMS = (torch.ops.aten.mm, torch.ops.aten.addmm)  # where a low-rank expansion can show
+LOW_RANK = 256
 
 
 @functools.cache
@@ -96,6 +97,3 @@ def _low_rank_expansion(args: tuple[Any, ...]) -> bool:
         return False
     rank, width = matrices[-2].shape[-1], matrices[-1].shape[-1]
     return rank <= LOW_RANK and 8 * rank <= width
-
-
-LOW_RANK = 256

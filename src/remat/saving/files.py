@@ -1,9 +1,7 @@
 """Files that are whole or absent, and locks on them. Only regular files are opened, checked without
-blocking (a FIFO or device in a shared folder would make `open()` wait forever): atomic writes (the
-umask's permissions), strict JSON reads that name the file, fingerprints. Locks are `filelock`'s
-(flock; LockFileEx on Windows, shared ones taken exclusive) on a descriptor opened without following a
-link. A holder may remove the file on release (a shared one only as the last), so a waiter then locked
-on the removed file takes the one at the path. No write access or no native locks: the lock is not held.
+blocking (a FIFO would make `open()` wait forever). Locks are `filelock`'s on a descriptor opened
+without following a link; a holder may remove the file on release, so a waiter then locked on the
+removed file takes the one at the path. No write access or no native locks: the lock is not held.
 """
 
 from __future__ import annotations
@@ -140,8 +138,7 @@ def fsync_folder(path: str) -> None:
 
 
 def _open_lock_file(path: str) -> int:
-    """A descriptor on the lock file, made if missing; read-only if another account made it
-    (flock locks it all the same, so two accounts sharing a folder still take turns)."""
+    """A descriptor on the lock file, made if missing; read-only if another account made it (flock still locks)."""
     flags = NOFOLLOW | CLOEXEC | NONBLOCK
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | flags, 0o666)
@@ -174,8 +171,7 @@ def _lock_descriptor(fd: int, *, shared: bool, wait: bool) -> bool:
 
 
 class Lock:
-    """A held lock on a file (`fd` None: none could be taken). `remove`: the holder deletes the
-    file before letting go."""
+    """A held lock on a file (`fd` None: none could be taken); `remove`: deleted before letting go."""
 
     def __init__(self, fd: int | None, path: str, remove: bool, shared: bool = False):
         self.fd, self.path, self.remove, self.shared = fd, path, remove, shared

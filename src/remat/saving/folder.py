@@ -1,17 +1,12 @@
-"""A folder is a transaction: saves commit whole, in order; loads read one whole save (the README's
-"Saving, loading, Trainer" says what that promises). Files, not models: every save goes through
-`save_pair`, every load through `read_pair`.
-
-A save writes its files into a staging folder inside the target (`.remat-staging-<random>/`, so
-renames stay on one file system; made and its `LOCK` taken under the folder's lock, so recovery
-never takes a live writer for a dead one), the config last. Then, under the folder's lock
-(`.remat-lock`, held for this step only), crashed saves are recovered, a manifest (`COMMIT`) names
-the files and the state of those they replace, and each is renamed into place: a crash before the
-manifest leaves the folder as it was, after it recovery finishes the commit unless a newer save
-overtook it. A load takes the lock shared, recovers, and checks the files in place where PEFT then
-reads them, still under the lock; unlocked (a folder it cannot write) it reads again if a commit
-came in between. Recovery never leaves the folder: a link or anything but a regular file where a
-`LOCK`, manifest or manifest entry goes, or a malformed manifest, drops that staging folder.
+"""A folder is a transaction: saves commit whole, in order; loads read one whole save (README, "Saving,
+loading, Trainer"). A save writes into a staging folder inside the target (one file system; made and
+its `LOCK` taken under the folder's lock, so recovery never takes a live writer for a dead one), the
+config last. Then, under the folder's lock, crashed saves are recovered, a manifest (`COMMIT`) names the
+files and the state of those they replace, and each is renamed into place: a crash before the manifest
+leaves the folder as it was, after it recovery finishes the commit unless a newer save overtook it. A
+load takes the lock shared and checks the files in place where PEFT then reads them; unlocked (a folder
+it cannot write) it reads again if a commit came in between. Recovery never leaves the folder: a link or
+non-regular file where a `LOCK`, manifest or entry goes, or a malformed manifest, drops that staging folder.
 """
 
 from __future__ import annotations
@@ -95,9 +90,8 @@ def save_pair(
     keep: tuple[str, ...] = (),
     stale_shards: bool = False,
 ) -> list[str]:
-    """The one save: `write(staging)` writes the files, `config_text(staging)` returns the config; all is
-    committed into `target`, but for the files in `keep` it has (the user's README.md). `stale_shards`:
-    `write` is transformers' save of a full model, whose clean-up `target` gets. Returns the paths committed."""
+    """`write(staging)` writes the files, `config_text(staging)` returns the config; all is committed into
+    `target` but files in `keep` it has. `stale_shards`: `write` is transformers' full-model save."""
     target = os.path.abspath(os.fspath(target))
     os.makedirs(target, exist_ok=True)
     staging, staging_lock = _new_staging(target)
@@ -210,8 +204,7 @@ def recover(target: str | os.PathLike) -> None:
 
 
 def _recover(target: str, *, exclusive: bool = True) -> bool:
-    """Called with the folder's lock held. Under a shared lock (`exclusive` False) only staging
-    folders are dropped; a crashed commit to finish returns True, to recover again exclusive."""
+    """Under the folder's lock; shared (`exclusive` False), a crashed commit to finish returns True."""
     for name in sorted(os.listdir(target)):
         staging = os.path.join(target, name)
         made_by_remat = name.startswith(STAGING_PREFIX) and not os.path.islink(staging) and os.path.isdir(staging)
@@ -260,8 +253,8 @@ def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
 
 
 def _well_formed(entry: Any, staging: str, target: str) -> bool:
-    """Whether a manifest entry is one remat writes: a path leaving neither folder (nor through a link)
-    to a regular file that can land (else every recovery would fail on it, and the folder with it)."""
+    """A path leaving neither folder (nor through a link) to a regular file that can land (else every
+    recovery would fail on it)."""
     if not isinstance(entry, dict) or set(entry) != {"path", "replaces"}:
         return False
     path, replaces = entry["path"], entry["replaces"]
@@ -290,8 +283,7 @@ def _well_formed(entry: Any, staging: str, target: str) -> bool:
 
 
 class Snapshot:
-    """What one load read, in place: `config` (the parsed `checkpoint_config.json`, None if absent),
-    `locked` (read under the folder's lock) and the regular files it opened, held open until the end."""
+    """What one load read, in place: `config` (None if absent), `locked`, and the files it holds open."""
 
     def __init__(self, folder: str, locked: bool):
         self.folder, self.locked = folder, locked
@@ -323,8 +315,7 @@ class Snapshot:
         return fd
 
     def unchanged(self) -> None:
-        """Raise `FolderChangedError` if a file read was replaced or rewritten since it was opened, or
-        one that was absent appeared (a commit without the lock, another program)."""
+        """Raise `FolderChangedError` if a file read was replaced or rewritten, or an absent one appeared."""
         for relative, (fd, before) in self._opened.items():
             with contextlib.suppress(FileNotFoundError):
                 now = os.stat(self.path(relative))
@@ -349,9 +340,8 @@ def read_pair(
     files: Callable[[dict[str, Any] | None], Iterable[str]] = lambda config: (),
     verify: Callable[[Snapshot], Any] = lambda snapshot: None,
 ) -> Iterator[Snapshot]:
-    """The one load, in place: open the config and the files `files(config)` names, `verify(snapshot)`,
-    and yield the snapshot with the lock still held, so PEFT reads inside the `with` what was verified;
-    checked unchanged on leaving. Unlocked, a `FolderChangedError` before the yield reads again."""
+    """Open the config and the files `files(config)` names, `verify(snapshot)`, and yield it with the lock
+    held, so PEFT reads what was verified. Unlocked, a `FolderChangedError` before the yield reads again."""
     folder = os.path.abspath(os.fspath(folder))
     for attempt in range(1, _READ_ATTEMPTS + 1):
         with _reading_lock(folder) as lock, contextlib.closing(Snapshot(folder, lock.held)) as snapshot:
@@ -374,10 +364,8 @@ def read_pair(
 
 @contextlib.contextmanager
 def _shard_stand_ins(staging: str) -> Iterator[list[str]]:
-    """transformers' `save_pretrained` removes an earlier save's shards the new one does not rewrite;
-    staged, it would see an empty folder. So each shard of the target gets an empty stand-in: the list
-    yielded names, after the block, those transformers removed (to remove from the target once
-    committed); those it left go. The folder ends as transformers' own save would leave it."""
+    """transformers' `save_pretrained` removes an earlier save's shards it does not rewrite; staged, it
+    would see none. So each gets an empty stand-in; the list yielded names, after it, those removed."""
     target, removed = os.path.dirname(staging), []
     shards = [n for n in os.listdir(target) if _SHARD_LIKE.search(n) and not n.startswith(STAGING_PREFIX)]
     shards = [n for n in shards if os.path.isfile(os.path.join(target, n))]

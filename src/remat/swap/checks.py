@@ -1,9 +1,7 @@
-"""Which layers block swap may take, and which of their weights: checks that change nothing.
-
-Sharded weights are refused, recognised by type (a `DTensor`, an FSDP unit on, in or around the
-layer, FSDP1's `FlatParameter`) or by DeepSpeed ZeRO-3's marker (`ds_id`), and so is a trainable
-base weight. Adapter weights (a PEFT tuner layer's `adapter_layer_names` submodules) stay
-resident, as do tied or shared weights: only the frozen weights a layer holds alone are swapped.
+"""Which layers block swap may take, and which of their weights: checks that change nothing. Sharded
+weights (a `DTensor`, an FSDP unit on, in or around the layer, a `FlatParameter`, ZeRO-3's `ds_id`) and
+trainable base weights are refused; adapter and tied weights stay: only frozen weights a layer holds
+alone are swapped.
 """
 
 from __future__ import annotations
@@ -111,8 +109,7 @@ def _sharding_of(param: torch.Tensor) -> str | None:
 
 
 def _fsdp_units(model: nn.Module) -> list[tuple[str, str]]:
-    """(name, class name) of the FSDP-wrapped modules (FSDP2's `fully_shard` makes a module's class
-    a subclass of `FSDPModule`)."""
+    """(name, class name) of the FSDP-wrapped modules (FSDP2 makes their class an `FSDPModule`)."""
     if not torch.distributed.is_available():
         return []
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel

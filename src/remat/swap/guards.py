@@ -1,9 +1,7 @@
-"""Guards on a swapped layer's instance (and on the model while anything is swapped), undone when
-the layer leaves the set: forward hooks fetch and give back its weights; `state_dict()` reads and
-`load_state_dict()` writes the host copies; `.to()` and friends convert them too; copies,
-pickling, DataParallel replication, `assign=True` loads and PEFT merges are refused (each would
-treat the placeholders as the weights). The forward hooks run eagerly under `torch.compile`:
-traced, pointing `p.data` at a slot is a `set_` on a graph input, which inductor cannot compile.
+"""Guards on a swapped layer's instance (and on the model while anything is swapped), undone when it
+leaves: forward hooks fetch and give back its weights; `state_dict()`, `load_state_dict()` and `.to()`
+work on the host copies; copies, pickling, DataParallel, `assign=True` loads and PEFT merges are refused.
+The forward hooks run eagerly under `torch.compile` (inductor cannot compile a `set_` on a graph input).
 """
 
 from __future__ import annotations
@@ -89,15 +87,13 @@ class _LayerGuard:
             if id(param) in hosts and prefix + name in state_dict:
                 state_dict[prefix + name] = hosts[id(param)]
 
-    def load_writes_host_copies(
-        self, module: nn.Module, state_dict: dict, prefix: str, metadata: dict, *args: Any
-    ) -> None:
+    def load_writes_host_copies(self, module: nn.Module, state_dict: dict, prefix: str, meta: dict, *args: Any) -> None:
         layer = self.swapper.layers[self.index]
         mine = {id(p) for p in layer.params}
         names = [prefix + n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in mine]
         if not any(name in state_dict for name in names):
             return  # nothing of this layer's swapped weights is loaded (adapter weights, say)
-        if metadata.get("assign_to_params_buffers"):
+        if meta.get("assign_to_params_buffers"):
             raise StateError(assign_refusal([layer.index]))
         # torch copies the loaded values into `p.data`: point it at the host copy for the load.
         self.swapper.pool.release(layer)

@@ -1,14 +1,9 @@
-"""The slot pool (device memory that swapped weights occupy while their layer runs) and its schedule.
-
-Only what `p.data` points at changes (optimizers, PEFT and `state_dict` keep the same `Parameter`
-objects): at rest a placeholder (one element expanded to the full shape, ~0 bytes), in use a slot
-filled from the host copy. Frozen weights never change, so nothing is copied back. Slots are
-shared by layout, `prefetch_depth + 1` per layout: one layer runs while the next ones are fetched.
-
-Forward runs the layers ascending, backward recomputes them descending. Nothing relies on a step
-finishing (an exception abandons it with slots held): a layer that does not continue the current
-pass starts a new one and gives back every slot, and a layer finding every slot of its layout held
-by prefetches takes the farthest one's.
+"""The slot pool (device memory swapped weights occupy while their layer runs) and its schedule. Only
+what `p.data` points at changes (the `Parameter` objects stay): at rest a placeholder (one element
+expanded, ~0 bytes), in use a slot filled from the host copy; frozen, nothing is copied back. Slots are
+shared by layout, `prefetch_depth + 1` per layout. Nothing relies on a step finishing (an exception
+abandons it with slots held): a layer that does not continue the current pass (forward ascending,
+backward descending) starts a new one and gives back every slot.
 """
 
 from __future__ import annotations
