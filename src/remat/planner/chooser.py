@@ -297,9 +297,28 @@ def predicted(m: Measurements, policies: Sequence[str], scope: str = "activation
     check_scope(m, scope)
     if len(policies) != len(m.layers) or any(p not in o for p, o in zip(policies, m.options, strict=True)):
         raise ConfigError(f"a map names one of each layer's options {m.options}, got {list(policies)}")
-    choices = _layer_choices(m, policies)  # with what the last offloaded layer owes on the device
-    c = Combination(sum(x.device_bytes for x in choices), 0, sum(x.seconds for x in choices), tuple(policies))
-    return _plan(m, c, scope)
+    return _plan(m, _combination(m, policies), scope)
+
+
+def native_points(m: Measurements, scope: str, every_n: tuple[int, ...]) -> dict[str, tuple[float, float]]:
+    """transformers' own options, priced (bytes of `scope`, seconds): every n-th layer recomputed, or none."""
+    n, out = len(m.layers), dict[str, tuple[float, float]]()
+    maps = {f"every_n_layers={k}": ["recompute" if i % k == 0 else "none" for i in range(n)] for k in every_n}
+    maps["no checkpointing"] = ["none"] * n
+    for label, policies in maps.items():
+        if any(p not in opts for p, opts in zip(policies, m.options, strict=True)):
+            continue  # a swapped layer cannot be "none"
+        c = _combination(m, policies)
+        nbytes = scoped_bytes(m, c, scope)
+        if nbytes != float("inf") and (checkpoints(policies) or label == "no checkpointing"):
+            out[label] = (nbytes, max(0.0, m.base_seconds + c.seconds))
+    return out
+
+
+def _combination(m: Measurements, policies: Sequence[str]) -> Combination:
+    """A whole map as one combination, with what the last offloaded layer owes on the device."""
+    choices = _layer_choices(m, policies)
+    return Combination(sum(x.device_bytes for x in choices), 0, sum(x.seconds for x in choices), tuple(policies))
 
 
 def _plan(m: Measurements, c: Combination, scope: str) -> Plan:

@@ -10,7 +10,7 @@ from ..arguments import parse_bytes, parse_count
 from ..config import CheckpointConfig
 from ..display import mib, render_table
 from ..errors import ConfigError, StaleProfileError
-from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, scoped_bytes, smallest
+from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, native_points, smallest
 from .state import ModelState
 
 _MIB = 2**20
@@ -158,7 +158,7 @@ class Profile:
 
         _, m = self._base(scope, tokens)
         points = [(p.device_bytes, p.seconds) for p in frontier(m, scope)]
-        marks = _native_points(m, scope, self.native_every_n) if native else {}
+        marks = native_points(m, scope, self.native_every_n) if native else {}
         limit = None if budget is None else parse_bytes(budget, "budget")
         best = None if limit is None else choose(m, limit, scope)
         chosen = None if best is None else (best.device_bytes, best.seconds)
@@ -232,22 +232,3 @@ class _WeakSource:
 
     def __reduce__(self) -> Any:
         return (_WeakSource, (None,))
-
-
-def _native_points(m: Measurements, scope: str, every_n: tuple[int, ...]) -> dict[str, tuple[float, float]]:
-    """transformers' own options, priced from the profile: every n-th layer recomputed, or none."""
-    from .chooser import Combination, _layer_choices, checkpoints
-
-    n = len(m.layers)
-    out: dict[str, tuple[float, float]] = {}
-    maps = {f"every_n_layers={k}": ["recompute" if i % k == 0 else "none" for i in range(n)] for k in every_n}
-    maps["no checkpointing"] = ["none"] * n
-    for label, policies in maps.items():
-        if any(p not in opts for p, opts in zip(policies, m.options, strict=True)):
-            continue  # a swapped layer cannot be "none"
-        choices = _layer_choices(m, policies)
-        c = Combination(sum(x.device_bytes for x in choices), 0, sum(x.seconds for x in choices), tuple(policies))
-        nbytes = scoped_bytes(m, c, scope)
-        if nbytes != float("inf") and (checkpoints(policies) or label == "no checkpointing"):
-            out[label] = (nbytes, max(0.0, m.base_seconds + c.seconds))
-    return out
