@@ -35,7 +35,7 @@ from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, me
 from ..snapshot import model_left_as_it_was
 from .chooser import Measurements, Outside, StepMemory, TimePrices
 from .peak import StepPeak
-from .timing import price_time, synchronize
+from .timing import Held, Seconds, price_time, synchronize
 
 CANDIDATES = ("none", "selective", "recompute", "offload")
 BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
@@ -183,7 +183,6 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     from transformers.utils.logging import tqdm
 
     loss_fn, optimizer, repeats = options.loss_fn, options.optimizer, options.repeats
-
     names, notes = candidates(state)
     n = len(state.checkpoint_map)
     swapped = {p.index for p in state.checkpoint_map if p.swapped}
@@ -226,7 +225,7 @@ class _Bytes:
     """Per policy and layer (device, host) bytes held; each layer's input; bytes outside the layers
     by checkpointing; the map that checkpoints nothing (None: not offered); the step's extras."""
 
-    held: dict[str, dict[int, tuple[int, int]]]
+    held: Held
     inputs: dict[int, int]
     outside: dict[bool, int]
     alone: dict[int, tuple[int, int]] | None
@@ -236,7 +235,7 @@ class _Bytes:
 def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[int], notes: list[str]) -> _Bytes:
     n = steps.n
     everything = range(n)
-    held: dict[str, dict[int, tuple[int, int]]] = {name: {} for name in names}
+    held: Held = {name: {} for name in names}
     outside = {True: 0, False: 0}
 
     def record(report: Any, policies: Mapping[int, str]) -> None:
@@ -299,13 +298,7 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
 
 
 def _measurements(
-    steps: _Steps,
-    names: list[str],
-    found: _Bytes,
-    swapped: set[int],
-    seconds: dict[str, dict[int, float]],
-    base: float,
-    prices: TimePrices,
+    steps: _Steps, names: list[str], found: _Bytes, swapped: set[int], seconds: Seconds, base: float, prices: TimePrices
 ) -> Measurements:
     everything = range(steps.n)
     held = found.held

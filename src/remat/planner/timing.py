@@ -34,6 +34,10 @@ from ..errors import StateError
 from .chooser import TimePrices
 
 CALLS = 2  # timed per layer and step: the forward, and backward's recompute
+Held = dict[str, dict[int, tuple[int, int]]]  # policy -> layer -> (device, host) bytes held
+Seconds = dict[str, dict[int, float]]  # policy -> layer -> seconds added
+Runs = list[tuple[dict[int, str], float, list[list[float]] | None]]  # (map, step seconds, layer timings)
+Priced = tuple[Seconds, float, TimePrices, list[str]]
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -165,9 +169,7 @@ class Counts(NamedTuple):
     selective: list[Work]
 
 
-def price_time(
-    steps: Any, names: list[str], held: dict[str, dict[int, tuple[int, int]]], swapped: set[int], repeats: int
-) -> tuple[dict[str, dict[int, float]], float, TimePrices, list[str]]:
+def price_time(steps: Any, names: list[str], held: Held, swapped: set[int], repeats: int) -> Priced:
     """Seconds each policy adds per layer over "none", the step time with nothing recomputed,
     the rate and counts behind them, and notes. See the module docstring."""
     n = steps.n
@@ -197,7 +199,7 @@ def price_time(
     ]
     offloading = "offload" in names
     clock = LayerClock(modules, steps.device)
-    runs: list[tuple[dict[int, str], float, list[list[float]] | None]] = []
+    runs: Runs = []
     offloaded: list[float] = []
     for repeat in range(repeats):
         for k, policies in enumerate(maps):
@@ -213,19 +215,12 @@ def price_time(
                 offloaded.append(seconds)
     if not runs:
         raise StateError("profiling: every timed step ran out of memory; profile with a smaller batch")
-    counts = Counts(forward, recompute, selective)
-    return _prices(n, names, held, counts, balance_of(steps.device), runs, offloaded)
+    return _prices(n, names, held, Counts(forward, recompute, selective), balance_of(steps.device), runs, offloaded)
 
 
 def _prices(
-    n: int,
-    names: list[str],
-    held: dict[str, dict[int, tuple[int, int]]],
-    counts: Counts,
-    balance: Balance,
-    runs: list[tuple[dict[int, str], float, list[list[float]] | None]],
-    offloaded: list[float],
-) -> tuple[dict[str, dict[int, float]], float, TimePrices, list[str]]:
+    n: int, names: list[str], held: Held, counts: Counts, balance: Balance, runs: Runs, offloaded: list[float]
+) -> Priced:
     notes: list[str] = []
     forward = [max(1.0, w.units(balance)) for w in counts.forward]
     # a recompute torch was not seen running (nothing counted after the forward): the forward
@@ -244,7 +239,7 @@ def _prices(
     low, rate, high = quartiles(rates)
     rate = max(rate, 1e-18)
     recompute = {i: rate * repeated[i] for i in range(n)}
-    out: dict[str, dict[int, float]] = {"none": dict.fromkeys(range(n), 0.0), "recompute": recompute}
+    out: Seconds = {"none": dict.fromkeys(range(n), 0.0), "recompute": recompute}
     selective = [w.units(balance) + w.dispatched * balance.flops_per_policed_op for w in counts.selective]
     if "selective" in names:
         if not selective:
