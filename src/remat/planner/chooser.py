@@ -25,9 +25,6 @@ class Outside(NamedTuple):
     checkpointing: int
     not_checkpointing: int
 
-    def of(self, checkpointing: bool) -> int:
-        return self.checkpointing if checkpointing else self.not_checkpointing
-
 
 @dataclass(frozen=True)
 class StepMemory:
@@ -327,7 +324,7 @@ def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
     if not checkpointing:  # priced by its own run, which fits only when offered
         assert m.alone is not None
         choices = [replace(x, device_bytes=d, host_bytes=h) for x, (d, h) in zip(choices, m.alone, strict=True)]
-    outside = m.outside.of(checkpointing)
+    outside = m.outside.checkpointing if checkpointing else m.outside.not_checkpointing
     held = outside + sum(x.device_bytes for x in choices)
     extra = m.step.extra(c.policies) if m.step is not None else None
     added = sum(x.seconds for x in choices)

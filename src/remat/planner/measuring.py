@@ -140,7 +140,9 @@ class _Steps:
             found = step()
         except OUT_OF_MEMORY:
             found = None
-            _give_back_memory()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         self.model.zero_grad(set_to_none=True)
         self.bar.update(1)
         return found
@@ -199,7 +201,7 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     ):
         steps = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar)
         found = _bytes(steps, names, rotation, swapped, notes)
-        seconds, base, prices, timing_notes = price_time(steps, names, found.held, swapped, repeats)
+        seconds, base, prices, timing_notes = price_time(steps, names, found.held, repeats)
         notes += [*timing_notes, prices.summary()]
         if prices.spread() > BUSY_SPREAD:
             notes.append(
@@ -353,9 +355,3 @@ def _left_as_it_was(state: Controlled) -> Iterator[None]:
             yield
     finally:  # runs even when putting the model or the counters back failed
         state.replan(config, off_by=off_by, cause="profile() (restoring)")
-
-
-def _give_back_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

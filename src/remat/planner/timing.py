@@ -69,10 +69,6 @@ BALANCES = {
 }
 
 
-def balance_of(device: torch.device) -> Balance:
-    return BALANCES.get(device.type, BALANCES["cuda"])
-
-
 class Work(NamedTuple):
     """FLOPs (torch's formulas); bytes read and written by the other non-view ops; ops launched
     (views aside); every op dispatched (views too: what a dispatch mode sees)."""
@@ -153,14 +149,6 @@ class FlopTally(TorchDispatchMode):
             handle.remove()
 
 
-def timed_maps(n: int, names: Sequence[str], swapped: set[int]) -> list[dict[int, str]]:
-    """Step k gives layer i policy number (i + k) of the timed ones offered (a swapped layer
-    recomputes where it would be "none")."""
-    timed = [name for name in ("none", "selective", "recompute") if name in names] or ["recompute"]
-    pick = lambda p, i: "recompute" if p == "none" and i in swapped else p
-    return [{i: pick(timed[(i + k) % len(timed)], i) for i in range(n)} for k in range(len(timed))]
-
-
 class Counts(NamedTuple):
     """Work per layer of its forward, of a recompute, of "selective" (empty: could not run)."""
 
@@ -169,7 +157,7 @@ class Counts(NamedTuple):
     selective: list[Work]
 
 
-def price_time(steps: Any, names: list[str], held: Held, swapped: set[int], repeats: int) -> Priced:
+def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced:
     """Seconds each policy adds per layer over "none", the step time with nothing recomputed,
     the rate and counts behind them, and notes. See the module docstring."""
     n = steps.n
@@ -192,12 +180,10 @@ def price_time(steps: Any, names: list[str], held: Held, swapped: set[int], repe
     if "selective" in names and (found := counted({i: "selective" for i in held["selective"]})) is not None:
         # what it repeats, and the policy's own cost on each op, forward and recompute
         selective = [r._replace(dispatched=f.dispatched + r.dispatched) for f, r in zip(*found, strict=True)]
-    # a layer that cannot run a policy (it ran out of memory measuring it) recomputes instead
-    maps = [
-        {i: p if p == "recompute" or i in held.get(p, {}) else "recompute" for i, p in m.items()}
-        for m in timed_maps(n, names, swapped)
-    ]
-    offloading = "offload" in names
+    # a layer not measured under its policy (swapped, for "none"; out of memory measuring it) recomputes instead
+    timed = [name for name in ("none", "selective", "recompute") if name in names] or ["recompute"]
+    pick = lambda p, i: p if i in held.get(p, {}) else "recompute"
+    maps = [{i: pick(timed[(i + k) % len(timed)], i) for i in range(n)} for k in range(len(timed))]
     clock = LayerClock(modules, steps.device)
     runs: Runs = []
     offloaded: list[float] = []
@@ -209,13 +195,21 @@ def price_time(steps: Any, names: list[str], held: Held, swapped: set[int], repe
             seconds = steps.timed(policies, clock.step() if hooked else contextlib.nullcontext())
             if seconds is not None:
                 runs.append((policies, seconds, clock.last if hooked else None))
-        if offloading:
+        if "offload" in names:
             seconds = steps.timed({i: "offload" for i in held["offload"]}, contextlib.nullcontext())
             if seconds is not None:
                 offloaded.append(seconds)
     if not runs:
         raise StateError("profiling: every timed step ran out of memory; profile with a smaller batch")
-    return _prices(n, names, held, Counts(forward, recompute, selective), balance_of(steps.device), runs, offloaded)
+    return _prices(
+        n,
+        names,
+        held,
+        Counts(forward, recompute, selective),
+        BALANCES.get(steps.device.type, BALANCES["cuda"]),
+        runs,
+        offloaded,
+    )
 
 
 def _prices(
