@@ -62,7 +62,6 @@ class CheckpointMap(Sequence[LayerPlan]):
         return len(self.plans)
 
     def indices(self, *policies: str) -> list[int]:
-        """Indices of the layers whose policy is one of `policies`."""
         return [p.index for p in self.plans if p.policy in policies]
 
     @property
@@ -70,7 +69,6 @@ class CheckpointMap(Sequence[LayerPlan]):
         return [p.index for p in self.plans if p.checkpointed]
 
     def switched_off(self, why: str) -> CheckpointMap:
-        """The same plans, marked as not running (`why`)."""
         return CheckpointMap(self.plans, off=why)
 
     def __repr__(self) -> str:
@@ -120,11 +118,8 @@ def plan_layers(
         raise ConfigError(
             f"layer_policies names layer(s) {missing}, but the model has {num_layers} layers: use 0..{num_layers - 1}"
         )
-    swapped, n, checkpoint_policy = (
-        set(swapped_indices(config, num_layers)),
-        config.every_n_layers,
-        config.checkpoint_policy,
-    )
+    swapped = set(swapped_indices(config, num_layers))
+    n, checkpoint_policy = config.every_n_layers, config.checkpoint_policy
     plans = []
     for index, name in enumerate(layer_names):
         if checkpointing_off_by is not None:

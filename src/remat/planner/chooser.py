@@ -111,9 +111,8 @@ class Measurements:
         measured (`_fit`: attention's scores and masks grow with the square of the length), else
         in proportion, as seconds are; the step's extras (weights, optimizer state) stay. A larger
         batch of the same sequences grows in proportion, over-estimated where attention is quadratic."""
-        if tokens is None or tokens == self.tokens:
+        if tokens is None or (tokens := parse_count(tokens, "tokens", "batch x sequence length")) == self.tokens:
             return self
-        tokens = parse_count(tokens, "tokens", "batch x sequence length")
         ratio, short = tokens / self.tokens, self.shorter
         # each figure with its measurement at the shorter length (None: not measured)
         grow = lambda value, before: (

@@ -1,18 +1,12 @@
-"""Measuring a profile: a few training steps under chosen maps, then put back as it was.
+"""Measuring a profile: a few training steps under chosen maps, then everything put back as it was.
 
-1. Bytes (`_bytes`, each step one `memory_report`): every layer recomputed gives each layer's
-   input and the bytes outside the layers; then each other policy on every layer, in mixed maps
-   (step k gives layer i policy number (i + k): on transformers 4.57 a "none" layer holds more
-   while another is checkpointed), split by policy, then by halves, when one runs out of memory;
-   "offload" on every layer at once; nothing checkpointed, on its own, when no layer is swapped.
-2. The step's peak, with `optimizer`: each of those steps also takes an optimizer step under
-   `remat.planner.peak`'s count of live storages.
-3. A second length: for plain text, 1. and 2. again at half the sequence length, so that bytes
-   growing with its square are modelled (`Measurements.scaled`).
-4. Time: `remat.planner.timing`.
-
-Everything is put back afterwards (`_left_as_it_was`); tensors of the batch that require grad get
-fresh leaves (`remat.loss.own_inputs`), so a soft prompt's gradient is never touched.
+Bytes (`_bytes`, one `memory_report` a step): every layer recomputed gives the inputs and what is
+outside the layers; then each policy in mixed maps (step k gives layer i policy number (i + k): on
+transformers 4.57 a "none" layer holds more while another is checkpointed), split by policy, then by
+halves, when one runs out of memory; "offload" on every layer; nothing checkpointed (no layer swapped).
+With an optimizer each step also takes its step, for the peak (`peak`); for plain text all again at
+half the length, for what grows with its square (`Measurements.scaled`). Time: `timing`. Batch tensors
+that require grad get fresh leaves (`remat.loss.own_inputs`), so a soft prompt's gradient is untouched.
 """
 
 from __future__ import annotations
@@ -180,8 +174,7 @@ class _Steps:
 
 
 def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions) -> tuple[Measurements, list[str]]:
-    """See the module docstring. Returns the measurements, and notes on what was left out or
-    done differently."""
+    """The measurements, and notes on what was left out or done differently."""
     from transformers.utils.logging import tqdm
 
     loss_fn, optimizer, repeats = options.loss_fn, options.optimizer, options.repeats
@@ -254,13 +247,9 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
         )
     record(report, dict.fromkeys(everything, "recompute"))
     inputs = {i: sum(held["recompute"][i]) for i in everything}
+    turn = lambda i, k: rotation[(i + k) % len(rotation)]
     pending = [
-        {
-            i: rotation[(i + k) % len(rotation)]
-            for i in everything
-            if not (i in swapped and rotation[(i + k) % len(rotation)] == "none")
-        }
-        for k in range(len(rotation))
+        {i: turn(i, k) for i in everything if not (i in swapped and turn(i, k) == "none")} for k in range(len(rotation))
     ]
     if "offload" in names:
         pending.append(dict.fromkeys(everything, "offload"))
@@ -333,13 +322,9 @@ def shorter_batch(batch: Mapping[str, Any]) -> dict[str, Any] | None:
     """The batch at half its sequence length when it is plain text (every tensor of 2+ dims is
     (batch, sequence, ...) of the same sizes); None otherwise (images, audio)."""
     shapes = {tuple(v.shape[:2]) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2}
-    if len(shapes) != 1:
+    if len(shapes) != 1 or (seq := next(iter(shapes))[1]) < 4:
         return None
-    ((size, seq),) = shapes
-    if seq < 4:
-        return None
-    half = seq // 2
-    return {k: v[:, :half] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
+    return {k: v[:, : seq // 2] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ..arguments import parse_bytes, parse_count
+from ..arguments import parse_bytes
 from ..config import CheckpointConfig
 from ..display import mib, render_table
 from ..errors import ConfigError, StaleProfileError
@@ -168,9 +168,7 @@ class Profile:
         """The wrapper's current config (the one measured under when it is gone or the state is
         unknown; `StaleProfileError` if the model changed) and the measurements at `tokens`."""
         check_scope(self.measurements, scope)  # a scope this profile cannot plan is said first
-        m = self.measurements.scaled(
-            None if tokens is None else parse_count(tokens, "tokens", "batch x sequence length")
-        )
+        m = self.measurements.scaled(tokens)
         controller = self._wrapper()
         try:
             model = None if controller is None else controller.model
