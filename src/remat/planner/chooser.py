@@ -241,18 +241,15 @@ def checkpoints(policies: Sequence[str]) -> bool:
     return any(policy(name).checkpointed for name in policies)
 
 
-def activation_bytes(m: Measurements, c: Combination) -> float:
-    """Held device bytes; a map that checkpoints nothing is priced by its own run (inf: not offered)."""
-    if checkpoints(c.policies):
-        return c.device_bytes + c.owed_bytes + m.outside.checkpointing
-    if m.alone is None or len(m.alone) != len(c.policies):
-        return float("inf")
-    return m.outside.not_checkpointing + sum(d for d, _ in m.alone)
-
-
 def scoped_bytes(m: Measurements, c: Combination, scope: str) -> float:
-    """Held activations, or with scope="step" the peak of the whole step (inf: not measured)."""
-    held = activation_bytes(m, c)
+    """Held device bytes, or with scope="step" the peak of the whole step (inf: not measured); a map
+    that checkpoints nothing is priced by its own run (inf: not offered)."""
+    if checkpoints(c.policies):
+        held = c.device_bytes + c.owed_bytes + m.outside.checkpointing
+    elif m.alone is None or len(m.alone) != len(c.policies):
+        return float("inf")
+    else:
+        held = m.outside.not_checkpointing + sum(d for d, _ in m.alone)
     if scope == "activations":
         return held
     extra = m.step.extra(c.policies) if m.step is not None else None

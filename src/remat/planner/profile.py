@@ -14,6 +14,7 @@ from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, front
 from .state import ModelState
 
 _MIB = 2**20
+Size = int | str  # bytes, or a size like "6GiB"
 
 
 class PlannedConfig(CheckpointConfig):
@@ -110,7 +111,7 @@ class Profile:
         """Batch x sequence length of the profiled batch."""
         return self.measurements.tokens
 
-    def plan(self, budget: int | str, *, scope: str = "activations", tokens: int | None = None) -> PlannedConfig:
+    def plan(self, budget: Size, *, scope: str = "activations", tokens: int | None = None) -> PlannedConfig:
         """The fastest map whose bytes fit `budget` (bytes, or a size like "6GiB"): held
         activations for `scope="activations"`, the peak of one whole training step for
         `scope="step"`; for a batch of `tokens` tokens (default: the profiled batch's). Runs
@@ -141,12 +142,7 @@ class Profile:
         return [self._config(p, p.device_bytes, m.tokens, config) for p in frontier(m, scope)]
 
     def plot(
-        self,
-        *,
-        scope: str = "activations",
-        tokens: int | None = None,
-        native: bool = True,
-        budget: int | str | None = None,
+        self, *, scope: str = "activations", tokens: int | None = None, native: bool = True, budget: Size | None = None
     ) -> Any:
         """A matplotlib Figure of the frontier: predicted step time against predicted bytes (of
         `scope`, said in the title), with transformers' native options (`every_n_layers` 1..4, and
