@@ -1,20 +1,18 @@
 """Pricing time: what each policy adds to a step, as counted work times one timed rate.
 
-Wall clocks move on a busy machine (three profiles priced a recompute at +66, +84 and +545 ms a
-layer), so every price is a count and only the rate is timed:
-
-- `FlopTally` counts per layer the work of its forward, of what a recompute repeats and of what
-  "selective" repeats: FLOPs by torch's formulas (`torch.utils.flop_counter`), plus bytes and
-  launches of the other ops at the device's fixed `Balance`.
-- The rate (seconds per unit of work) is the median over every layer call timed by `LayerClock`
-  in every other timed step; its quartiles are the spread shown with each prediction.
-- "selective" costs the work it repeats plus its policy's cost per dispatched op; "offload" a
-  recompute plus its copies (timed steps with every layer offloaded, beyond their prediction).
-- The step with nothing recomputed: the median, over the steps timed without layer timers, of
-  the step's time less its map's prices.
-
-So the ranking of maps is fixed by counts: noise moves every price alike (offload's copies
-aside). The timed maps are mixed: step k gives layer i timed policy number (i + k).
+Wall clocks move on a busy machine (three profiles priced a recompute at +66, +84 and +545 ms a layer), so every
+price is a count and only the rate is timed:
+- `FlopTally` counts per layer the work of its forward, of what a recompute repeats and of what "selective" repeats:
+  FLOPs by torch's formulas (`torch.utils.flop_counter`), plus the other ops' bytes and launches at the device's
+  fixed `Balance`.
+- The rate (seconds per unit of work) is the median over every layer call timed by `LayerClock` in every other
+  timed step; its quartiles are the spread shown with each prediction.
+- "selective" costs the work it repeats plus its policy's cost per dispatched op; "offload" a recompute plus its
+  copies (timed steps with every layer offloaded, beyond their prediction).
+- The step with nothing recomputed: the median, over the steps timed without layer timers, of the step's time
+  less its map's prices.
+So the ranking of maps is fixed by counts: noise moves every price alike (offload's copies aside). The timed maps
+are mixed: step k gives layer i timed policy number (i + k).
 """
 
 from __future__ import annotations
