@@ -232,8 +232,7 @@ class CheckpointConfig:
                 f"{FORMAT_VERSION} and older: it was written by a newer remat; upgrade remat to load it"
             )
         data = _without_offload_flag(data, source)
-        unknown = sorted(set(data) - set(_FIELDS) - set(META_KEYS))
-        if unknown:
+        if unknown := sorted(set(data) - set(_FIELDS) - set(META_KEYS)):
             logger.warning("%s: ignoring keys this remat does not know: %s", source, unknown)
         try:
             return cls(**{k: v for k, v in data.items() if k in _FIELDS})

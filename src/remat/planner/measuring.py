@@ -97,15 +97,12 @@ def batch_tokens(batch: Mapping[str, Any]) -> int:
 
 def candidates(state: Controlled) -> tuple[list[str], list[str]]:
     """The policies worth measuring on this model, and notes on those left out."""
-    device = next(state.model.parameters()).device
-    reentrant = state.config.use_reentrant
+    cpu, reentrant = next(state.model.parameters()).device.type == "cpu", state.config.use_reentrant
     names = [
-        name
-        for name in CANDIDATES
-        if not (name == "offload" and device.type == "cpu") and not (policy(name).needs_non_reentrant and reentrant)
+        n for n in CANDIDATES if not (n == "offload" and cpu) and not (policy(n).needs_non_reentrant and reentrant)
     ]
     notes = []
-    if device.type == "cpu":
+    if cpu:
         notes.append("offload not considered: the model runs on the CPU, so it would free no device memory")
     if reentrant and "selective" not in names:
         notes.append("selective not considered: it needs use_reentrant=False")
@@ -183,11 +180,9 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     swapped = {p.index for p in state.checkpoint_map if p.swapped}
     rotation = [name for name in names if name not in ("recompute", "offload")] or ["none"]
     rotation = rotation if len(rotation) > 1 else [*rotation, "recompute"]
-    timed = len([name for name in names if name != "offload"]) + ("offload" in names)
-    memory_steps = 1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)
     short = shorter_batch(batch)
-    counting = 1 + ("selective" in names)
-    total = memory_steps * (1 if short is None else 2) + counting + repeats * timed
+    memory_steps = (1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)) * (1 if short is None else 2)
+    total = memory_steps + 1 + ("selective" in names) + repeats * len(names)  # bytes, counting, timing
     with (
         tqdm(total=total, desc="remat: profiling", disable=not options.progress, leave=False) as bar,
         _left_as_it_was(state),
