@@ -88,9 +88,8 @@ class CheckpointMap(Sequence[LayerPlan]):
 
 
 def swapped_indices(config: CheckpointConfig, num_layers: int) -> list[int]:
-    """Which layers keep their weights in host memory. "spread" puts the k-th of n at the end of
-    the k-th of n equal slices of the stack, so a prefetch has resident layers to hide behind;
-    "tail" takes the last n."""
+    """Which layers keep their weights in host memory. "spread" puts the k-th of n at the end of the k-th of n equal
+    slices of the stack, so a prefetch has resident layers to hide behind; "tail" takes the last n."""
     if isinstance(config.swap_layers, tuple):
         if bad := [i for i in config.swap_layers if i >= num_layers]:
             raise ConfigError(
@@ -108,9 +107,8 @@ def swapped_indices(config: CheckpointConfig, num_layers: int) -> list[int]:
 def plan_layers(
     config: CheckpointConfig, layer_names: Sequence[str], *, checkpointing_off_by: str | None = None
 ) -> CheckpointMap:
-    """The map for `config` over layers named `layer_names` (in module order). `checkpointing_off_by`
-    names the route that turned checkpointing off (e.g. "gradient_checkpointing_disable()"): every
-    layer not swapped is then "none"."""
+    """The map for `config` over layers named `layer_names` (in module order). `checkpointing_off_by` names the route
+    that turned checkpointing off (e.g. "gradient_checkpointing_disable()"): every layer not swapped is then "none"."""
     num_layers = len(layer_names)
     if num_layers == 0:
         raise ConfigError("there are no layers to plan")

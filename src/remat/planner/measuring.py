@@ -156,8 +156,7 @@ class _Steps:
         return self._run(policies, step)
 
     def timed(self, policies: Mapping[int, str], within: contextlib.AbstractContextManager) -> float | None:
-        """Seconds of one forward and backward under `policies`, inside `within` (a counter or
-        the layer timers); None if it ran out of memory."""
+        """Seconds of a forward and backward under `policies` inside `within` (None: out of memory)."""
 
         def step() -> float:
             synchronize(self.device)

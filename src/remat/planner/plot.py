@@ -14,10 +14,9 @@ Point = tuple[float, float]  # (bytes, seconds)
 def frontier_figure(
     points: list[Point], marks: dict[str, Point], *, scope: str, tokens: int, budget: int | None, chosen: Point | None
 ) -> Any:
-    """Predicted step time against predicted bytes (of `scope`, said in the title): the undominated
-    maps as a staircase (a budget between two gets the one below), transformers' native options as
-    marks, and a `budget` as a vertical line with the map `chosen` for it (bytes, seconds) as a
-    star. No label is drawn over another."""
+    """Predicted step time against predicted bytes (of `scope`, said in the title): the undominated maps as a staircase
+    (a budget between two gets the one below), transformers' native options as marks, and a `budget` as a vertical line
+    with the map `chosen` for it (bytes, seconds) as a star. No label is drawn over another."""
     try:
         from matplotlib.figure import Figure
     except ImportError as missing:

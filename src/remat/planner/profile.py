@@ -67,24 +67,22 @@ class PlannedConfig(CheckpointConfig):
 
 
 class Profile:
-    """What one `cm.profile(batch)` measured: plans for any budget are chosen from it at once,
-    without running the model.
+    """What one `cm.profile(batch)` measured: plans for any budget are chosen from it at once, running nothing.
 
-    Plans are chosen for the wrapper as it is when `plan`, `frontier` or `plot` is called: they
-    raise `StaleProfileError` (a ValueError) naming what changed when the model is no longer in
-    the state measured (`state`: dtypes, devices, trainable parameters, adapters, swapped layers,
-    the settings that change a measurement), and each plan is the wrapper's current config with
-    only the per-layer policies chosen, so applying it keeps every other setting made since.
+    Plans are chosen for the wrapper as it is when `plan`, `frontier` or `plot` is called: they raise
+    `StaleProfileError` (a ValueError) naming what changed when the model is no longer in the state measured (`state`:
+    dtypes, devices, trainable parameters, adapters, swapped layers, the settings that change a measurement), and each
+    plan is the wrapper's current config with only the per-layer policies chosen, so applying it keeps every other
+    setting made since.
 
     Attributes:
         measurements: the per-layer bytes and seconds per policy (`remat.planner.chooser`).
         config: the config the profile was measured under.
-        state: the model's state when measured (`remat.planner.state.ModelState`); None when
-            unknown (a profile built by hand), which plans on `config` unchecked.
+        state: the model's state when measured (`remat.planner.state.ModelState`); None when unknown (a profile built
+            by hand), which plans on `config` unchecked.
         notes: what the measuring could not do, or did differently (shown with each plan).
         profiling_seconds: how long the measuring took.
-        native_every_n: the `every_n_layers` transformers' own enable offers on this version
-            (marked by `plot`).
+        native_every_n: the `every_n_layers` transformers' own enable offers on this version (marked by `plot`).
     """
 
     def __init__(
@@ -144,12 +142,11 @@ class Profile:
     def plot(
         self, *, scope: str = "activations", tokens: int | None = None, native: bool = True, budget: Size | None = None
     ) -> Any:
-        """A matplotlib Figure of the frontier: predicted step time against predicted bytes (of
-        `scope`, said in the title), with transformers' native options (`every_n_layers` 1..4, and
-        no checkpointing) marked where this profile can price them and this transformers offers
-        them (`native=False` leaves them out). Given a `budget` (bytes or a size like "6GiB"), the
-        budget is a vertical line and the map `plan(budget)` chooses a star. Needs matplotlib
-        (the `plot` extra); without it, an ImportError says how to install it."""
+        """A matplotlib Figure of the frontier: predicted step time against predicted bytes (of `scope`, said in the
+        title), with transformers' native options (`every_n_layers` 1..4, and no checkpointing) marked where this
+        profile can price them and this transformers offers them (`native=False` leaves them out). Given a `budget`
+        (bytes or a size like "6GiB"), the budget is a vertical line and the map `plan(budget)` chooses a star. Needs
+        matplotlib (the `plot` extra); without it, an ImportError says how to install it."""
         from .plot import frontier_figure
 
         _, m = self._base(scope, tokens)

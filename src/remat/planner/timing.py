@@ -93,9 +93,8 @@ def _hook_layers(layers: Sequence[nn.Module], on_layer: Callable, on_child: Call
 
 
 class FlopTally(TorchDispatchMode):
-    """Counts one training step's `Work` per layer: in its forward (the layer's first call) and
-    in backward's recompute (its children's calls after that forward: what torch really runs
-    again). Runs every op as it is."""
+    """Counts one training step's `Work` per layer: in its forward (the layer's first call) and in backward's recompute
+    (its children's calls after that forward: what torch really runs again). Runs every op as it is."""
 
     def __init__(self, layers: Sequence[nn.Module]):
         super().__init__()
@@ -156,8 +155,7 @@ class Counts(NamedTuple):
 
 
 def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced:
-    """Seconds each policy adds per layer over "none", the step time with nothing recomputed,
-    the rate and counts behind them, and notes. See the module docstring."""
+    """Seconds each policy adds per layer over "none", the step's with nothing recomputed, the prices, notes."""
     n = steps.n
     modules = [layer.module for layer in steps.state.discovery.layers]
 
@@ -261,10 +259,8 @@ def _prices(
 
 
 class LayerClock:
-    """Times each layer's forward (its first call) and backward's recompute of it (its
-    children's calls after that forward) in a step: CUDA events on an accelerator (nothing
-    synchronizes mid-step), the host clock on a CPU. The hooks exist only inside `step()`;
-    `last` holds, per layer, [forward seconds, recompute seconds] (None: no such call)."""
+    """Times in `step()` each layer's forward and recompute, the calls `FlopTally` counts: CUDA events on an accelerator
+    (nothing synchronizes mid-step), else the host clock. `last`: per layer, [forward, recompute] seconds or None."""
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device):
         self.cuda = device.type == "cuda"
