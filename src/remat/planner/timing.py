@@ -56,11 +56,10 @@ class Balance(NamedTuple):
     flops_per_policed_op: float
 
 
-# cpu: fitted on this project's idle 2-core x86, torch 2.13, from the time recompute and selective
-# add to the benchmark's tiny and small presets against their counts (150 GFLOP/s, 10 GB/s for small
-# ops, 37 us an op, 21 us more under selective's policy; benchmarks/RESULTS.md).
-# cuda: H100/H200 datasheets (bf16, HBM3), ~1 us a launch, the policy hidden behind queued kernels;
-# not measured here (no GPU was lent).
+# cpu: fitted on this project's idle 2-core x86, torch 2.13, from the time recompute and selective add to the
+# benchmark's tiny and small presets against their counts (150 GFLOP/s, 10 GB/s for small ops, 37 us an op, 21 us more
+# under selective's policy; benchmarks/RESULTS.md). cuda: H100/H200 datasheets (bf16, HBM3), ~1 us a launch, the policy
+# hidden behind queued kernels; not measured here (no GPU was lent).
 BALANCES = {
     "cpu": Balance(flops_per_byte=15.0, flops_per_op=5.5e6, flops_per_policed_op=3.1e6),
     "cuda": Balance(flops_per_byte=250.0, flops_per_op=1e9, flops_per_policed_op=0.0),
