@@ -84,9 +84,7 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigTypeError(f"CheckpointConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
     if value > MAX_COUNT:
-        raise ConfigError(
-            f"CheckpointConfig.{name} must be at most {MAX_COUNT}, got an int of {len(str(value))} digits"
-        )
+        raise ConfigError(f"CheckpointConfig.{name} must be at most {MAX_COUNT}, got {len(str(value))} digits")
     if value < minimum:
         raise ConfigError(f"CheckpointConfig.{name} must be >= {minimum}, got {value}")
 
@@ -227,24 +225,19 @@ class CheckpointConfig:
             raise SavedFileError(f"{source}: expected a JSON object, got {type(data).__name__}; save the config again")
         version = data.get("format_version", FORMAT_VERSION)
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
-            raise SavedFileError(
-                f"{source}: format_version must be a positive int, got {version!r}; save the config again"
-            )
+            raise SavedFileError(f"{source}: format_version must be a positive int, got {version!r}; save it again")
         if version > FORMAT_VERSION:
             raise SavedFileError(
                 f"{source} has format_version {version}, but this remat ({__version__}) reads format_version "
                 f"{FORMAT_VERSION} and older: it was written by a newer remat; upgrade remat to load it"
             )
         data = _without_offload_flag(data, source)
-        unknown = sorted(set(data) - set(_FIELDS) - set(META_KEYS))
-        if unknown:
+        if unknown := sorted(set(data) - set(_FIELDS) - set(META_KEYS)):
             logger.warning("%s: ignoring keys this remat does not know: %s", source, unknown)
         try:
             return cls(**{k: v for k, v in data.items() if k in _FIELDS})
         except (TypeError, ValueError) as err:
-            raise SavedFileError(
-                f"{source}: {err} (correct that field in {source}, or save the config again)"
-            ) from None
+            raise SavedFileError(f"{source}: {err} (correct that field, or save the config again)") from None
 
     def to_json_string(self) -> str:
         payload = {"format_version": FORMAT_VERSION, "remat_version": __version__, **self.to_dict()}

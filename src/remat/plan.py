@@ -62,7 +62,6 @@ class CheckpointMap(Sequence[LayerPlan]):
         return len(self.plans)
 
     def indices(self, *policies: str) -> list[int]:
-        """Indices of the layers whose policy is one of `policies`."""
         return [p.index for p in self.plans if p.policy in policies]
 
     @property
@@ -70,7 +69,6 @@ class CheckpointMap(Sequence[LayerPlan]):
         return [p.index for p in self.plans if p.checkpointed]
 
     def switched_off(self, why: str) -> CheckpointMap:
-        """The same plans, marked as not running (`why`)."""
         return CheckpointMap(self.plans, off=why)
 
     def __repr__(self) -> str:
@@ -90,9 +88,8 @@ class CheckpointMap(Sequence[LayerPlan]):
 
 
 def swapped_indices(config: CheckpointConfig, num_layers: int) -> list[int]:
-    """Which layers keep their weights in host memory. "spread" puts the k-th of n at the end of
-    the k-th of n equal slices of the stack, so a prefetch has resident layers to hide behind;
-    "tail" takes the last n."""
+    """Which layers keep their weights in host memory. "spread" puts the k-th of n at the end of the k-th of n equal
+    slices of the stack, so a prefetch has resident layers to hide behind; "tail" takes the last n."""
     if isinstance(config.swap_layers, tuple):
         if bad := [i for i in config.swap_layers if i >= num_layers]:
             raise ConfigError(
@@ -110,9 +107,8 @@ def swapped_indices(config: CheckpointConfig, num_layers: int) -> list[int]:
 def plan_layers(
     config: CheckpointConfig, layer_names: Sequence[str], *, checkpointing_off_by: str | None = None
 ) -> CheckpointMap:
-    """The map for `config` over layers named `layer_names` (in module order). `checkpointing_off_by`
-    names the route that turned checkpointing off (e.g. "gradient_checkpointing_disable()"): every
-    layer not swapped is then "none"."""
+    """The map for `config` over layers named `layer_names` (in module order). `checkpointing_off_by` names the route
+    that turned checkpointing off (e.g. "gradient_checkpointing_disable()"): every layer not swapped is then "none"."""
     num_layers = len(layer_names)
     if num_layers == 0:
         raise ConfigError("there are no layers to plan")
@@ -120,11 +116,8 @@ def plan_layers(
         raise ConfigError(
             f"layer_policies names layer(s) {missing}, but the model has {num_layers} layers: use 0..{num_layers - 1}"
         )
-    swapped, n, checkpoint_policy = (
-        set(swapped_indices(config, num_layers)),
-        config.every_n_layers,
-        config.checkpoint_policy,
-    )
+    swapped = set(swapped_indices(config, num_layers))
+    n, checkpoint_policy = config.every_n_layers, config.checkpoint_policy
     plans = []
     for index, name in enumerate(layer_names):
         if checkpointing_off_by is not None:

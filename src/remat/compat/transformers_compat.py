@@ -76,3 +76,12 @@ TRL_SAC_ROUTE = "gradient_checkpointing_enable"
 # backward (`_VersionWrapper.get_val`), matched on the whole message. Checked against torch 2.13.0
 # (tests/test_selective.py).
 TORCH_SAC_MUTATED = "Tensor cached during selective activation checkpoint has been mutated"
+
+
+def native_every_n() -> tuple[int, ...]:
+    """The `every_n_layers` transformers' own enable offers here (only 1 before 5.16), as `plot()` marks them."""
+    import inspect
+
+    routes = [getattr(transformers.PreTrainedModel, name, None) for name in ENABLE_ROUTES]
+    takes = any(r is not None and "every_n_layers" in inspect.signature(r).parameters for r in routes)
+    return (1, 2, 3, 4) if takes else (1,)

@@ -5,14 +5,11 @@ a plan for a model changed since. It is handed the wrapper's controller, never t
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Mapping
 from typing import Any
 
-import transformers
-
-from ..compat.transformers_compat import ENABLE_ROUTES
+from ..compat.transformers_compat import native_every_n
 from .chooser import LayerChoice, Measurements
 from .measuring import Controlled, ProfileOptions, check_measurable, measure
 from .profile import PlannedConfig, Profile
@@ -28,16 +25,7 @@ def profile_model(state: Controlled, batch: Mapping[str, Any], options: ProfileO
     started = time.perf_counter()
     measurements, notes = measure(state, batch, options)
     seconds = time.perf_counter() - started
-    return Profile(
-        measurements, config, tuple(notes), seconds, native_every_n=_native_every_n(), state=measured, wrapper=state
-    )
-
-
-def _native_every_n() -> tuple[int, ...]:
-    """The `every_n_layers` transformers' own enable offers here (only 1 before 5.16), as `plot()` marks them."""
-    routes = [getattr(transformers.PreTrainedModel, name, None) for name in ENABLE_ROUTES]
-    takes = any(r is not None and "every_n_layers" in inspect.signature(r).parameters for r in routes)
-    return (1, 2, 3, 4) if takes else (1,)
+    return Profile(measurements, config, tuple(notes), seconds, native_every_n(), state=measured, wrapper=state)
 
 
 __all__ = ["LayerChoice", "Measurements", "ModelState", "PlannedConfig", "Profile", "ProfileOptions", "profile_model"]

@@ -25,9 +25,6 @@ class Outside(NamedTuple):
     checkpointing: int
     not_checkpointing: int
 
-    def of(self, checkpointing: bool) -> int:
-        return self.checkpointing if checkpointing else self.not_checkpointing
-
 
 @dataclass(frozen=True)
 class StepMemory:
@@ -114,9 +111,8 @@ class Measurements:
         measured (`_fit`: attention's scores and masks grow with the square of the length), else
         in proportion, as seconds are; the step's extras (weights, optimizer state) stay. A larger
         batch of the same sequences grows in proportion, over-estimated where attention is quadratic."""
-        if tokens is None or tokens == self.tokens:
+        if tokens is None or (tokens := parse_count(tokens, "tokens", "batch x sequence length")) == self.tokens:
             return self
-        tokens = parse_count(tokens, "tokens", "batch x sequence length")
         ratio, short = tokens / self.tokens, self.shorter
         # each figure with its measurement at the shorter length (None: not measured)
         grow = lambda value, before: (
@@ -245,18 +241,15 @@ def checkpoints(policies: Sequence[str]) -> bool:
     return any(policy(name).checkpointed for name in policies)
 
 
-def activation_bytes(m: Measurements, c: Combination) -> float:
-    """Held device bytes; a map that checkpoints nothing is priced by its own run (inf: not offered)."""
-    if checkpoints(c.policies):
-        return c.device_bytes + c.owed_bytes + m.outside.checkpointing
-    if m.alone is None or len(m.alone) != len(c.policies):
-        return float("inf")
-    return m.outside.not_checkpointing + sum(d for d, _ in m.alone)
-
-
 def scoped_bytes(m: Measurements, c: Combination, scope: str) -> float:
-    """Held activations, or with scope="step" the peak of the whole step (inf: not measured)."""
-    held = activation_bytes(m, c)
+    """Held device bytes, or with scope="step" the peak of the whole step (inf: not measured); a map
+    that checkpoints nothing is priced by its own run (inf: not offered)."""
+    if checkpoints(c.policies):
+        held = c.device_bytes + c.owed_bytes + m.outside.checkpointing
+    elif m.alone is None or len(m.alone) != len(c.policies):
+        return float("inf")
+    else:
+        held = m.outside.not_checkpointing + sum(d for d, _ in m.alone)
     if scope == "activations":
         return held
     extra = m.step.extra(c.policies) if m.step is not None else None
@@ -297,9 +290,28 @@ def predicted(m: Measurements, policies: Sequence[str], scope: str = "activation
     check_scope(m, scope)
     if len(policies) != len(m.layers) or any(p not in o for p, o in zip(policies, m.options, strict=True)):
         raise ConfigError(f"a map names one of each layer's options {m.options}, got {list(policies)}")
-    choices = _layer_choices(m, policies)  # with what the last offloaded layer owes on the device
-    c = Combination(sum(x.device_bytes for x in choices), 0, sum(x.seconds for x in choices), tuple(policies))
-    return _plan(m, c, scope)
+    return _plan(m, _combination(m, policies), scope)
+
+
+def native_points(m: Measurements, scope: str, every_n: tuple[int, ...]) -> dict[str, tuple[float, float]]:
+    """transformers' own options, priced (bytes of `scope`, seconds): every n-th layer recomputed, or none."""
+    n, out = len(m.layers), dict[str, tuple[float, float]]()
+    maps = {f"every_n_layers={k}": ["recompute" if i % k == 0 else "none" for i in range(n)] for k in every_n}
+    maps["no checkpointing"] = ["none"] * n
+    for label, policies in maps.items():
+        if any(p not in opts for p, opts in zip(policies, m.options, strict=True)):
+            continue  # a swapped layer cannot be "none"
+        c = _combination(m, policies)
+        nbytes = scoped_bytes(m, c, scope)
+        if nbytes != float("inf") and (checkpoints(policies) or label == "no checkpointing"):
+            out[label] = (nbytes, max(0.0, m.base_seconds + c.seconds))
+    return out
+
+
+def _combination(m: Measurements, policies: Sequence[str]) -> Combination:
+    """A whole map as one combination, with what the last offloaded layer owes on the device."""
+    choices = _layer_choices(m, policies)
+    return Combination(sum(x.device_bytes for x in choices), 0, sum(x.seconds for x in choices), tuple(policies))
 
 
 def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
@@ -308,7 +320,7 @@ def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
     if not checkpointing:  # priced by its own run, which fits only when offered
         assert m.alone is not None
         choices = [replace(x, device_bytes=d, host_bytes=h) for x, (d, h) in zip(choices, m.alone, strict=True)]
-    outside = m.outside.of(checkpointing)
+    outside = m.outside.checkpointing if checkpointing else m.outside.not_checkpointing
     held = outside + sum(x.device_bytes for x in choices)
     extra = m.step.extra(c.policies) if m.step is not None else None
     added = sum(x.seconds for x in choices)

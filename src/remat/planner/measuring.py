@@ -1,18 +1,12 @@
-"""Measuring a profile: a few training steps under chosen maps, then put back as it was.
+"""Measuring a profile: a few training steps under chosen maps, then everything put back as it was.
 
-1. Bytes (`_bytes`, each step one `memory_report`): every layer recomputed gives each layer's
-   input and the bytes outside the layers; then each other policy on every layer, in mixed maps
-   (step k gives layer i policy number (i + k): on transformers 4.57 a "none" layer holds more
-   while another is checkpointed), split by policy, then by halves, when one runs out of memory;
-   "offload" on every layer at once; nothing checkpointed, on its own, when no layer is swapped.
-2. The step's peak, with `optimizer`: each of those steps also takes an optimizer step under
-   `remat.planner.peak`'s count of live storages.
-3. A second length: for plain text, 1. and 2. again at half the sequence length, so that bytes
-   growing with its square are modelled (`Measurements.scaled`).
-4. Time: `remat.planner.timing`.
-
-Everything is put back afterwards (`_left_as_it_was`); tensors of the batch that require grad get
-fresh leaves (`remat.loss.own_inputs`), so a soft prompt's gradient is never touched.
+Bytes (`_bytes`, one `memory_report` a step): every layer recomputed gives the inputs and what is
+outside the layers; then each policy in mixed maps (step k gives layer i policy number (i + k): on
+transformers 4.57 a "none" layer holds more while another is checkpointed), split by policy, then by
+halves, when one runs out of memory; "offload" on every layer; nothing checkpointed (no layer swapped).
+With an optimizer each step also takes its step, for the peak (`peak`); for plain text all again at
+half the length, for what grows with its square (`Measurements.scaled`). Time: `timing`. Batch tensors
+that require grad get fresh leaves (`remat.loss.own_inputs`), so a soft prompt's gradient is untouched.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, me
 from ..snapshot import model_left_as_it_was
 from .chooser import Measurements, Outside, StepMemory, TimePrices
 from .peak import StepPeak
-from .timing import price_time, synchronize
+from .timing import Held, Seconds, price_time, synchronize
 
 CANDIDATES = ("none", "selective", "recompute", "offload")
 BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
@@ -103,15 +97,12 @@ def batch_tokens(batch: Mapping[str, Any]) -> int:
 
 def candidates(state: Controlled) -> tuple[list[str], list[str]]:
     """The policies worth measuring on this model, and notes on those left out."""
-    device = next(state.model.parameters()).device
-    reentrant = state.config.use_reentrant
+    cpu, reentrant = next(state.model.parameters()).device.type == "cpu", state.config.use_reentrant
     names = [
-        name
-        for name in CANDIDATES
-        if not (name == "offload" and device.type == "cpu") and not (policy(name).needs_non_reentrant and reentrant)
+        n for n in CANDIDATES if not (n == "offload" and cpu) and not (policy(n).needs_non_reentrant and reentrant)
     ]
     notes = []
-    if device.type == "cpu":
+    if cpu:
         notes.append("offload not considered: the model runs on the CPU, so it would free no device memory")
     if reentrant and "selective" not in names:
         notes.append("selective not considered: it needs use_reentrant=False")
@@ -140,7 +131,9 @@ class _Steps:
             found = step()
         except OUT_OF_MEMORY:
             found = None
-            _give_back_memory()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         self.model.zero_grad(set_to_none=True)
         self.bar.update(1)
         return found
@@ -163,8 +156,7 @@ class _Steps:
         return self._run(policies, step)
 
     def timed(self, policies: Mapping[int, str], within: contextlib.AbstractContextManager) -> float | None:
-        """Seconds of one forward and backward under `policies`, inside `within` (a counter or
-        the layer timers); None if it ran out of memory."""
+        """Seconds of a forward and backward under `policies` inside `within` (None: out of memory)."""
 
         def step() -> float:
             synchronize(self.device)
@@ -178,29 +170,25 @@ class _Steps:
 
 
 def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions) -> tuple[Measurements, list[str]]:
-    """See the module docstring. Returns the measurements, and notes on what was left out or
-    done differently."""
+    """The measurements, and notes on what was left out or done differently."""
     from transformers.utils.logging import tqdm
 
     loss_fn, optimizer, repeats = options.loss_fn, options.optimizer, options.repeats
-
     names, notes = candidates(state)
     n = len(state.checkpoint_map)
     swapped = {p.index for p in state.checkpoint_map if p.swapped}
     rotation = [name for name in names if name not in ("recompute", "offload")] or ["none"]
     rotation = rotation if len(rotation) > 1 else [*rotation, "recompute"]
-    timed = len([name for name in names if name != "offload"]) + ("offload" in names)
-    memory_steps = 1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)
     short = shorter_batch(batch)
-    counting = 1 + ("selective" in names)
-    total = memory_steps * (1 if short is None else 2) + counting + repeats * timed
+    memory_steps = (1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)) * (1 if short is None else 2)
+    total = memory_steps + 1 + ("selective" in names) + repeats * len(names)  # bytes, counting, timing
     with (
         tqdm(total=total, desc="remat: profiling", disable=not options.progress, leave=False) as bar,
         _left_as_it_was(state),
     ):
         steps = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar)
         found = _bytes(steps, names, rotation, swapped, notes)
-        seconds, base, prices, timing_notes = price_time(steps, names, found.held, swapped, repeats)
+        seconds, base, prices, timing_notes = price_time(steps, names, found.held, repeats)
         notes += [*timing_notes, prices.summary()]
         if prices.spread() > BUSY_SPREAD:
             notes.append(
@@ -226,7 +214,7 @@ class _Bytes:
     """Per policy and layer (device, host) bytes held; each layer's input; bytes outside the layers
     by checkpointing; the map that checkpoints nothing (None: not offered); the step's extras."""
 
-    held: dict[str, dict[int, tuple[int, int]]]
+    held: Held
     inputs: dict[int, int]
     outside: dict[bool, int]
     alone: dict[int, tuple[int, int]] | None
@@ -236,7 +224,7 @@ class _Bytes:
 def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[int], notes: list[str]) -> _Bytes:
     n = steps.n
     everything = range(n)
-    held: dict[str, dict[int, tuple[int, int]]] = {name: {} for name in names}
+    held: Held = {name: {} for name in names}
     outside = {True: 0, False: 0}
 
     def record(report: Any, policies: Mapping[int, str]) -> None:
@@ -253,13 +241,9 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
         )
     record(report, dict.fromkeys(everything, "recompute"))
     inputs = {i: sum(held["recompute"][i]) for i in everything}
+    turn = lambda i, k: rotation[(i + k) % len(rotation)]
     pending = [
-        {
-            i: rotation[(i + k) % len(rotation)]
-            for i in everything
-            if not (i in swapped and rotation[(i + k) % len(rotation)] == "none")
-        }
-        for k in range(len(rotation))
+        {i: turn(i, k) for i in everything if not (i in swapped and turn(i, k) == "none")} for k in range(len(rotation))
     ]
     if "offload" in names:
         pending.append(dict.fromkeys(everything, "offload"))
@@ -299,13 +283,7 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
 
 
 def _measurements(
-    steps: _Steps,
-    names: list[str],
-    found: _Bytes,
-    swapped: set[int],
-    seconds: dict[str, dict[int, float]],
-    base: float,
-    prices: TimePrices,
+    steps: _Steps, names: list[str], found: _Bytes, swapped: set[int], seconds: Seconds, base: float, prices: TimePrices
 ) -> Measurements:
     everything = range(steps.n)
     held = found.held
@@ -338,13 +316,9 @@ def shorter_batch(batch: Mapping[str, Any]) -> dict[str, Any] | None:
     """The batch at half its sequence length when it is plain text (every tensor of 2+ dims is
     (batch, sequence, ...) of the same sizes); None otherwise (images, audio)."""
     shapes = {tuple(v.shape[:2]) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2}
-    if len(shapes) != 1:
+    if len(shapes) != 1 or (seq := next(iter(shapes))[1]) < 4:
         return None
-    ((size, seq),) = shapes
-    if seq < 4:
-        return None
-    half = seq // 2
-    return {k: v[:, :half] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
+    return {k: v[:, : seq // 2] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
 
 
 @contextlib.contextmanager
@@ -360,9 +334,3 @@ def _left_as_it_was(state: Controlled) -> Iterator[None]:
             yield
     finally:  # runs even when putting the model or the counters back failed
         state.replan(config, off_by=off_by, cause="profile() (restoring)")
-
-
-def _give_back_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

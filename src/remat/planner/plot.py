@@ -3,26 +3,20 @@ imported only here)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 _SCOPE_WORDS = {"activations": "held activations", "step": "peak of a whole training step"}
 _MIB = 2**20
+Point = tuple[float, float]  # (bytes, seconds)
 
 
 def frontier_figure(
-    points: Sequence[tuple[float, float]],
-    native: Mapping[str, tuple[float, float]],
-    *,
-    scope: str,
-    tokens: int,
-    budget: int | None = None,
-    chosen: tuple[float, float] | None = None,
+    points: list[Point], marks: dict[str, Point], *, scope: str, tokens: int, budget: int | None, chosen: Point | None
 ) -> Any:
-    """Predicted step time against predicted bytes (of `scope`, said in the title): the undominated
-    maps as a staircase (a budget between two gets the one below), transformers' native options as
-    marks, and a `budget` as a vertical line with the map `chosen` for it (bytes, seconds) as a
-    star. No label is drawn over another."""
+    """Predicted step time against predicted bytes (of `scope`, said in the title): the undominated maps as a staircase
+    (a budget between two gets the one below), transformers' native options as marks, and a `budget` as a vertical line
+    with the map `chosen` for it (bytes, seconds) as a star. No label is drawn over another."""
     try:
         from matplotlib.figure import Figure
     except ImportError as missing:
@@ -30,7 +24,6 @@ def frontier_figure(
             "profile.plot() draws with matplotlib, which is not installed here. Install remat's plot extra, remat[plot]"
             " (pip install '.[plot]' in a clone of remat), or matplotlib itself: pip install 'matplotlib>=3.8'"
         ) from missing
-
     figure = Figure(figsize=(7.5, 4.8))
     ax = figure.add_subplot()
     xs, ys = [b / _MIB for b, _ in points], [s * 1e3 for _, s in points]
@@ -38,7 +31,7 @@ def frontier_figure(
         ax.step(xs, ys, where="post", color="#3a78b5", alpha=0.5, linewidth=1)
         ax.scatter(xs, ys, color="#3a78b5", marker="o", s=14, label="remat: every undominated map", zorder=3)
     labels = []
-    for i, (label, (x, y)) in enumerate(_merge_coinciding(native)):
+    for i, (label, (x, y)) in enumerate(_merge_coinciding(marks)):
         ax.scatter([x], [y], color="#d08c40", marker="s", zorder=4, label="native (transformers)" if i == 0 else None)
         labels.append(ax.annotate(label, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points"))
     if budget is not None:
@@ -60,7 +53,7 @@ def frontier_figure(
     return figure
 
 
-def _merge_coinciding(native: Mapping[str, tuple[float, float]]) -> list[tuple[str, tuple[float, float]]]:
+def _merge_coinciding(native: Mapping[str, Point]) -> list[tuple[str, Point]]:
     """Native options priced alike (every_n_layers=3 and =4 on a short stack are one map) as one
     mark with one label, in MiB and ms, ascending in bytes."""
     merged: dict[tuple[float, float], list[str]] = {}

@@ -6,14 +6,15 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from ..arguments import parse_bytes, parse_count
+from ..arguments import parse_bytes
 from ..config import CheckpointConfig
 from ..display import mib, render_table
 from ..errors import ConfigError, StaleProfileError
-from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, scoped_bytes, smallest
+from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, native_points, smallest
 from .state import ModelState
 
 _MIB = 2**20
+Size = int | str  # bytes, or a size like "6GiB"
 
 
 class PlannedConfig(CheckpointConfig):
@@ -66,24 +67,22 @@ class PlannedConfig(CheckpointConfig):
 
 
 class Profile:
-    """What one `cm.profile(batch)` measured: plans for any budget are chosen from it at once,
-    without running the model.
+    """What one `cm.profile(batch)` measured: plans for any budget are chosen from it at once, running nothing.
 
-    Plans are chosen for the wrapper as it is when `plan`, `frontier` or `plot` is called: they
-    raise `StaleProfileError` (a ValueError) naming what changed when the model is no longer in
-    the state measured (`state`: dtypes, devices, trainable parameters, adapters, swapped layers,
-    the settings that change a measurement), and each plan is the wrapper's current config with
-    only the per-layer policies chosen, so applying it keeps every other setting made since.
+    Plans are chosen for the wrapper as it is when `plan`, `frontier` or `plot` is called: they raise
+    `StaleProfileError` (a ValueError) naming what changed when the model is no longer in the state measured (`state`:
+    dtypes, devices, trainable parameters, adapters, swapped layers, the settings that change a measurement), and each
+    plan is the wrapper's current config with only the per-layer policies chosen, so applying it keeps every other
+    setting made since.
 
     Attributes:
         measurements: the per-layer bytes and seconds per policy (`remat.planner.chooser`).
         config: the config the profile was measured under.
-        state: the model's state when measured (`remat.planner.state.ModelState`); None when
-            unknown (a profile built by hand), which plans on `config` unchecked.
+        state: the model's state when measured (`remat.planner.state.ModelState`); None when unknown (a profile built
+            by hand), which plans on `config` unchecked.
         notes: what the measuring could not do, or did differently (shown with each plan).
         profiling_seconds: how long the measuring took.
-        native_every_n: the `every_n_layers` transformers' own enable offers on this version
-            (marked by `plot`).
+        native_every_n: the `every_n_layers` transformers' own enable offers on this version (marked by `plot`).
     """
 
     def __init__(
@@ -110,7 +109,7 @@ class Profile:
         """Batch x sequence length of the profiled batch."""
         return self.measurements.tokens
 
-    def plan(self, budget: int | str, *, scope: str = "activations", tokens: int | None = None) -> PlannedConfig:
+    def plan(self, budget: Size, *, scope: str = "activations", tokens: int | None = None) -> PlannedConfig:
         """The fastest map whose bytes fit `budget` (bytes, or a size like "6GiB"): held
         activations for `scope="activations"`, the peak of one whole training step for
         `scope="step"`; for a batch of `tokens` tokens (default: the profiled batch's). Runs
@@ -141,24 +140,18 @@ class Profile:
         return [self._config(p, p.device_bytes, m.tokens, config) for p in frontier(m, scope)]
 
     def plot(
-        self,
-        *,
-        scope: str = "activations",
-        tokens: int | None = None,
-        native: bool = True,
-        budget: int | str | None = None,
+        self, *, scope: str = "activations", tokens: int | None = None, native: bool = True, budget: Size | None = None
     ) -> Any:
-        """A matplotlib Figure of the frontier: predicted step time against predicted bytes (of
-        `scope`, said in the title), with transformers' native options (`every_n_layers` 1..4, and
-        no checkpointing) marked where this profile can price them and this transformers offers
-        them (`native=False` leaves them out). Given a `budget` (bytes or a size like "6GiB"), the
-        budget is a vertical line and the map `plan(budget)` chooses a star. Needs matplotlib
-        (the `plot` extra); without it, an ImportError says how to install it."""
+        """A matplotlib Figure of the frontier: predicted step time against predicted bytes (of `scope`, said in the
+        title), with transformers' native options (`every_n_layers` 1..4, and no checkpointing) marked where this
+        profile can price them and this transformers offers them (`native=False` leaves them out). Given a `budget`
+        (bytes or a size like "6GiB"), the budget is a vertical line and the map `plan(budget)` chooses a star. Needs
+        matplotlib (the `plot` extra); without it, an ImportError says how to install it."""
         from .plot import frontier_figure
 
         _, m = self._base(scope, tokens)
         points = [(p.device_bytes, p.seconds) for p in frontier(m, scope)]
-        marks = _native_points(m, scope, self.native_every_n) if native else {}
+        marks = native_points(m, scope, self.native_every_n) if native else {}
         limit = None if budget is None else parse_bytes(budget, "budget")
         best = None if limit is None else choose(m, limit, scope)
         chosen = None if best is None else (best.device_bytes, best.seconds)
@@ -168,9 +161,7 @@ class Profile:
         """The wrapper's current config (the one measured under when it is gone or the state is
         unknown; `StaleProfileError` if the model changed) and the measurements at `tokens`."""
         check_scope(self.measurements, scope)  # a scope this profile cannot plan is said first
-        m = self.measurements.scaled(
-            None if tokens is None else parse_count(tokens, "tokens", "batch x sequence length")
-        )
+        m = self.measurements.scaled(tokens)
         controller = self._wrapper()
         try:
             model = None if controller is None else controller.model
@@ -232,22 +223,3 @@ class _WeakSource:
 
     def __reduce__(self) -> Any:
         return (_WeakSource, (None,))
-
-
-def _native_points(m: Measurements, scope: str, every_n: tuple[int, ...]) -> dict[str, tuple[float, float]]:
-    """transformers' own options, priced from the profile: every n-th layer recomputed, or none."""
-    from .chooser import Combination, _layer_choices, checkpoints
-
-    n = len(m.layers)
-    out: dict[str, tuple[float, float]] = {}
-    maps = {f"every_n_layers={k}": ["recompute" if i % k == 0 else "none" for i in range(n)] for k in every_n}
-    maps["no checkpointing"] = ["none"] * n
-    for label, policies in maps.items():
-        if any(p not in opts for p, opts in zip(policies, m.options, strict=True)):
-            continue  # a swapped layer cannot be "none"
-        choices = _layer_choices(m, policies)
-        c = Combination(sum(x.device_bytes for x in choices), 0, sum(x.seconds for x in choices), tuple(policies))
-        nbytes = scoped_bytes(m, c, scope)
-        if nbytes != float("inf") and (checkpoints(policies) or label == "no checkpointing"):
-            out[label] = (nbytes, max(0.0, m.base_seconds + c.seconds))
-    return out

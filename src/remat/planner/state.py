@@ -33,7 +33,6 @@ class ModelState:
 
     @classmethod
     def of(cls, model: nn.Module, config: Any, num_layers: int) -> ModelState:
-        """The state of `model` under `config` (a `CheckpointConfig`) with `num_layers` layers."""
         params = list(model.named_parameters())
         adapters, active = _adapters(model)
         return cls(

@@ -1,20 +1,18 @@
 """Pricing time: what each policy adds to a step, as counted work times one timed rate.
 
-Wall clocks move on a busy machine (three profiles priced a recompute at +66, +84 and +545 ms a
-layer), so every price is a count and only the rate is timed:
-
-- `FlopTally` counts per layer the work of its forward, of what a recompute repeats and of what
-  "selective" repeats: FLOPs by torch's formulas (`torch.utils.flop_counter`), plus bytes and
-  launches of the other ops at the device's fixed `Balance`.
-- The rate (seconds per unit of work) is the median over every layer call timed by `LayerClock`
-  in every other timed step; its quartiles are the spread shown with each prediction.
-- "selective" costs the work it repeats plus its policy's cost per dispatched op; "offload" a
-  recompute plus its copies (timed steps with every layer offloaded, beyond their prediction).
-- The step with nothing recomputed: the median, over the steps timed without layer timers, of
-  the step's time less its map's prices.
-
-So the ranking of maps is fixed by counts: noise moves every price alike (offload's copies
-aside). The timed maps are mixed: step k gives layer i timed policy number (i + k).
+Wall clocks move on a busy machine (three profiles priced a recompute at +66, +84 and +545 ms a layer), so every
+price is a count and only the rate is timed:
+- `FlopTally` counts per layer the work of its forward, of what a recompute repeats and of what "selective" repeats:
+  FLOPs by torch's formulas (`torch.utils.flop_counter`), plus the other ops' bytes and launches at the device's
+  fixed `Balance`.
+- The rate (seconds per unit of work) is the median over every layer call timed by `LayerClock` in every other
+  timed step; its quartiles are the spread shown with each prediction.
+- "selective" costs the work it repeats plus its policy's cost per dispatched op; "offload" a recompute plus its
+  copies (timed steps with every layer offloaded, beyond their prediction).
+- The step with nothing recomputed: the median, over the steps timed without layer timers, of the step's time
+  less its map's prices.
+So the ranking of maps is fixed by counts: noise moves every price alike (offload's copies aside). The timed maps
+are mixed: step k gives layer i timed policy number (i + k).
 """
 
 from __future__ import annotations
@@ -34,6 +32,10 @@ from ..errors import StateError
 from .chooser import TimePrices
 
 CALLS = 2  # timed per layer and step: the forward, and backward's recompute
+Held = dict[str, dict[int, tuple[int, int]]]  # policy -> layer -> (device, host) bytes held
+Seconds = dict[str, dict[int, float]]  # policy -> layer -> seconds added
+Runs = list[tuple[dict[int, str], float, list[list[float]] | None]]  # (map, step seconds, layer timings)
+Priced = tuple[Seconds, float, TimePrices, list[str]]
 
 
 def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
@@ -54,19 +56,14 @@ class Balance(NamedTuple):
     flops_per_policed_op: float
 
 
-# cpu: fitted on this project's idle 2-core x86, torch 2.13, from the time recompute and selective
-# add to the benchmark's tiny and small presets against their counts (150 GFLOP/s, 10 GB/s for small
-# ops, 37 us an op, 21 us more under selective's policy; benchmarks/RESULTS.md).
-# cuda: H100/H200 datasheets (bf16, HBM3), ~1 us a launch, the policy hidden behind queued kernels;
-# not measured here (no GPU was lent).
+# cpu: fitted on this project's idle 2-core x86, torch 2.13, from the time recompute and selective add to the
+# benchmark's tiny and small presets against their counts (150 GFLOP/s, 10 GB/s for small ops, 37 us an op, 21 us more
+# under selective's policy; benchmarks/RESULTS.md). cuda: H100/H200 datasheets (bf16, HBM3), ~1 us a launch, the policy
+# hidden behind queued kernels; not measured here (no GPU was lent).
 BALANCES = {
     "cpu": Balance(flops_per_byte=15.0, flops_per_op=5.5e6, flops_per_policed_op=3.1e6),
     "cuda": Balance(flops_per_byte=250.0, flops_per_op=1e9, flops_per_policed_op=0.0),
 }
-
-
-def balance_of(device: torch.device) -> Balance:
-    return BALANCES.get(device.type, BALANCES["cuda"])
 
 
 class Work(NamedTuple):
@@ -95,9 +92,8 @@ def _hook_layers(layers: Sequence[nn.Module], on_layer: Callable, on_child: Call
 
 
 class FlopTally(TorchDispatchMode):
-    """Counts one training step's `Work` per layer: in its forward (the layer's first call) and
-    in backward's recompute (its children's calls after that forward: what torch really runs
-    again). Runs every op as it is."""
+    """Counts one training step's `Work` per layer: in its forward (the layer's first call) and in backward's recompute
+    (its children's calls after that forward: what torch really runs again). Runs every op as it is."""
 
     def __init__(self, layers: Sequence[nn.Module]):
         super().__init__()
@@ -149,14 +145,6 @@ class FlopTally(TorchDispatchMode):
             handle.remove()
 
 
-def timed_maps(n: int, names: Sequence[str], swapped: set[int]) -> list[dict[int, str]]:
-    """Step k gives layer i policy number (i + k) of the timed ones offered (a swapped layer
-    recomputes where it would be "none")."""
-    timed = [name for name in ("none", "selective", "recompute") if name in names] or ["recompute"]
-    pick = lambda p, i: "recompute" if p == "none" and i in swapped else p
-    return [{i: pick(timed[(i + k) % len(timed)], i) for i in range(n)} for k in range(len(timed))]
-
-
 class Counts(NamedTuple):
     """Work per layer of its forward, of a recompute, of "selective" (empty: could not run)."""
 
@@ -165,11 +153,8 @@ class Counts(NamedTuple):
     selective: list[Work]
 
 
-def price_time(
-    steps: Any, names: list[str], held: dict[str, dict[int, tuple[int, int]]], swapped: set[int], repeats: int
-) -> tuple[dict[str, dict[int, float]], float, TimePrices, list[str]]:
-    """Seconds each policy adds per layer over "none", the step time with nothing recomputed,
-    the rate and counts behind them, and notes. See the module docstring."""
+def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced:
+    """Seconds each policy adds per layer over "none", the step's with nothing recomputed, the prices, notes."""
     n = steps.n
     modules = [layer.module for layer in steps.state.discovery.layers]
 
@@ -190,14 +175,12 @@ def price_time(
     if "selective" in names and (found := counted({i: "selective" for i in held["selective"]})) is not None:
         # what it repeats, and the policy's own cost on each op, forward and recompute
         selective = [r._replace(dispatched=f.dispatched + r.dispatched) for f, r in zip(*found, strict=True)]
-    # a layer that cannot run a policy (it ran out of memory measuring it) recomputes instead
-    maps = [
-        {i: p if p == "recompute" or i in held.get(p, {}) else "recompute" for i, p in m.items()}
-        for m in timed_maps(n, names, swapped)
-    ]
-    offloading = "offload" in names
+    # a layer not measured under its policy (swapped, for "none"; out of memory measuring it) recomputes instead
+    timed = [name for name in ("none", "selective", "recompute") if name in names] or ["recompute"]
+    pick = lambda p, i: p if i in held.get(p, {}) else "recompute"
+    maps = [{i: pick(timed[(i + k) % len(timed)], i) for i in range(n)} for k in range(len(timed))]
     clock = LayerClock(modules, steps.device)
-    runs: list[tuple[dict[int, str], float, list[list[float]] | None]] = []
+    runs: Runs = []
     offloaded: list[float] = []
     for repeat in range(repeats):
         for k, policies in enumerate(maps):
@@ -207,25 +190,26 @@ def price_time(
             seconds = steps.timed(policies, clock.step() if hooked else contextlib.nullcontext())
             if seconds is not None:
                 runs.append((policies, seconds, clock.last if hooked else None))
-        if offloading:
+        if "offload" in names:
             seconds = steps.timed({i: "offload" for i in held["offload"]}, contextlib.nullcontext())
             if seconds is not None:
                 offloaded.append(seconds)
     if not runs:
         raise StateError("profiling: every timed step ran out of memory; profile with a smaller batch")
-    counts = Counts(forward, recompute, selective)
-    return _prices(n, names, held, counts, balance_of(steps.device), runs, offloaded)
+    return _prices(
+        n,
+        names,
+        held,
+        Counts(forward, recompute, selective),
+        BALANCES.get(steps.device.type, BALANCES["cuda"]),
+        runs,
+        offloaded,
+    )
 
 
 def _prices(
-    n: int,
-    names: list[str],
-    held: dict[str, dict[int, tuple[int, int]]],
-    counts: Counts,
-    balance: Balance,
-    runs: list[tuple[dict[int, str], float, list[list[float]] | None]],
-    offloaded: list[float],
-) -> tuple[dict[str, dict[int, float]], float, TimePrices, list[str]]:
+    n: int, names: list[str], held: Held, counts: Counts, balance: Balance, runs: Runs, offloaded: list[float]
+) -> Priced:
     notes: list[str] = []
     forward = [max(1.0, w.units(balance)) for w in counts.forward]
     # a recompute torch was not seen running (nothing counted after the forward): the forward
@@ -244,7 +228,7 @@ def _prices(
     low, rate, high = quartiles(rates)
     rate = max(rate, 1e-18)
     recompute = {i: rate * repeated[i] for i in range(n)}
-    out: dict[str, dict[int, float]] = {"none": dict.fromkeys(range(n), 0.0), "recompute": recompute}
+    out: Seconds = {"none": dict.fromkeys(range(n), 0.0), "recompute": recompute}
     selective = [w.units(balance) + w.dispatched * balance.flops_per_policed_op for w in counts.selective]
     if "selective" in names:
         if not selective:
@@ -274,10 +258,8 @@ def _prices(
 
 
 class LayerClock:
-    """Times each layer's forward (its first call) and backward's recompute of it (its
-    children's calls after that forward) in a step: CUDA events on an accelerator (nothing
-    synchronizes mid-step), the host clock on a CPU. The hooks exist only inside `step()`;
-    `last` holds, per layer, [forward seconds, recompute seconds] (None: no such call)."""
+    """Times in `step()` each layer's forward and recompute, the calls `FlopTally` counts: CUDA events on an accelerator
+    (nothing synchronizes mid-step), else the host clock. `last`: per layer, [forward, recompute] seconds or None."""
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device):
         self.cuda = device.type == "cuda"
