@@ -25,7 +25,7 @@ from .errors import ConfigError, ConfigTypeError, StateError
 from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
 from .persistence import load_checkpointed_model, save_checkpointed_model
-from .persistence.peft_names import is_peft_model
+from .persistence.pair_format import is_peft_model
 from .plan import CheckpointMap, plan_layers
 from .refs import LocalRef
 from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
