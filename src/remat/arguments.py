@@ -23,13 +23,11 @@ _SIZE_HELP = (
 )
 
 MAX_COUNT = 2**63 - 1
-"""The largest byte or token count accepted (int64, as torch and allocators count): a larger one
-is no size any machine has, and would overflow float arithmetic downstream."""
+"""The largest byte or token count accepted (int64, as torch counts): more would overflow float arithmetic."""
 
 
 def parse_bytes(value: Any, name: str) -> int:
-    """A byte count from an int (bytes) or a string with a unit (see `_UNITS`): "6G" == "6GiB" ==
-    6 * 2**30, "6GB" == 6 * 10**9. Raises a TypeError or ValueError naming `name`."""
+    """A byte count from an int or a string with a unit (`_SIZE_HELP`); a TypeError or ValueError names `name`."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number of bytes (int) or a size like '8GiB', got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -78,7 +76,6 @@ class WrapperOptions:
 
     @classmethod
     def taken_from(cls, kwargs: dict[str, Any]) -> WrapperOptions:
-        """The options popped out of `kwargs`."""
         return cls(**{name: kwargs.pop(name) for name in cls.names() if name in kwargs})
 
     def host_budget(self) -> int | None:

@@ -87,7 +87,6 @@ class Controller:
         return bool(self._installs)
 
     def _owned_models(self) -> list[nn.Module]:
-        """The model, and the ones it was adopted from (see `adopt`), while they live."""
         return [m for m in (ref() for ref in (self._model, *self._adopted_from)) if m is not None]
 
     @property
@@ -206,8 +205,7 @@ class Controller:
             self._exclude_swapped_from_ddp_sync()
             self.apply_map()
         if off_by is None and not any(plan.offloaded for plan in new_map):
-            # Nothing offloaded any more (a route's "off" does not count: it comes back, and
-            # re-pinning costs more than keeping torch's pinned cache).
+            # Nothing offloaded (a route's "off" comes back, and re-pinning costs more than torch's pinned cache).
             self.offloader.release_host_memory()
 
     def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> None:

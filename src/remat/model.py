@@ -1,6 +1,5 @@
-"""`CheckpointedModel`, the public face: an `nn.Module` holding the model as `.model` and delegating
-to it as PEFT's `PeftModel` does. Arguments are checked here, before anything changes; the map, the
-installing and the routes live in `remat.controller`."""
+"""`CheckpointedModel`, the public face: an `nn.Module` delegating to its `.model` as PEFT's `PeftModel`
+does. Arguments are checked here, before anything changes; the map and what is installed: `remat.controller`."""
 
 from __future__ import annotations
 
@@ -56,10 +55,8 @@ def _plain_trainer_refusal(model: nn.Module) -> str:
         del frame  # a frame held by a local of its own is a reference cycle
     works = f"remat.remat_trainer_class({trainer})" if trainer not in (None, "Trainer") else "remat.RematTrainer"
     works += "(model=cm, ...)"
-    message = (
-        f"{trainer or 'Trainer'}(model=cm) would save every weight of the wrapper and no checkpoint_config.json; "
-        f"use {works}"
-    )
+    message = f"{trainer or 'Trainer'}(model=cm) would save every weight of the wrapper and no checkpoint_config.json"
+    message += f"; use {works}"
     if not is_peft_model(model) and any(isinstance(m, BaseTunerLayer) for m in model.modules()):
         message += (
             ". Your peft_config already put adapters into cm's model: build the model and the wrapper again, then "
@@ -164,7 +161,6 @@ class CheckpointedModel(nn.Module):
 
     @staticmethod
     def _plan(model: nn.Module, discovery: Discovery, config: CheckpointConfig) -> CheckpointMap:
-        """The map, with the swap it asks for checked."""
         checkpoint_map = plan_layers(config, discovery.names)
         check_swappable(swap_targets(discovery, checkpoint_map), model)
         return checkpoint_map
@@ -175,7 +171,6 @@ class CheckpointedModel(nn.Module):
         self._controller.wrapper = LocalRef(self)
 
     def __copy__(self) -> CheckpointedModel:
-        """Refused: two wrappers would share one model and map."""
         raise ConfigTypeError(
             "copy.copy(cm) would make a second wrapper sharing cm's model and map; a model has one wrapper. Use cm "
             "itself, or copy.deepcopy(cm) for an independent wrapper over a copy of the model"
@@ -200,8 +195,7 @@ class CheckpointedModel(nn.Module):
         return self.model(*args, **kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """`cm.model.compile(...)`: cm and a trainer given cm both run cm.model, so both run compiled.
-        `disable()` leaves the compile in place (it is the model's)."""
+        """`cm.model.compile(...)`: cm and a trainer given cm run cm.model compiled; `disable()` leaves it."""
         self.model.compile(*args, **kwargs)
 
     @property
@@ -248,8 +242,7 @@ class CheckpointedModel(nn.Module):
         return self
 
     def for_inference(self) -> CheckpointedModel:
-        """Eval mode with checkpointing off, so generation can use its cache; the map is kept.
-        As a context manager (``with cm.for_inference():``) the mode before is restored on exit."""
+        """Eval mode with checkpointing off (generation uses its cache), the map kept; `with` restores the mode."""
         self._controller.set_mode(inference=True)
         return self
 
@@ -286,8 +279,7 @@ class CheckpointedModel(nn.Module):
         return describe_map(self.checkpoint_map, self._controller.offloader.stats, self.swap_stats)
 
     def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
-        """PEFT's `merge_and_unload` after disabling remat, so the model returned is plain; this
-        wrapper stays disabled (its adapters are gone)."""
+        """PEFT's `merge_and_unload` after disabling remat: the model returned is plain, this wrapper stays off."""
         return self._leave("merge_and_unload", args, kwargs)
 
     def unload(self, *args: Any, **kwargs: Any) -> nn.Module:
@@ -351,9 +343,8 @@ class CheckpointedModel(nn.Module):
     def from_pretrained(
         cls, model: nn.Module, path: str | os.PathLike, is_trainable: bool = True, **kwargs: Any
     ) -> CheckpointedModel:
-        """Load what `save_pretrained` wrote at `path` into `model` (the base model, or a PeftModel with
-        those adapters) and wrap it, refusing before any change what does not fit. Keywords go to PEFT,
-        except the constructor's own."""
+        """Load what `save_pretrained` wrote at `path` into `model` (the base model, or a PeftModel with those
+        adapters) and wrap it, refusing before any change. Keywords go to PEFT, except the constructor's own."""
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     def extra_repr(self) -> str:

@@ -170,8 +170,7 @@ class EnableRoute(_Route):
             ) from None
 
     def _wrapped_by_trl(self) -> bool:
-        """Whether TRL's selective checkpointing wrapped this enable method (on this module, or on
-        the model the owner wraps, a PeftModel that forwards to it)."""
+        """Whether TRL's selective checkpointing wrapped this method (here, or on the owner's PeftModel)."""
         if self.route != TRL_SAC_ROUTE:
             return False
         holders = (self._module(), self.owner.model)
