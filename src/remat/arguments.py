@@ -10,9 +10,8 @@ from typing import Any
 
 from .errors import ConfigError, ConfigTypeError
 
-# A bare letter (K, M, G, T, as docker's `--memory` and Java's `-Xmx` read "6g") and the binary
-# units (KiB, ...; Ki, ... as Kubernetes writes them) are powers of 1024; decimal units with a B
-# (KB, ...) powers of 1000, as the SI and `du --si` write them. Case does not matter.
+# A bare letter (K, M, G, T, as docker's `--memory` and Java's `-Xmx` read "6g") and binary units (KiB, Ki, ...)
+# are powers of 1024; decimal units with a B (KB, ...) powers of 1000, as `du --si` writes them. Any case.
 _UNITS = {"": 1, "b": 1}
 for _power, _p in enumerate("kmgt", 1):
     _UNITS |= {_p + "b": 1000**_power, _p: 1024**_power, _p + "i": 1024**_power, _p + "ib": 1024**_power}

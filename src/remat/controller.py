@@ -74,11 +74,6 @@ class Controller:
         self._has_installed = False
 
     @property
-    def orphaned(self) -> bool:
-        """No CheckpointedModel holds this controller any more: a new wrapper may take the model over."""
-        return self.wrapper() is None
-
-    @property
     def model(self) -> nn.Module:
         return self._model.alive("the model this wrapper checkpoints no longer exists; wrap the model you train")
 
@@ -133,8 +128,7 @@ class Controller:
     def _install(self) -> None:
         model = self.model
         self._installs = [installer_for(d) for d in (*self.discovery.layers, *self.discovery.holders)]
-        took_over = [s.module for s in self._installs if s.was_checkpointing]
-        if took_over:
+        if took_over := [s.module for s in self._installs if s.was_checkpointing]:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
         install_routes(self._routes, self, model)
         self._save_load.install(self, model)
@@ -209,8 +203,7 @@ class Controller:
             self.offloader.release_host_memory()
 
     def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> None:
-        changes = describe_changes(self.config, config)
-        if changes:
+        if changes := describe_changes(self.config, config):
             logger.info("%s changed the checkpoint config: %s", cause, changes)
         if new_map != self.checkpoint_map:
             logger.info("%s changed the checkpoint map: %r", cause, new_map)
@@ -223,8 +216,7 @@ class Controller:
         """Refuse a swap that cannot be made, or would move weights an autograd graph still holds."""
         joining = [t for t in swap_targets(self.discovery, new_map) if t[0] not in self.swapper.layers]
         check_swappable(joining, self.model)
-        held = joining and weights_in_use(joining, self.model)  # (walks every parameter: only when one joins)
-        if held:
+        if held := joining and weights_in_use(joining, self.model):  # (walks every parameter: only when one joins)
             raise StateError(
                 f"cannot start swapping layers {[t[0] for t in joining]} now: {held[0]} (and {len(held) - 1} more) is "
                 "held by an autograd graph whose backward has not run (a forward with gradients), and moving it out "
@@ -339,8 +331,7 @@ class Controller:
         self.replan(config, off_by=self.off_by, cause=cause, said=True)
         logger.warning(
             "%s: the saved checkpoint config replaced this wrapper's own (%s): the map was %r, it is now %r. To keep "
-            "your own, apply it again after loading: cm.enable(config) (with a Trainer: in a callback's "
-            "on_train_begin, see the README's 'Resuming')",
+            "your own, apply it again after loading: cm.enable(config) (with a Trainer: README, 'Resuming')",
             cause,
             describe_changes(own_config, config),
             own_map,

@@ -93,8 +93,7 @@ def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | t
     candidates = [(n, m, "flag") for n, m in named if isinstance(m, gc_layer)]
     if explicit:
         counts = Counter(type(module).__name__ for _, module in named)
-        missing = sorted(explicit - set(counts))
-        if missing:  # a typo would otherwise be ignored
+        if missing := sorted(explicit - set(counts)):  # a typo would otherwise be ignored
             repeated = sorted(name for name, count in counts.items() if count >= 2)
             raise NoCheckpointableLayersError(
                 f"layer_class names {missing}, but {type(model).__name__} has no module of that class. "

@@ -76,8 +76,7 @@ def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointCo
     if "offload" in fields:
         raise ConfigTypeError(f"{call}(offload=...) is gone: {OFFLOAD_IS_A_POLICY}")
     names = [f.name for f in dataclasses.fields(CheckpointConfig)]
-    unknown = [name for name in fields if name not in names]
-    if unknown:
+    if unknown := [name for name in fields if name not in names]:
         close = difflib.get_close_matches(unknown[0], names, n=1)
         hint = f" (did you mean {close[0]}=?)" if close else ""
         extra = "".join(f", {name}" for name in WrapperOptions.names()) if call == "CheckpointedModel" else ""
@@ -153,8 +152,8 @@ class CheckpointedModel(nn.Module):
                 f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
                 f"{type(model).__name__} contains no PreTrainedModel"
             )
-        owner = model.__dict__.get("_remat_owner")
-        if owner is not None and not owner.orphaned:
+        owner = model.__dict__.get("_remat_owner")  # a dropped wrapper's model may be taken over
+        if owner is not None and owner.wrapper() is not None:
             raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
         options.host_budget()
         return discover_layers(model, options.layer_class)
@@ -303,9 +302,8 @@ class CheckpointedModel(nn.Module):
             raise
         if was_enabled:
             logger.warning(
-                "cm.%s(): remat is now disabled on this wrapper (the adapters it was planned with are gone); the "
-                "returned model is plain. Wrap it again to checkpoint it: "
-                "CheckpointedModel(model, cm.checkpoint_config)",
+                "cm.%s(): remat is now disabled on this wrapper (the adapters it was planned with are gone): the model "
+                "returned is plain. Wrap it again to checkpoint it: CheckpointedModel(model, cm.checkpoint_config)",
                 name,
             )
         return result

@@ -25,8 +25,7 @@ class Ref(Generic[T]):
 
     def alive(self, gone: str) -> T:
         """The target, or a `StateError` (a RuntimeError) saying `gone` when it was freed while remat still used it."""
-        target = self._ref()
-        if target is None:
+        if (target := self._ref()) is None:
             raise StateError(f"remat: {gone}")
         return target
 

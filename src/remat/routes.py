@@ -1,7 +1,6 @@
-"""transformers' checkpointing routes (`gradient_checkpointing_enable`, `activation_checkpointing_*`)
-replaced on the model's `PreTrainedModel` instances, so every caller changes remat's map. An option
-equal to remat's default (Trainer and PEFT pass those every call) keeps the config; `offload=True`,
-`selective=True` and TRL's selective `context_fn` ask for that policy; any other `context_fn` is refused."""
+"""transformers' checkpointing routes replaced on the model's `PreTrainedModel` instances, so every caller changes
+remat's map. An option equal to remat's default (Trainer and PEFT pass those every call) keeps the config;
+`offload=True`, `selective=True` and TRL's selective `context_fn` ask for that policy; other `context_fn`s: refused."""
 
 from __future__ import annotations
 
@@ -74,8 +73,7 @@ def config_from_route(
         if key not in options or not _is_default(key, value):
             options[key] = value
     _selective_from_context(route, options, from_trl)
-    unknown = sorted(set(options) - set(ROUTE_OPTIONS))
-    if unknown:
+    if unknown := sorted(set(options) - set(ROUTE_OPTIONS)):
         raise ConfigError(
             f"{route}: remat does not know the checkpointing option(s) {unknown}; it accepts {list(ROUTE_OPTIONS)}. "
             "Nothing was changed. (Other torch.utils.checkpoint options are not supported, and remat never passes "

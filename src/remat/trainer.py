@@ -125,8 +125,7 @@ def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map:
         asked = config_from_route(own_config, "the training arguments", kwargs, {})
     except (TypeError, ValueError):
         return  # the route refuses these options itself, with the reason, when the trainer passes them
-    changes = describe_changes(own_config, asked)
-    if not changes:
+    if not (changes := describe_changes(own_config, asked)):
         return
     logger.warning(
         "the training arguments' checkpointing options %r replace the CheckpointedModel's own config (%s): the map "
