@@ -94,8 +94,7 @@ class ForwardInstall(_Installed):
     def restore(self) -> None:
         # Switched off even if something patched `forward` after remat and still calls this wrapper.
         self.enabled, self.function = False, run_without_checkpoint
-        module = self._module()
-        if module is not None and module.__dict__.get("forward") is self.wrapper:
+        if (module := self._module()) is not None and module.__dict__.get("forward") is self.wrapper:
             restore_attributes(module, self.saved)
 
 

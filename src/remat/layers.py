@@ -77,12 +77,8 @@ def calls_checkpoint_directly(module: nn.Module) -> bool:
     return bool(_looked_up_names(code) & _TORCH_CHECKPOINTS)
 
 
-def _looked_up_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):  # a function or lambda defined inside
-            names |= _looked_up_names(constant)
-    return names
+def _looked_up_names(code: types.CodeType) -> set[str]:  # with those of functions and lambdas defined inside
+    return set(code.co_names).union(*(_looked_up_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 
 
 def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | type] | None = None) -> Discovery:

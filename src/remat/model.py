@@ -120,8 +120,7 @@ class CheckpointedModel(nn.Module):
         if _prepared is None:  # every check before anything changes
             discovery = self._discover(model, options)
             _prepared = (discovery, self._plan(model, discovery, config))
-        orphan = model.__dict__.get("_remat_owner")
-        if orphan is not None:
+        if (orphan := model.__dict__.get("_remat_owner")) is not None:
             logger.warning(
                 "this model still carries the checkpointing of a CheckpointedModel that no longer exists (dropped, "
                 "or the model is a copy of a wrapped one); the new wrapper takes over and replaces it"
@@ -200,8 +199,7 @@ class CheckpointedModel(nn.Module):
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
         """The wrapped model's DDP ignore list (swapped frozen weights), under this module's names."""
-        names = self.model.__dict__.get("_ddp_params_and_buffers_to_ignore")
-        if names is None:
+        if (names := self.model.__dict__.get("_ddp_params_and_buffers_to_ignore")) is None:
             raise AttributeError("_ddp_params_and_buffers_to_ignore")
         return ["model." + name for name in names]
 
@@ -286,8 +284,7 @@ class CheckpointedModel(nn.Module):
         return self._leave("unload", args, kwargs)
 
     def _leave(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
-        method = getattr(self.model, name, None)  # a PeftModel forwards it to its tuner
-        if method is None:
+        if (method := getattr(self.model, name, None)) is None:  # a PeftModel forwards it to its tuner
             raise AttributeError(
                 f"cm.{name}() is PEFT's, and cm.model is a {type(self.model).__name__}, not a PeftModel: there are no "
                 "adapters to unload. cm.disable() leaves the model as it was before wrapping"

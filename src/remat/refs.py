@@ -32,9 +32,6 @@ class Ref(Generic[T]):
     def __reduce__(self) -> Any:
         return (Ref, (self._ref(),))
 
-    def __repr__(self) -> str:
-        return f"Ref({type(self._ref()).__name__})"
-
 
 class LocalRef(Ref[T]):
     """A weak reference that copies and pickles as a dead one: for the wrapper, which a model's copy lacks."""
@@ -72,8 +69,7 @@ class InstancePatches:
     behave once remat let go (routes forward to the model's current method)."""
 
     def __init__(self) -> None:
-        # The value set is remembered by id: holding it would make a cycle through patches that
-        # refer to their owner, and while it stays set the id is its own.
+        # The value set is remembered by id: holding it would make a cycle; while it stays set, the id is its own.
         self._saved: list[tuple[Ref[Any], str, Any, int]] = []
 
     def set(self, target: Any, name: str, value: Any) -> None:

@@ -124,8 +124,7 @@ class _Route:
         module = self._module()
         if module is None or self.owner.is_enabled:
             return None
-        now = module.__dict__.get(self.route)
-        if isinstance(now, _Route) and now is not self and now.owner.is_enabled:
+        if isinstance(now := module.__dict__.get(self.route), _Route) and now is not self and now.owner.is_enabled:
             return now
         return getattr(type(module), self.route).__get__(module)
 
@@ -178,9 +177,7 @@ class EnableRoute(_Route):
 class DisableRoute(_Route):
     """turns every layer of the owner's checkpoint map to "none" until the next enable."""
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.Signature([])
+    __signature__ = inspect.Signature([])
 
     def __call__(self) -> None:
         current = self._current()
