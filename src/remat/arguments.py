@@ -61,8 +61,7 @@ def _at_most(value: int, name: str, what: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class WrapperOptions:
-    """The wrapper's own arguments besides the model and its config, named once: the constructor
-    takes them, `from_pretrained` picks them out of its keywords (the rest go to PEFT)."""
+    """The wrapper's own arguments, named once: the constructor takes them, `from_pretrained` picks them out."""
 
     offload_transport: Any = None  # remat.offload.Transport
     swap_mover: Any = None  # remat.swap.WeightMover

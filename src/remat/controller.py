@@ -29,7 +29,6 @@ logger = logging.getLogger("remat")
 
 _Mode = tuple[bool, list[tuple[Ref[nn.Module], bool]]]  # (inference, training flag of every module)
 
-
 # model -> the controller that installed on it last, both weakly, kept outside the model (a disabled
 # wrapper leaves nothing on it); a copy of a controller (deepcopy, pickle) is another controller.
 _LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Controller]] = weakref.WeakKeyDictionary()
@@ -235,8 +234,7 @@ class Controller:
             logger.info("block swap: layer(s) %s have their weights back on the device", left)
 
     def _exclude_swapped_from_ddp_sync(self) -> None:
-        """DDP broadcasts every parameter, and a swapped weight at rest is a placeholder: frozen weights
-        are the same on every rank, so they go in DDP's ignore list."""
+        """DDP would broadcast a swapped weight's placeholder; frozen, it is the same on every rank: ignored."""
         self._model_patches.undo()
         if self.swapper.layers:
             own = list(self.model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
@@ -311,8 +309,7 @@ class Controller:
             self.apply_map()
 
     def _refuse_training_in_inference(self, index: int, name: str, module: nn.Module, args: Any) -> None:
-        """In inference mode, a checkpointed layer run in training mode with gradients (bypassing the
-        model's forward, which applies the map) would train without its checkpoint: refused."""
+        """A checkpointed layer run alone (not via the model's forward) in training mode would skip its checkpoint."""
         if self.inference and module.training and torch.is_grad_enabled():
             raise StateError(
                 f"layer {index} ({name}) is in training mode with gradients enabled, but the wrapper is in "

@@ -151,8 +151,7 @@ class CheckpointedModel(nn.Module):
                 f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
                 f"{type(model).__name__} contains no PreTrainedModel"
             )
-        owner = model.__dict__.get("_remat_owner")  # a dropped wrapper's model may be taken over
-        if owner is not None and owner.wrapper() is not None:
+        if (owner := model.__dict__.get("_remat_owner")) is not None and owner.wrapper() is not None:  # not dropped
             raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
         options.host_budget()
         return discover_layers(model, options.layer_class)

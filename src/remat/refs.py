@@ -48,9 +48,6 @@ class _Missing:
     def __reduce__(self) -> str:
         return "MISSING"
 
-    def __repr__(self) -> str:
-        return "<absent>"
-
 
 MISSING = _Missing()
 

@@ -9,6 +9,8 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
 from .compat.transformers_compat import (
     ENABLE_ROUTES,
     TRL_SAC_MARKER,
@@ -40,8 +42,6 @@ def _selective_from_context(route: str, options: dict[str, Any], from_trl: bool)
     if "context_fn" not in options:
         return
     context_fn = options.pop("context_fn")
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     if not from_trl or getattr(context_fn, "func", None) is not create_selective_checkpoint_contexts:
         raise ConfigError(
             f"{route}: remat does not take a context_fn ({context_fn!r}): which activations each layer keeps is "
@@ -110,9 +110,8 @@ def install_routes(patches: InstancePatches, owner: Any, model: nn.Module) -> No
 
 
 class _Route:
-    """A route method on one module for one owner. Code may keep it after the owner let go of the
-    model (TRL wraps the enable method): such a call goes to the route of the wrapper that owns
-    the module now, or to transformers' own method, never to a disabled wrapper."""
+    """A route method on one module for one owner. Code may keep it after the owner let go (TRL wraps the enable
+    method): the call then goes to the module's current owner's route or transformers' own, never to a disabled one."""
 
     def __init__(self, owner: Any, route: str, module: Any):
         self.owner, self.route, self._module = owner, route, Ref(module)

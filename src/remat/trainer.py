@@ -116,8 +116,7 @@ def _refuse_compiled_wrapper(model: Any) -> None:
 
 
 def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map: Any, args: Any) -> None:
-    """One WARNING when the training arguments' checkpointing options replace the wrapper's config
-    (`gradient_checkpointing_kwargs={"every_n_layers": 3}` over its 2): the route logs at INFO only."""
+    """A WARNING when the training arguments' checkpointing options replace the wrapper's (the route logs INFO)."""
     if not trainer_asks_for_checkpointing(args):
         return
     kwargs = trainer_checkpointing_kwargs(args)
