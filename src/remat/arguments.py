@@ -10,9 +10,8 @@ from typing import Any
 
 from .errors import ConfigError, ConfigTypeError
 
-# A bare letter (K, M, G, T, as docker's `--memory` and Java's `-Xmx` read "6g") and the binary
-# units (KiB, ...; Ki, ... as Kubernetes writes them) are powers of 1024; decimal units with a B
-# (KB, ...) powers of 1000, as the SI and `du --si` write them. Case does not matter.
+# A bare letter (K, M, G, T, as docker's `--memory` and Java's `-Xmx` read "6g") and binary units (KiB, Ki, ...)
+# are powers of 1024; decimal units with a B (KB, ...) powers of 1000, as `du --si` writes them. Any case.
 _UNITS = {"": 1, "b": 1}
 for _power, _p in enumerate("kmgt", 1):
     _UNITS |= {_p + "b": 1000**_power, _p: 1024**_power, _p + "i": 1024**_power, _p + "ib": 1024**_power}
@@ -23,13 +22,11 @@ _SIZE_HELP = (
 )
 
 MAX_COUNT = 2**63 - 1
-"""The largest byte or token count accepted (int64, as torch and allocators count): a larger one
-is no size any machine has, and would overflow float arithmetic downstream."""
+"""The largest byte or token count accepted (int64, as torch counts): more would overflow float arithmetic."""
 
 
 def parse_bytes(value: Any, name: str) -> int:
-    """A byte count from an int (bytes) or a string with a unit (see `_UNITS`): "6G" == "6GiB" ==
-    6 * 2**30, "6GB" == 6 * 10**9. Raises a TypeError or ValueError naming `name`."""
+    """A byte count from an int or a string with a unit (`_SIZE_HELP`); a TypeError or ValueError names `name`."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number of bytes (int) or a size like '8GiB', got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
@@ -64,8 +61,7 @@ def _at_most(value: int, name: str, what: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class WrapperOptions:
-    """The wrapper's own arguments besides the model and its config, named once: the constructor
-    takes them, `from_pretrained` picks them out of its keywords (the rest go to PEFT)."""
+    """The wrapper's own arguments, named once: the constructor takes them, `from_pretrained` picks them out."""
 
     offload_transport: Any = None  # remat.offload.Transport
     swap_mover: Any = None  # remat.swap.WeightMover
@@ -78,7 +74,6 @@ class WrapperOptions:
 
     @classmethod
     def taken_from(cls, kwargs: dict[str, Any]) -> WrapperOptions:
-        """The options popped out of `kwargs`."""
         return cls(**{name: kwargs.pop(name) for name in cls.names() if name in kwargs})
 
     def host_budget(self) -> int | None:

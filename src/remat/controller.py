@@ -29,7 +29,6 @@ logger = logging.getLogger("remat")
 
 _Mode = tuple[bool, list[tuple[Ref[nn.Module], bool]]]  # (inference, training flag of every module)
 
-
 # model -> the controller that installed on it last, both weakly, kept outside the model (a disabled
 # wrapper leaves nothing on it); a copy of a controller (deepcopy, pickle) is another controller.
 _LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Controller]] = weakref.WeakKeyDictionary()
@@ -74,11 +73,6 @@ class Controller:
         self._has_installed = False
 
     @property
-    def orphaned(self) -> bool:
-        """No CheckpointedModel holds this controller any more: a new wrapper may take the model over."""
-        return self.wrapper() is None
-
-    @property
     def model(self) -> nn.Module:
         return self._model.alive("the model this wrapper checkpoints no longer exists; wrap the model you train")
 
@@ -87,7 +81,6 @@ class Controller:
         return bool(self._installs)
 
     def _owned_models(self) -> list[nn.Module]:
-        """The model, and the ones it was adopted from (see `adopt`), while they live."""
         return [m for m in (ref() for ref in (self._model, *self._adopted_from)) if m is not None]
 
     @property
@@ -134,8 +127,7 @@ class Controller:
     def _install(self) -> None:
         model = self.model
         self._installs = [installer_for(d) for d in (*self.discovery.layers, *self.discovery.holders)]
-        took_over = [s.module for s in self._installs if s.was_checkpointing]
-        if took_over:
+        if took_over := [s.module for s in self._installs if s.was_checkpointing]:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
         install_routes(self._routes, self, model)
         self._save_load.install(self, model)
@@ -206,13 +198,11 @@ class Controller:
             self._exclude_swapped_from_ddp_sync()
             self.apply_map()
         if off_by is None and not any(plan.offloaded for plan in new_map):
-            # Nothing offloaded any more (a route's "off" does not count: it comes back, and
-            # re-pinning costs more than keeping torch's pinned cache).
+            # Nothing offloaded (a route's "off" comes back, and re-pinning costs more than torch's pinned cache).
             self.offloader.release_host_memory()
 
     def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> None:
-        changes = describe_changes(self.config, config)
-        if changes:
+        if changes := describe_changes(self.config, config):
             logger.info("%s changed the checkpoint config: %s", cause, changes)
         if new_map != self.checkpoint_map:
             logger.info("%s changed the checkpoint map: %r", cause, new_map)
@@ -225,8 +215,7 @@ class Controller:
         """Refuse a swap that cannot be made, or would move weights an autograd graph still holds."""
         joining = [t for t in swap_targets(self.discovery, new_map) if t[0] not in self.swapper.layers]
         check_swappable(joining, self.model)
-        held = joining and weights_in_use(joining, self.model)  # (walks every parameter: only when one joins)
-        if held:
+        if held := joining and weights_in_use(joining, self.model):  # (walks every parameter: only when one joins)
             raise StateError(
                 f"cannot start swapping layers {[t[0] for t in joining]} now: {held[0]} (and {len(held) - 1} more) is "
                 "held by an autograd graph whose backward has not run (a forward with gradients), and moving it out "
@@ -245,8 +234,7 @@ class Controller:
             logger.info("block swap: layer(s) %s have their weights back on the device", left)
 
     def _exclude_swapped_from_ddp_sync(self) -> None:
-        """DDP broadcasts every parameter, and a swapped weight at rest is a placeholder: frozen weights
-        are the same on every rank, so they go in DDP's ignore list."""
+        """DDP would broadcast a swapped weight's placeholder; frozen, it is the same on every rank: ignored."""
         self._model_patches.undo()
         if self.swapper.layers:
             own = list(self.model.__dict__.get("_ddp_params_and_buffers_to_ignore", []))
@@ -321,8 +309,7 @@ class Controller:
             self.apply_map()
 
     def _refuse_training_in_inference(self, index: int, name: str, module: nn.Module, args: Any) -> None:
-        """In inference mode, a checkpointed layer run in training mode with gradients (bypassing the
-        model's forward, which applies the map) would train without its checkpoint: refused."""
+        """A checkpointed layer run alone (not via the model's forward) in training mode would skip its checkpoint."""
         if self.inference and module.training and torch.is_grad_enabled():
             raise StateError(
                 f"layer {index} ({name}) is in training mode with gradients enabled, but the wrapper is in "
@@ -341,8 +328,7 @@ class Controller:
         self.replan(config, off_by=self.off_by, cause=cause, said=True)
         logger.warning(
             "%s: the saved checkpoint config replaced this wrapper's own (%s): the map was %r, it is now %r. To keep "
-            "your own, apply it again after loading: cm.enable(config) (with a Trainer: in a callback's "
-            "on_train_begin, see the README's 'Resuming')",
+            "your own, apply it again after loading: cm.enable(config) (with a Trainer: README, 'Resuming')",
             cause,
             describe_changes(own_config, config),
             own_map,

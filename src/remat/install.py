@@ -33,9 +33,8 @@ class _Installed:
 
 
 class FlagInstall(_Installed):
-    """A `GradientCheckpointingLayer`: its own flag and function, which transformers calls (dropping
-    the KV cache). A `holder` (transformers reads its flag to turn `use_cache` off) gets a
-    pass-through function, its flag on only where that cannot nest a checkpoint."""
+    """A `GradientCheckpointingLayer`: its own flag and function, which transformers calls. A `holder` (its flag
+    turns `use_cache` off) gets a pass-through function, its flag on only where that cannot nest a checkpoint."""
 
     def __init__(self, module: nn.Module, holder: bool = False):
         super().__init__(module)
@@ -55,9 +54,8 @@ class FlagInstall(_Installed):
 
 
 class ForwardInstall(_Installed):
-    """A plain block whose forward, replaced on the instance, checkpoints through `function` while
-    training with gradients, dropping the KV-cache arguments as transformers does. The replacement
-    names its module, so a deep copy, a pickle or a DataParallel replica runs its own module."""
+    """A plain block whose forward, replaced on the instance, checkpoints through `function` while training,
+    dropping the KV cache as transformers does; a deep copy, pickle or DataParallel replica runs its own."""
 
     was_checkpointing = False
 
@@ -96,15 +94,13 @@ class ForwardInstall(_Installed):
     def restore(self) -> None:
         # Switched off even if something patched `forward` after remat and still calls this wrapper.
         self.enabled, self.function = False, run_without_checkpoint
-        module = self._module()
-        if module is not None and module.__dict__.get("forward") is self.wrapper:
+        if (module := self._module()) is not None and module.__dict__.get("forward") is self.wrapper:
             restore_attributes(module, self.saved)
 
 
 class CheckpointingForward(_Installed):
-    """What a plain block's `forward` is while remat wraps it. It lives on the module, so it holds
-    the module and its `ForwardInstall` weakly: no cycle through the layer keeps host memory alive
-    (the model's hooks keep the install alive)."""
+    """A plain block's `forward` while remat wraps it. It lives on the module, so it holds the module and its
+    `ForwardInstall` weakly: no cycle keeps host memory alive (the model's hooks keep the install alive)."""
 
     def __init__(self, install: ForwardInstall, module: nn.Module):
         super().__init__(module)
@@ -129,7 +125,5 @@ class CheckpointingForward(_Installed):
         return replica
 
 
-def installer_for(discovered: DiscoveredLayer) -> FlagInstall | ForwardInstall:
-    if discovered.kind == "wrap":
-        return ForwardInstall(discovered.module)
-    return FlagInstall(discovered.module, holder=discovered.kind == "holder")
+def installer_for(found: DiscoveredLayer) -> FlagInstall | ForwardInstall:
+    return ForwardInstall(found.module) if found.kind == "wrap" else FlagInstall(found.module, found.kind == "holder")

@@ -1,7 +1,6 @@
-"""Discovery: the ordered layers remat can checkpoint. transformers' `GradientCheckpointingLayer`s
-("flag" layers), so the map counts exactly what its `every_n_layers` counts; plain blocks ("wrap") are
-the classes `layer_class` names, else, in a model without those, the classes of `_no_split_modules`
-that occur twice, else the children of a `ModuleList` of one class. A layer inside another is skipped
+"""Discovery: the ordered layers remat can checkpoint. transformers' `GradientCheckpointingLayer`s ("flag"),
+so the map counts what its `every_n_layers` counts; else plain blocks ("wrap"): `layer_class`, else classes
+of `_no_split_modules` occurring twice, else a `ModuleList` of one class. A layer inside another is skipped
 (it would be recomputed twice); other modules carrying the flag are "holders" (`remat.install`)."""
 
 from __future__ import annotations
@@ -19,12 +18,11 @@ from .refs import Ref
 
 
 class DiscoveredLayer:
-    """A layer (or holder) found in the model: its name, kind, and the module, held weakly."""
+    """A layer found in the model: its name, kind ("flag", "wrap" or "holder") and the module, held weakly."""
 
     __slots__ = ("_module", "kind", "name")
 
     def __init__(self, name: str, module: nn.Module, kind: str = "flag"):
-        # kind: "flag" (a GradientCheckpointingLayer), "wrap" (a plain block) or "holder"
         self.name, self.kind, self._module = name, kind, Ref(module)
 
     @property
@@ -71,21 +69,16 @@ _TORCH_CHECKPOINTS = frozenset({"checkpoint", "checkpoint_sequential"})
 
 
 def calls_checkpoint_directly(module: nn.Module) -> bool:
-    """Whether the module's forward calls torch's checkpoint itself (not `_gradient_checkpointing_func`),
-    so its flag would nest a checkpoint around remat's. Read from the names the compiled code (and
-    any function inside it) looks up: comments do not count, and code without a source file reads."""
+    """Whether the module's forward calls torch's checkpoint itself, so its flag would nest one around remat's.
+    Read from the names its compiled code looks up: comments do not count, code without a source file reads."""
     code = getattr(type(module).forward, "__code__", None)
     if not isinstance(code, types.CodeType):
         return True  # not Python code: cannot tell, so do not risk a nested checkpoint
     return bool(_looked_up_names(code) & _TORCH_CHECKPOINTS)
 
 
-def _looked_up_names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for constant in code.co_consts:
-        if isinstance(constant, types.CodeType):  # a function or lambda defined inside
-            names |= _looked_up_names(constant)
-    return names
+def _looked_up_names(code: types.CodeType) -> set[str]:  # with those of functions and lambdas defined inside
+    return set(code.co_names).union(*(_looked_up_names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 
 
 def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | type] | None = None) -> Discovery:
@@ -96,8 +89,7 @@ def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | t
     candidates = [(n, m, "flag") for n, m in named if isinstance(m, gc_layer)]
     if explicit:
         counts = Counter(type(module).__name__ for _, module in named)
-        missing = sorted(explicit - set(counts))
-        if missing:  # a typo would otherwise be ignored
+        if missing := sorted(explicit - set(counts)):  # a typo would otherwise be ignored
             repeated = sorted(name for name, count in counts.items() if count >= 2)
             raise NoCheckpointableLayersError(
                 f"layer_class names {missing}, but {type(model).__name__} has no module of that class. "

@@ -1,6 +1,5 @@
-"""`CheckpointedModel`, the public face: an `nn.Module` holding the model as `.model` and delegating
-to it as PEFT's `PeftModel` does. Arguments are checked here, before anything changes; the map, the
-installing and the routes live in `remat.controller`."""
+"""`CheckpointedModel`, the public face: an `nn.Module` delegating to its `.model` as PEFT's `PeftModel`
+does. Arguments are checked here, before anything changes; the map and what is installed: `remat.controller`."""
 
 from __future__ import annotations
 
@@ -56,10 +55,8 @@ def _plain_trainer_refusal(model: nn.Module) -> str:
         del frame  # a frame held by a local of its own is a reference cycle
     works = f"remat.remat_trainer_class({trainer})" if trainer not in (None, "Trainer") else "remat.RematTrainer"
     works += "(model=cm, ...)"
-    message = (
-        f"{trainer or 'Trainer'}(model=cm) would save every weight of the wrapper and no checkpoint_config.json; "
-        f"use {works}"
-    )
+    message = f"{trainer or 'Trainer'}(model=cm) would save every weight of the wrapper and no checkpoint_config.json"
+    message += f"; use {works}"
     if not is_peft_model(model) and any(isinstance(m, BaseTunerLayer) for m in model.modules()):
         message += (
             ". Your peft_config already put adapters into cm's model: build the model and the wrapper again, then "
@@ -79,8 +76,7 @@ def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointCo
     if "offload" in fields:
         raise ConfigTypeError(f"{call}(offload=...) is gone: {OFFLOAD_IS_A_POLICY}")
     names = [f.name for f in dataclasses.fields(CheckpointConfig)]
-    unknown = [name for name in fields if name not in names]
-    if unknown:
+    if unknown := [name for name in fields if name not in names]:
         close = difflib.get_close_matches(unknown[0], names, n=1)
         hint = f" (did you mean {close[0]}=?)" if close else ""
         extra = "".join(f", {name}" for name in WrapperOptions.names()) if call == "CheckpointedModel" else ""
@@ -124,8 +120,7 @@ class CheckpointedModel(nn.Module):
         if _prepared is None:  # every check before anything changes
             discovery = self._discover(model, options)
             _prepared = (discovery, self._plan(model, discovery, config))
-        orphan = model.__dict__.get("_remat_owner")
-        if orphan is not None:
+        if (orphan := model.__dict__.get("_remat_owner")) is not None:
             logger.warning(
                 "this model still carries the checkpointing of a CheckpointedModel that no longer exists (dropped, "
                 "or the model is a copy of a wrapped one); the new wrapper takes over and replaces it"
@@ -156,15 +151,13 @@ class CheckpointedModel(nn.Module):
                 f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
                 f"{type(model).__name__} contains no PreTrainedModel"
             )
-        owner = model.__dict__.get("_remat_owner")
-        if owner is not None and not owner.orphaned:
+        if (owner := model.__dict__.get("_remat_owner")) is not None and owner.wrapper() is not None:  # not dropped
             raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
         options.host_budget()
         return discover_layers(model, options.layer_class)
 
     @staticmethod
     def _plan(model: nn.Module, discovery: Discovery, config: CheckpointConfig) -> CheckpointMap:
-        """The map, with the swap it asks for checked."""
         checkpoint_map = plan_layers(config, discovery.names)
         check_swappable(swap_targets(discovery, checkpoint_map), model)
         return checkpoint_map
@@ -175,7 +168,6 @@ class CheckpointedModel(nn.Module):
         self._controller.wrapper = LocalRef(self)
 
     def __copy__(self) -> CheckpointedModel:
-        """Refused: two wrappers would share one model and map."""
         raise ConfigTypeError(
             "copy.copy(cm) would make a second wrapper sharing cm's model and map; a model has one wrapper. Use cm "
             "itself, or copy.deepcopy(cm) for an independent wrapper over a copy of the model"
@@ -200,15 +192,13 @@ class CheckpointedModel(nn.Module):
         return self.model(*args, **kwargs)
 
     def compile(self, *args: Any, **kwargs: Any) -> None:
-        """`cm.model.compile(...)`: cm and a trainer given cm both run cm.model, so both run compiled.
-        `disable()` leaves the compile in place (it is the model's)."""
+        """`cm.model.compile(...)`: cm and a trainer given cm run cm.model compiled; `disable()` leaves it."""
         self.model.compile(*args, **kwargs)
 
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
         """The wrapped model's DDP ignore list (swapped frozen weights), under this module's names."""
-        names = self.model.__dict__.get("_ddp_params_and_buffers_to_ignore")
-        if names is None:
+        if (names := self.model.__dict__.get("_ddp_params_and_buffers_to_ignore")) is None:
             raise AttributeError("_ddp_params_and_buffers_to_ignore")
         return ["model." + name for name in names]
 
@@ -248,8 +238,7 @@ class CheckpointedModel(nn.Module):
         return self
 
     def for_inference(self) -> CheckpointedModel:
-        """Eval mode with checkpointing off, so generation can use its cache; the map is kept.
-        As a context manager (``with cm.for_inference():``) the mode before is restored on exit."""
+        """Eval mode with checkpointing off (generation uses its cache), the map kept; `with` restores the mode."""
         self._controller.set_mode(inference=True)
         return self
 
@@ -286,8 +275,7 @@ class CheckpointedModel(nn.Module):
         return describe_map(self.checkpoint_map, self._controller.offloader.stats, self.swap_stats)
 
     def merge_and_unload(self, *args: Any, **kwargs: Any) -> nn.Module:
-        """PEFT's `merge_and_unload` after disabling remat, so the model returned is plain; this
-        wrapper stays disabled (its adapters are gone)."""
+        """PEFT's `merge_and_unload` after disabling remat: the model returned is plain, this wrapper stays off."""
         return self._leave("merge_and_unload", args, kwargs)
 
     def unload(self, *args: Any, **kwargs: Any) -> nn.Module:
@@ -295,8 +283,7 @@ class CheckpointedModel(nn.Module):
         return self._leave("unload", args, kwargs)
 
     def _leave(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> nn.Module:
-        method = getattr(self.model, name, None)  # a PeftModel forwards it to its tuner
-        if method is None:
+        if (method := getattr(self.model, name, None)) is None:  # a PeftModel forwards it to its tuner
             raise AttributeError(
                 f"cm.{name}() is PEFT's, and cm.model is a {type(self.model).__name__}, not a PeftModel: there are no "
                 "adapters to unload. cm.disable() leaves the model as it was before wrapping"
@@ -311,9 +298,8 @@ class CheckpointedModel(nn.Module):
             raise
         if was_enabled:
             logger.warning(
-                "cm.%s(): remat is now disabled on this wrapper (the adapters it was planned with are gone); the "
-                "returned model is plain. Wrap it again to checkpoint it: "
-                "CheckpointedModel(model, cm.checkpoint_config)",
+                "cm.%s(): remat is now disabled on this wrapper (the adapters it was planned with are gone): the model "
+                "returned is plain. Wrap it again to checkpoint it: CheckpointedModel(model, cm.checkpoint_config)",
                 name,
             )
         return result
@@ -351,9 +337,8 @@ class CheckpointedModel(nn.Module):
     def from_pretrained(
         cls, model: nn.Module, path: str | os.PathLike, is_trainable: bool = True, **kwargs: Any
     ) -> CheckpointedModel:
-        """Load what `save_pretrained` wrote at `path` into `model` (the base model, or a PeftModel with
-        those adapters) and wrap it, refusing before any change what does not fit. Keywords go to PEFT,
-        except the constructor's own."""
+        """Load what `save_pretrained` wrote at `path` into `model` (the base model, or a PeftModel with those
+        adapters) and wrap it, refusing before any change. Keywords go to PEFT, except the constructor's own."""
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     def extra_repr(self) -> str:

@@ -1,9 +1,6 @@
-"""How remat points at the model (`Ref`) and what it sets on its instances (`InstancePatches`).
-
-remat's state refers to the model weakly, and only the model's patches and hooks refer to remat's
-state. No reference cycle: a dropped wrapper and model are freed at once (pinned memory too), and a
-model whose wrapper was dropped keeps working. A `Ref` copies and pickles as a reference to the copy
-of its target, so `copy.deepcopy(cm)` and pickle rebuild the same structure."""
+"""How remat points at the model (`Ref`) and what it sets on its instances (`InstancePatches`). remat's state
+refers to the model weakly, only the model's patches and hooks refer to it: no reference cycle (README, "Copies,
+modes and faults"). A `Ref` copies and pickles as one to its target's copy, so deepcopy and pickle rebuild it."""
 
 from __future__ import annotations
 
@@ -15,38 +12,29 @@ from .errors import StateError
 T = TypeVar("T")
 
 
-def _gone() -> None:
-    return None
-
-
 class Ref(Generic[T]):
     """A weak reference; `Ref(None)` is a dead one (what a reference to a freed target pickles as)."""
 
     __slots__ = ("__weakref__", "_ref")
 
     def __init__(self, target: T | None):
-        self._ref = _gone if target is None else weakref.ref(target)
+        self._ref = (lambda: None) if target is None else weakref.ref(target)
 
     def __call__(self) -> T | None:
         return self._ref()
 
     def alive(self, gone: str) -> T:
         """The target, or a `StateError` (a RuntimeError) saying `gone` when it was freed while remat still used it."""
-        target = self._ref()
-        if target is None:
+        if (target := self._ref()) is None:
             raise StateError(f"remat: {gone}")
         return target
 
     def __reduce__(self) -> Any:
         return (Ref, (self._ref(),))
 
-    def __repr__(self) -> str:
-        return f"Ref({type(self._ref()).__name__})"
-
 
 class LocalRef(Ref[T]):
-    """A weak reference that copies and pickles as a dead one: for the wrapper a model's state
-    belongs to, which a copy of the model alone does not have."""
+    """A weak reference that copies and pickles as a dead one: for the wrapper, which a model's copy lacks."""
 
     __slots__ = ()
 
@@ -55,14 +43,10 @@ class LocalRef(Ref[T]):
 
 
 class _Missing:
-    """An attribute absent before remat set it: one object, in copies and pickles too (`undo()`
-    compares by identity)."""
+    """An attribute absent before remat set it: one object in copies and pickles too (`undo()` compares `is`)."""
 
     def __reduce__(self) -> str:
         return "MISSING"
-
-    def __repr__(self) -> str:
-        return "<absent>"
 
 
 MISSING = _Missing()
@@ -77,14 +61,12 @@ def restore_attributes(module: Any, saved: dict[str, Any]) -> None:
 
 
 class InstancePatches:
-    """Attributes set on single instances, targets held weakly, remembered so `undo()` puts each
-    back as it was. One that other code replaced since (TRL wraps `gradient_checkpointing_enable`
-    around remat's route) stays as that code set it; remat's value it wrapped must then behave once
-    remat let go (routes forward to the model's current method)."""
+    """Attributes set on single instances, targets held weakly, so `undo()` puts each back. One that other
+    code replaced since (TRL wraps `gradient_checkpointing_enable`) stays, and remat's value it wrapped must
+    behave once remat let go (routes forward to the model's current method)."""
 
     def __init__(self) -> None:
-        # The value set is remembered by id: holding it would make a cycle through patches that
-        # refer to their owner, and while it stays set the id is its own.
+        # The value set is remembered by id: holding it would make a cycle; while it stays set, the id is its own.
         self._saved: list[tuple[Ref[Any], str, Any, int]] = []
 
     def set(self, target: Any, name: str, value: Any) -> None:

@@ -1,7 +1,6 @@
-"""transformers' checkpointing routes (`gradient_checkpointing_enable`, `activation_checkpointing_*`)
-replaced on the model's `PreTrainedModel` instances, so every caller changes remat's map. An option
-equal to remat's default (Trainer and PEFT pass those every call) keeps the config; `offload=True`,
-`selective=True` and TRL's selective `context_fn` ask for that policy; any other `context_fn` is refused."""
+"""transformers' checkpointing routes replaced on the model's `PreTrainedModel` instances, so every caller changes
+remat's map. An option equal to remat's default (Trainer and PEFT pass those every call) keeps the config;
+`offload=True`, `selective=True` and TRL's selective `context_fn` ask for that policy; other `context_fn`s: refused."""
 
 from __future__ import annotations
 
@@ -9,6 +8,8 @@ import inspect
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from .compat.transformers_compat import (
     ENABLE_ROUTES,
@@ -41,8 +42,6 @@ def _selective_from_context(route: str, options: dict[str, Any], from_trl: bool)
     if "context_fn" not in options:
         return
     context_fn = options.pop("context_fn")
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     if not from_trl or getattr(context_fn, "func", None) is not create_selective_checkpoint_contexts:
         raise ConfigError(
             f"{route}: remat does not take a context_fn ({context_fn!r}): which activations each layer keeps is "
@@ -74,8 +73,7 @@ def config_from_route(
         if key not in options or not _is_default(key, value):
             options[key] = value
     _selective_from_context(route, options, from_trl)
-    unknown = sorted(set(options) - set(ROUTE_OPTIONS))
-    if unknown:
+    if unknown := sorted(set(options) - set(ROUTE_OPTIONS)):
         raise ConfigError(
             f"{route}: remat does not know the checkpointing option(s) {unknown}; it accepts {list(ROUTE_OPTIONS)}. "
             "Nothing was changed. (Other torch.utils.checkpoint options are not supported, and remat never passes "
@@ -112,9 +110,8 @@ def install_routes(patches: InstancePatches, owner: Any, model: nn.Module) -> No
 
 
 class _Route:
-    """A route method on one module for one owner. Code may keep it after the owner let go of the
-    model (TRL wraps the enable method): such a call goes to the route of the wrapper that owns
-    the module now, or to transformers' own method, never to a disabled wrapper."""
+    """A route method on one module for one owner. Code may keep it after the owner let go (TRL wraps the enable
+    method): the call then goes to the module's current owner's route or transformers' own, never to a disabled one."""
 
     def __init__(self, owner: Any, route: str, module: Any):
         self.owner, self.route, self._module = owner, route, Ref(module)
@@ -126,8 +123,7 @@ class _Route:
         module = self._module()
         if module is None or self.owner.is_enabled:
             return None
-        now = module.__dict__.get(self.route)
-        if isinstance(now, _Route) and now is not self and now.owner.is_enabled:
+        if isinstance(now := module.__dict__.get(self.route), _Route) and now is not self and now.owner.is_enabled:
             return now
         return getattr(type(module), self.route).__get__(module)
 
@@ -170,8 +166,7 @@ class EnableRoute(_Route):
             ) from None
 
     def _wrapped_by_trl(self) -> bool:
-        """Whether TRL's selective checkpointing wrapped this enable method (on this module, or on
-        the model the owner wraps, a PeftModel that forwards to it)."""
+        """Whether TRL's selective checkpointing wrapped this method (here, or on the owner's PeftModel)."""
         if self.route != TRL_SAC_ROUTE:
             return False
         holders = (self._module(), self.owner.model)
@@ -181,9 +176,7 @@ class EnableRoute(_Route):
 class DisableRoute(_Route):
     """turns every layer of the owner's checkpoint map to "none" until the next enable."""
 
-    @property
-    def __signature__(self) -> inspect.Signature:
-        return inspect.Signature([])
+    __signature__ = inspect.Signature([])
 
     def __call__(self) -> None:
         current = self._current()

@@ -1,7 +1,6 @@
-"""The Trainer family with `model=cm` (Trainer, TRL's trainers, your own). remat patches no class:
-the mixin builds the trainer with `cm.model`, so each isinstance check sees what it would without
-remat, and adds what the model cannot: adopting the PeftModel TRL builds from `peft_config=`, the map
-in the logs, a warning when the training arguments replace it, the config in every save and resume."""
+"""The Trainer family with `model=cm`. No class is patched: the mixin builds the trainer with `cm.model`, so
+isinstance checks see what they would without remat, and adds what the model cannot (TRL's `peft_config=`
+PeftModel adopted, the map in the logs and every save, a warning when the training arguments replace it)."""
 
 from __future__ import annotations
 
@@ -29,7 +28,6 @@ from .routes import config_from_route, describe_changes
 from .saving.folder import CONFIG_NAME, recover
 
 logger = logging.getLogger("remat")
-_WRAPPER_PREFIX = "model."
 
 __all__ = ["RematTrainer", "remat_trainer_class"]
 
@@ -76,9 +74,8 @@ class _RematTrainerMixin:
         return model
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Trainer's save and `checkpoint_config.json` committed as one (as `cm.save_pretrained`),
-        also while disabled; a process that does not save runs Trainer's `_save` as is (it may
-        take part in gathering a sharded model)."""
+        """Trainer's save and `checkpoint_config.json` committed as one, also while disabled; a process that
+        does not save runs Trainer's `_save` as is (it may take part in gathering a sharded model)."""
         cm, base_save = self.checkpointed_model, super()._save  # type: ignore[misc]
         if cm is None or not getattr(self.args, "should_save", True):
             return base_save(output_dir, state_dict=state_dict)
@@ -109,8 +106,7 @@ class _RematTrainerMixin:
 
 
 def _refuse_compiled_wrapper(model: Any) -> None:
-    """`torch.compile(cm)` hides the wrapper: Trainer would save an unknown module, TRL would not
-    see the PeftModel. The trainer compiles what it trains, or `cm.compile()` compiles `cm.model`."""
+    """`torch.compile(cm)` hides the wrapper: Trainer would save an unknown module, TRL miss the PeftModel."""
     if is_compiled_module(model) and controller_of_wrapper(getattr(model, "_orig_mod", None)) is not None:
         raise ConfigTypeError(
             "RematTrainer was given torch.compile(cm): pass the CheckpointedModel itself and let the trainer compile "
@@ -120,8 +116,7 @@ def _refuse_compiled_wrapper(model: Any) -> None:
 
 
 def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map: Any, args: Any) -> None:
-    """One WARNING when the training arguments' checkpointing options replace the wrapper's config
-    (`gradient_checkpointing_kwargs={"every_n_layers": 3}` over its 2): the route logs at INFO only."""
+    """A WARNING when the training arguments' checkpointing options replace the wrapper's (the route logs INFO)."""
     if not trainer_asks_for_checkpointing(args):
         return
     kwargs = trainer_checkpointing_kwargs(args)
@@ -129,8 +124,7 @@ def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map:
         asked = config_from_route(own_config, "the training arguments", kwargs, {})
     except (TypeError, ValueError):
         return  # the route refuses these options itself, with the reason, when the trainer passes them
-    changes = describe_changes(own_config, asked)
-    if not changes:
+    if not (changes := describe_changes(own_config, asked)):
         return
     logger.warning(
         "the training arguments' checkpointing options %r replace the CheckpointedModel's own config (%s): the map "
@@ -189,7 +183,7 @@ def _saved_whole(cm: Any, folder: str) -> bool:
     else:
         return False
     wrapped = set(cm.model.state_dict())
-    return not names <= wrapped and names <= {_WRAPPER_PREFIX + name for name in wrapped}
+    return not names <= wrapped and names <= {"model." + name for name in wrapped}
 
 
 def _apply_saved_config(cm: Any, folder: str | None, cause: str) -> None:
@@ -214,8 +208,7 @@ class RematTrainer(_RematTrainerMixin, Trainer):
 
 @functools.cache
 def remat_trainer_class(base: type[Trainer]) -> type[Trainer]:
-    """`base` made remat-aware as `RematTrainer` is `Trainer`: `remat_trainer_class(trl.GRPOTrainer)`.
-    `remat_trainer_class(Trainer)` is `RematTrainer`."""
+    """`base` made remat-aware as `RematTrainer` is `Trainer`: `remat_trainer_class(trl.GRPOTrainer)`."""
     if not (isinstance(base, type) and issubclass(base, Trainer)):
         raise ConfigTypeError(f"remat_trainer_class needs a transformers.Trainer subclass, got {base!r}")
     if base is Trainer:
