@@ -29,7 +29,7 @@ from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, me
 from ..snapshot import model_left_as_it_was
 from .chooser import Measurements, Outside, StepMemory, TimePrices
 from .peak import StepPeak
-from .timing import Held, Seconds, price_time, synchronize
+from .timing import Held, Seconds, price_time, synchronize, timed_policies
 
 CANDIDATES = ("none", "selective", "recompute", "offload")
 BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
@@ -181,7 +181,8 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     rotation = rotation if len(rotation) > 1 else [*rotation, "recompute"]
     short = shorter_batch(batch)
     memory_steps = (1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)) * (1 if short is None else 2)
-    total = memory_steps + 1 + ("selective" in names) + repeats * len(names)  # bytes, counting, timing
+    timing = repeats * (len(timed_policies(names)) + ("offload" in names))
+    total = memory_steps + 1 + ("selective" in names) + timing  # bytes, counting, timing
     with (
         tqdm(total=total, desc="remat: profiling", disable=not options.progress, leave=False) as bar,
         _left_as_it_was(state),

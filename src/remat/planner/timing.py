@@ -12,7 +12,7 @@ price is a count and only the rate is timed:
 - The step with nothing recomputed: the median, over the steps timed without layer timers, of the step's time
   less its map's prices.
 So the ranking of maps is fixed by counts: noise moves every price alike (offload's copies aside). The timed maps
-are mixed: step k gives layer i timed policy number (i + k).
+are mixed: step k gives layer i policy number (i + k) of "none" and "recompute" (`timed_policies`).
 """
 
 from __future__ import annotations
@@ -153,6 +153,13 @@ class Counts(NamedTuple):
     selective: list[Work]
 
 
+def timed_policies(names: Sequence[str]) -> list[str]:
+    """The policies of the timed steps' mixed maps: "none" and "recompute", whose calls give the rate and
+    whose prices are the plain counts. "selective" is priced by counts only: timed with the others, any
+    error in its price (its policy's cost per op is a fixed balance) went into every map's base."""
+    return [name for name in ("none", "recompute") if name in names] or ["recompute"]
+
+
 def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced:
     """Seconds each policy adds per layer over "none", the step's with nothing recomputed, the prices, notes."""
     n = steps.n
@@ -176,7 +183,7 @@ def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced
         # what it repeats, and the policy's own cost on each op, forward and recompute
         selective = [r._replace(dispatched=f.dispatched + r.dispatched) for f, r in zip(*found, strict=True)]
     # a layer not measured under its policy (swapped, for "none"; out of memory measuring it) recomputes instead
-    timed = [name for name in ("none", "selective", "recompute") if name in names] or ["recompute"]
+    timed = timed_policies(names)
     pick = lambda p, i: p if i in held.get(p, {}) else "recompute"
     maps = [{i: pick(timed[(i + k) % len(timed)], i) for i in range(n)} for k in range(len(timed))]
     clock = LayerClock(modules, steps.device)
