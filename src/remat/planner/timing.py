@@ -194,7 +194,12 @@ def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced
             # every other step without the layer timers (alternating per repeat, so that each map
             # is timed both ways): the base comes from those, as their hooks are no part of a step
             hooked = (k + repeat) % 2 == 0
-            seconds = steps.timed(policies, clock.step() if hooked else contextlib.nullcontext())
+            while (seconds := steps.timed(policies, clock.step() if hooked else contextlib.nullcontext())) is None:
+                # out of memory: half of its "none" layers recompute, for this step and the repeats
+                nones = [i for i, p in policies.items() if p == "none"]
+                if not nones:
+                    break
+                policies = maps[k] = {**policies, **dict.fromkeys(nones[len(nones) // 2 :], "recompute")}
             if seconds is not None:
                 runs.append((policies, seconds, clock.last if hooked else None))
         if "offload" in names:
