@@ -101,3 +101,22 @@ def test_routes_are_native_again_after_disable_and_enable_reinstalls():
     cm.disable()
     cm.disable()  # twice is harmless
     CheckpointedModel(model)  # the model can be wrapped again once released
+
+
+def test_a_deep_copy_of_a_wrapper_disables_its_own_model_and_leaves_the_original_wrapped():
+    """`copy.deepcopy(cm)` then `copy.disable()`: the copy's model gets back exactly the attributes
+    it had before wrapping (no route, no save_pretrained override left on the instance), and the
+    original keeps its own routes until it is disabled in turn. (The patches were remembered by
+    the ids of the original's values, which a copy does not have: the copy's undo skipped them.)"""
+    import copy
+
+    model = tiny_model()
+    before = set(model.__dict__)
+    cm = CheckpointedModel(model)
+    twin = copy.deepcopy(cm)
+    twin.disable()
+    assert set(twin.model.__dict__) == before
+    assert type(twin.model).gradient_checkpointing_enable is twin.model.gradient_checkpointing_enable.__func__
+    assert "gradient_checkpointing_enable" in cm.model.__dict__  # the original is still wrapped
+    cm.disable()
+    assert set(cm.model.__dict__) == before

@@ -4,6 +4,7 @@ modes and faults"). A `Ref` copies and pickles as one to its target's copy, so d
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any, Generic, TypeVar
 
@@ -72,6 +73,22 @@ class InstancePatches:
     def set(self, target: Any, name: str, value: Any) -> None:
         self._saved.append((Ref(target), name, target.__dict__.get(name, MISSING), id(value)))
         object.__setattr__(target, name, value)  # kept out of nn.Module's parameter/buffer bookkeeping
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> InstancePatches:
+        """A copy that undoes on the copied targets: the ids it remembers are those of the copied values."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items() if k != "_saved"})
+        copied._saved = []
+        for ref, name, previous, value_id in self._saved:
+            target = ref()
+            if target is None:
+                continue
+            twin = copy.deepcopy(target, memo)  # may be half-built here: its value is found through memo
+            value = target.__dict__.get(name, MISSING)
+            twin_id = id(copy.deepcopy(value, memo)) if id(value) == value_id else 0
+            copied._saved.append((Ref(twin), name, copy.deepcopy(previous, memo), twin_id))
+        return copied
 
     def undo(self) -> None:
         for ref, name, previous, value_id in reversed(self._saved):
