@@ -9,7 +9,7 @@ PYTHON ?= python3
 TORCH ?= torch==2.13.0
 NEWEST_TRANSFORMERS ?= 5.24.0
 OLDER_TRANSFORMERS ?= 4.57.6 5.17.0
-PINS = peft==0.21.2 accelerate==1.15.0 trl==1.16.0 safetensors==0.8.0 pytest==9.2.0 bitsandbytes==0.50.2 matplotlib==3.11.2 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0
+PINS = peft==0.21.2 accelerate==1.15.0 trl==1.16.0 safetensors==0.8.0 pytest==9.2.0 pytest-xdist==3.8.0 bitsandbytes==0.50.2 matplotlib==3.11.2 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0
 VENV = .venv
 
 .PHONY: demo demo-notice test compat lint clean
@@ -30,8 +30,13 @@ demo-notice:
 	@echo "make demo: about 1-2 minutes of CPU training on an idle machine (longer on a busy one);"
 	@echo "the first run also sets up $(VENV) (torch, transformers, peft: several minutes, once)."
 
+# Two pytest workers (pytest-xdist), one per core of the 2-core machines the suite is sized for: each
+# test runs one intra-op thread (tests/conftest.py), so two workers keep both cores busy. A plain
+# `pytest` still runs the suite in one process.
+PYTEST = python -m pytest -n 2
+
 test: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
-	$(VENV)/bin/python -m pytest
+	$(VENV)/bin/$(PYTEST)
 
 .venvs/tf-%/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv .venvs/tf-$*
@@ -46,7 +51,7 @@ test: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
 compat: $(foreach v,$(OLDER_TRANSFORMERS),.venvs/tf-$(v)/.installed)
 	@set -e; for env in $(foreach v,$(OLDER_TRANSFORMERS),.venvs/tf-$(v)); do \
 		echo "== $$env: transformers $$($$env/bin/python -c 'import transformers; print(transformers.__version__)')"; \
-		$$env/bin/python -m pytest; \
+		$$env/bin/$(PYTEST); \
 	done
 
 lint: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)

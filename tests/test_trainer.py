@@ -279,6 +279,8 @@ def test_remat_trainer_given_torch_compile_of_the_wrapper_refuses_naming_what_to
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "no")
+    # A graph compiled by an earlier test for the same code and shapes would be reused (no new frame).
+    torch._dynamo.reset()
 
     cm = CheckpointedModel(add_lora(tiny_model(num_hidden_layers=2), dropout=0.0), CheckpointConfig(every_n_layers=2))
     counter, frames = RecomputeCounter(decoder_layers(cm.model)), counters["frames"]["ok"]
