@@ -56,6 +56,7 @@ class TimePrices:
     base_range: tuple[float, float]
     samples: int
     steps: int
+    whole: float = 1.0  # what a recompute adds to a step measured whole, over its timed calls (in the rate)
 
     @property
     def selective_share(self) -> float | None:
@@ -85,6 +86,7 @@ class TimePrices:
             f"time: {rate * 1e12:.3g} ms per GFLOP of a layer's forward (bytes and op launches counted as FLOPs; "
             f"half the {self.samples} timed layer calls between {low * 1e12:.3g} and {high * 1e12:.3g})"
         )
+        text += f"; a checkpoint measured whole costs {self.whole:.2f}x its timed calls"
         share = self.selective_share
         return text if share is None else f"{text}; selective costs {share:.2f} of a recompute"
 

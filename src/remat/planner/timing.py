@@ -9,10 +9,15 @@ price is a count and only the rate is timed:
   timed step; its quartiles are the spread shown with each prediction.
 - "selective" costs the work it repeats plus its policy's cost per dispatched op; "offload" a recompute plus its
   copies (timed steps with every layer offloaded, beyond their prediction).
+- A checkpoint costs more than its timed calls: torch's pack and unpack hooks on every saved tensor, its RNG
+  state, the check of what was recomputed (tiny layers: 4.4-4.9 ms a layer measured whole against 1.8 ms timed;
+  large ones less, their recomputed activations still in cache at backward). So the timed maps are every layer
+  "none" and every layer "recompute" (`timed_policies`), and the prices are scaled by one factor, `whole`: what
+  recomputing adds to the steps timed without layer timers, over what its timed calls priced it.
 - The step with nothing recomputed: the median, over the steps timed without layer timers, of the step's time
-  less its map's prices.
-So the ranking of maps is fixed by counts: noise moves every price alike (offload's copies aside). The timed maps
-are mixed: step k gives layer i policy number (i + k) of "none" and "recompute" (`timed_policies`).
+  less its map's (scaled) prices.
+So the ranking of maps is fixed by counts: noise moves every price alike (offload's copies aside), through the
+rate and the factor.
 """
 
 from __future__ import annotations
@@ -154,9 +159,10 @@ class Counts(NamedTuple):
 
 
 def timed_policies(names: Sequence[str]) -> list[str]:
-    """The policies of the timed steps' mixed maps: "none" and "recompute", whose calls give the rate and
-    whose prices are the plain counts. "selective" is priced by counts only: timed with the others, any
-    error in its price (its policy's cost per op is a fixed balance) went into every map's base."""
+    """The policies of the timed steps, one map each, every layer under it: "none" and "recompute", whose
+    calls give the rate, and whose difference measured whole gives `whole`. "selective" is priced by counts
+    only: timed with the others, any error in its price (its policy's cost per op is a fixed balance) went
+    into every map's base."""
     return [name for name in ("none", "recompute") if name in names] or ["recompute"]
 
 
@@ -183,9 +189,8 @@ def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced
         # what it repeats, and the policy's own cost on each op, forward and recompute
         selective = [r._replace(dispatched=f.dispatched + r.dispatched) for f, r in zip(*found, strict=True)]
     # a layer not measured under its policy (swapped, for "none"; out of memory measuring it) recomputes instead
-    timed = timed_policies(names)
     pick = lambda p, i: p if i in held.get(p, {}) else "recompute"
-    maps = [{i: pick(timed[(i + k) % len(timed)], i) for i in range(n)} for k in range(len(timed))]
+    maps = [{i: pick(policy, i) for i in range(n)} for policy in timed_policies(names)]
     clock = LayerClock(modules, steps.device)
     runs: Runs = []
     offloaded: list[float] = []
@@ -246,9 +251,21 @@ def _prices(
         if not selective:
             notes.append("time: the selective recompute of these layers could not be counted; priced as a recompute")
         out["selective"] = {i: rate * selective[i] if selective else recompute[i] for i in held["selective"]}
-    # the step with nothing recomputed, from the steps timed without hooks where there are any
+    # the steps timed without hooks where there are any: what recomputing adds to them whole, and the step with
+    # nothing recomputed
     plain = [run for run in runs if run[2] is None] or runs
-    bases = [seconds - sum(out.get(p, recompute)[i] for i, p in policies.items()) for policies, seconds, _ in plain]
+    added = lambda policies: sum(out.get(p, recompute)[i] for i, p in policies.items())
+    whole = _whole(plain, added)
+    if whole is None:
+        whole = 1.0
+        notes.append(
+            "time: the steps with layers recomputed were not measured slower than those without (a busy machine?): "
+            "a recompute is priced by its timed calls alone"
+        )
+    for name in ("recompute", "selective"):
+        out[name] = {i: seconds * whole for i, seconds in out.get(name, {}).items()}
+    recompute = out["recompute"]
+    bases = [seconds - added(policies) for policies, seconds, _ in plain]
     base_low, base, base_high = quartiles(bases)
     if "offload" in names:
         inputs = {i: max(1, sum(held["recompute"].get(i, (1, 0)))) for i in held["offload"]}
@@ -260,13 +277,33 @@ def _prices(
         selective_flops=tuple(w.flops for w in counts.selective) if selective else None,
         work=tuple(repeated),
         selective_work=tuple(selective) if selective else None,
-        seconds_per_flop=rate,
-        rate_range=(low, high),
+        seconds_per_flop=rate * whole,
+        rate_range=(low * whole, high * whole),
         base_range=(max(0.0, base_low), max(0.0, base_high)),
         samples=len(rates),
         steps=len(runs),
+        whole=whole,
     )
     return out, max(0.0, base), prices, notes
+
+
+def _whole(plain: Runs, added: Callable[[dict[int, str]], float]) -> float | None:
+    """What the maps' prices add to a step measured whole, over those prices: the slope of the median step time of
+    each map against its prices (least squares; two maps: the line through them). None where the maps' prices do not
+    differ or the slope is not positive."""
+    times: dict[tuple[tuple[int, str], ...], list[float]] = {}
+    for policies, seconds, _ in plain:
+        times.setdefault(tuple(sorted(policies.items())), []).append(seconds)
+    points = [(added(dict(key)), statistics.median(seconds)) for key, seconds in times.items()]
+    if len(points) < 2:
+        return None
+    mean_x = statistics.fmean(x for x, _ in points)
+    mean_y = statistics.fmean(y for _, y in points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    if spread <= 0:
+        return None
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
+    return slope if slope > 0 else None
 
 
 class LayerClock:
