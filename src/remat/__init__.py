@@ -16,7 +16,7 @@ from .errors import (
     StaleProfileError,
     StateError,
 )
-from .plan import CheckpointMap, LayerPlan
+from .plan import CheckpointMap, HeadPlan, LayerPlan
 from .version import __version__
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "ConfigError",
     "ConfigTypeError",
     "FolderChangedError",
+    "HeadPlan",
     "LayerPlan",
     "LockFileError",
     "NoCheckpointableLayersError",

@@ -26,6 +26,8 @@ from .saving.files import read_json_object
 from .saving.folder import CONFIG_NAME, read_pair, save_pair
 from .version import __version__
 
+HEADS = ("plain", "chunked")  # the head row's policies (`remat.head`)
+
 logger = logging.getLogger("remat")
 SWAP_PLACEMENTS = ("spread", "tail")
 # `checkpoint_config.json`'s schema: 2 added "selective" (read as recompute by 1), 3 `architecture`
@@ -142,6 +144,9 @@ class CheckpointConfig:
             offload) or "selective" (matmul and attention outputs kept, the rest recomputed).
         use_reentrant: torch's reentrant checkpoint, not the non-reentrant default (not with "selective").
         preserve_rng_state: replay the forward's RNG state during recompute, so dropout masks match.
+        head: "plain" (the model's own head and loss) or "chunked": a training forward with labels computes
+            the causal-LM loss in chunks of counted tokens, never the full logits (`remat.head`).
+        head_chunk_tokens: tokens per chunk for "chunked" (None: 1024).
     """
 
     every_n_layers: int = 1
@@ -152,6 +157,8 @@ class CheckpointConfig:
     checkpoint_policy: str = "recompute"
     use_reentrant: bool = False
     preserve_rng_state: bool = True
+    head: str = "plain"
+    head_chunk_tokens: int | None = None
 
     def __new__(cls, *args: Any, **fields: Any) -> CheckpointConfig:
         if "offload" in fields:
@@ -170,6 +177,14 @@ class CheckpointConfig:
         object.__setattr__(self, "swap_layers", _validated_swap_layers(self.swap_layers))
         object.__setattr__(self, "layer_policies", _validated_layer_policies(self.layer_policies))
         _check_in("checkpoint_policy", self.checkpoint_policy, CHECKPOINT_POLICIES)
+        _check_in("head", self.head, HEADS)
+        if self.head_chunk_tokens is not None:
+            _check_int("head_chunk_tokens", self.head_chunk_tokens, 1)
+            if self.head == "plain":
+                raise ConfigError(
+                    f'CheckpointConfig(head_chunk_tokens={self.head_chunk_tokens}) sizes the chunks of head="chunked", '
+                    'but head is "plain": add head="chunked", or leave head_chunk_tokens out'
+                )
         chosen = {self.checkpoint_policy, *self.layer_policies.values()}
         picky = sorted(name for name in chosen if _policy(name).needs_non_reentrant)
         if self.use_reentrant and picky:

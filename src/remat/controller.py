@@ -14,6 +14,7 @@ from torch import nn
 
 from .config import CheckpointConfig
 from .errors import ConfigError, ReplacedWrapperError, StateError
+from .head import ChunkedHead, HeadPlan, plan_head
 from .install import FlagInstall, ForwardInstall, installer_for
 from .layers import DiscoveredLayer, Discovery
 from .offload import Offloader
@@ -65,6 +66,8 @@ class Controller:
         self._installs: list[FlagInstall | ForwardInstall] = []
         self._routes, self._model_patches, self._save_load = InstancePatches(), InstancePatches(), SaveLoadOverrides()
         self._hook: Any = None  # the model's forward pre-hook, while enabled
+        self._head: ChunkedHead | None = None  # the chunked head's hooks, while enabled with head="chunked"
+        self._head_planned: HeadPlan | None = None  # the map's head row shows what the last training forward ran
         self._guards: list[Any] = []
         self._mode_stack: list[_Mode] = []
         self._mode_before_call: _Mode | None = None
@@ -109,6 +112,7 @@ class Controller:
             return
         self.disabled_by = cause
         self.swapper.restore()
+        self._set_head(None)
         self._model_patches.undo()
         self.offloader.release_host_memory()
         for install in reversed(self._installs):
@@ -182,6 +186,8 @@ class Controller:
         """The one path of `enable` and re-planning: plan once, run every check that can refuse before
         anything changes, then swap, install (`install`) or re-apply. `said`: the caller logged it."""
         new_map = plan_layers(config, self.discovery.names, checkpointing_off_by=off_by) if planned is None else planned
+        self._head_planned = plan_head(config.head, config.head_chunk_tokens, self.model)
+        new_map = new_map.with_head(self._head_planned)
         installing = install and not self.is_enabled
         live = installing or self.is_enabled
         if live:
@@ -263,6 +269,25 @@ class Controller:
         for holder in self._installs[count:]:
             holder.set(active and bool(self.checkpoint_map.checkpointed), None)
         self._set_guards(self.inference)
+        self._set_head(self._head_planned)
+
+    def _set_head(self, plan: HeadPlan | None) -> None:
+        """The chunked head's hooks for `plan` (none for a plain head, or None). They act on training
+        forwards only, so the mode needs no change here."""
+        if self._head is not None and (plan is None or self._head.plan != plan):
+            self._head.remove()
+            self._head = None
+        if self._head is None and plan is not None and plan.policy == "chunked":
+            self._head = ChunkedHead(self.model, plan, self._head_ran)
+
+    def _head_ran(self, why: str | None) -> None:
+        """The head row says what the last training forward ran: the plan, or the model's own head and why."""
+        planned = self._head_planned
+        if planned is None:
+            return
+        shown = planned if why is None else HeadPlan(planned.name, "plain", None, f"{planned.label} planned; {why}")
+        if self.checkpoint_map.head != shown:
+            self.checkpoint_map = self.checkpoint_map.with_head(shown)
 
     def set_mode(self, inference: bool) -> None:
         """`for_inference()` / `for_training()`; a `with` block around the call restores the mode before."""

@@ -27,10 +27,16 @@ def off_notice(why: str) -> str:
 
 
 def map_table(checkpoint_map: Sequence[Any]) -> str:
-    return render_table(
-        ("index", "name", "policy", "swapped", "why"),
-        [(str(p.index), p.name, p.policy, "yes" if p.swapped else "no", p.reason) for p in checkpoint_map],
-    )
+    rows = [(str(p.index), p.name, p.policy, "yes" if p.swapped else "no", p.reason) for p in checkpoint_map]
+    return render_table(("index", "name", "policy", "swapped", "why"), [*rows, *_head_row(checkpoint_map, 5)])
+
+
+def _head_row(checkpoint_map: Sequence[Any], width: int) -> list[tuple[str, ...]]:
+    """The head's row after the layers: "head", its module's name, its policy; blanks up to the "why"."""
+    head = getattr(checkpoint_map, "head", None)
+    if head is None:
+        return []
+    return [("head", head.name, head.label, *("",) * (width - 4), head.reason)]
 
 
 def describe_map(checkpoint_map: Sequence[Any], offload_stats: Mapping[int, Any], swap_stats: Mapping[int, Any]) -> str:
@@ -49,6 +55,7 @@ def describe_map(checkpoint_map: Sequence[Any], offload_stats: Mapping[int, Any]
         fetched = f"{swap.fetches} ({mib(swap.bytes_fetched)} MiB)" if swap is not None else ""
         swapped = "yes" if p.swapped else "no"
         rows.append((str(p.index), p.name, p.policy, swapped, moved, kept, copies, fetched, why or p.reason))
+    rows += _head_row(checkpoint_map, 9)
     header = ("index", "name", "policy", "swapped", "offloaded MiB", "kept MiB", "copies out/in", "weight fetches")
     table = render_table((*header, "why"), rows)
     off = getattr(checkpoint_map, "off", None)

@@ -34,14 +34,31 @@ class LayerPlan:
         return policy_named(self.policy).input_on_host
 
 
+@dataclass(frozen=True)
+class HeadPlan:
+    """The map's head row (`remat.head`): the output embedding's name, "plain" or "chunked" (with its tokens per
+    chunk), and why."""
+
+    name: str
+    policy: str
+    chunk_tokens: int | None = None
+    reason: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"chunked({self.chunk_tokens})" if self.policy == "chunked" else "plain"
+
+
 @dataclass(frozen=True, repr=False)
 class CheckpointMap(Sequence[LayerPlan]):
-    """The per-layer plan, in layer order; `str()` renders a table. `off` says why none of it runs
-    now (the wrapper is disabled): the plans stay what `enable()` applies again, and every
-    rendering says that remat is off. Equality compares the plans only."""
+    """The per-layer plan, in layer order, and the head's row (`head`: not one of the items, whose
+    policies are a layer's); `str()` renders a table. `off` says why none of it runs now (the wrapper
+    is disabled): the plans stay what `enable()` applies again, and every rendering says that remat
+    is off. Equality compares the plans and the head."""
 
     plans: Sequence[LayerPlan]
     off: str | None = field(default=None, kw_only=True, compare=False)
+    head: HeadPlan | None = field(default=None, kw_only=True)  # the row after the layers (`remat.head`)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "plans", tuple(self.plans))
@@ -69,7 +86,10 @@ class CheckpointMap(Sequence[LayerPlan]):
         return [p.index for p in self.plans if p.checkpointed]
 
     def switched_off(self, why: str) -> CheckpointMap:
-        return CheckpointMap(self.plans, off=why)
+        return CheckpointMap(self.plans, off=why, head=self.head)
+
+    def with_head(self, head: HeadPlan) -> CheckpointMap:
+        return CheckpointMap(self.plans, off=self.off, head=head)
 
     def __repr__(self) -> str:
         # the classic three always (a log reader compares them), any other policy when used
@@ -78,7 +98,8 @@ class CheckpointMap(Sequence[LayerPlan]):
         groups = ", ".join(f"{policy} {self.indices(policy)}" for policy in shown)
         swapped = [p.index for p in self.plans if p.swapped]
         off = f"; remat is OFF ({self.off}): nothing is checkpointed" if self.off else ""
-        return f"CheckpointMap({len(self)} layers: {groups}, swapped {swapped}{off})"
+        head = f", head {self.head.label}" if self.head is not None else ""
+        return f"CheckpointMap({len(self)} layers: {groups}, swapped {swapped}{head}{off})"
 
     def __str__(self) -> str:
         from .display import map_table, off_notice

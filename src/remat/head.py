@@ -1,0 +1,228 @@
+"""The head row of the map: the causal LM's loss in chunks of counted tokens, never the full logits.
+
+On the runs remat is for (LoRA on a 32k-256k vocabulary) the logits and the loss are the step's
+largest activation: batch x tokens x vocabulary, upcast, and its gradient. With `head="chunked"`, a
+training forward with labels and gradients on runs the model without its labels; a pre-hook on the
+output embedding keeps the hidden states it is handed and hands it none of them (so the model's own
+head and post-ops run on zero tokens), and the loss is computed here, as the model would:
+- only the positions whose shifted label counts, in chunks of `head_chunk_tokens`;
+- each chunk through the head as a module (a LoRA'd or quantized head works), then the family's
+  post-ops in the model's dtype (Gemma 2's final softcapping, Cohere's scale), then upcast;
+- each chunk under torch's checkpoint: its logits live only inside it, in forward and backward;
+  a frozen head's weight gets no gradient from autograd, so no vocabulary x hidden buffer;
+- the sum of the chunks divided as transformers' causal-LM loss divides it: by the counted tokens,
+  or by `num_items_in_batch` when Trainer passes it; a MoE model's auxiliary loss added as it adds it.
+Hooks on the instances, never the model's `forward` (TRL patches that one on the instance, and
+undoing ours would undo theirs). Evaluation, generation and forwards without labels or gradients
+run the model's own head; so does a forward TRL asks for its own fused head (`fused_lm_head=True`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from .errors import StateError
+from .plan import HeadPlan
+
+logger = logging.getLogger("remat")
+
+DEFAULT_CHUNK_TOKENS = 1024
+IGNORE_INDEX = -100
+
+# Families whose forward is: the head on the last hidden states, the post-ops below, transformers'
+# causal-LM loss (plus `router_aux_loss_coef` x `aux_loss`): each checked against the model's own
+# loss and gradients in tests/test_head.py. Any other family keeps its own head, and its row says so.
+FAMILIES = ("cohere", "gemma", "gemma2", "llama", "mistral", "phi3", "qwen2", "qwen2_moe", "qwen3")
+
+
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+
+
+def plan_head(head: str, chunk_tokens: int | None, model: nn.Module) -> HeadPlan:
+    """The head row for a config's `head` and `head_chunk_tokens` on `model`."""
+    base = causal_lm(model)
+    get_output = getattr(base, "get_output_embeddings", None)
+    module = get_output() if callable(get_output) else None
+    names = {id(m): name for name, m in model.named_modules()}
+    name = names.get(id(module), "") if module is not None else ""
+    if head == "plain":
+        return HeadPlan(name, "plain", None, 'head="plain": the model\'s own head and loss')
+    if module is None:
+        return HeadPlan(name, "plain", None, f"{type(base).__name__} has no output embedding: nothing to chunk")
+    config = getattr(base, "config", None)
+    family = getattr(config, "model_type", None)
+    if family not in FAMILIES:
+        return HeadPlan(
+            name,
+            "plain",
+            None,
+            f"remat reproduces the loss of {', '.join(FAMILIES)} exactly; {type(base).__name__} "
+            f"({family!r}) is not one of them, so its own head runs",
+        )
+    if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
+        return HeadPlan(name, "plain", None, "prompt learning adds virtual tokens to the labels: its own head runs")
+    if chunk_tokens is None:
+        why = f"head_chunk_tokens=None: remat's {DEFAULT_CHUNK_TOKENS}"
+        return HeadPlan(name, "chunked", DEFAULT_CHUNK_TOKENS, why)
+    return HeadPlan(name, "chunked", chunk_tokens, f"head_chunk_tokens={chunk_tokens}")
+
+
+def post_ops(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the family does to the head's output before its loss, in the model's dtype."""
+    scale = getattr(config, "logit_scale", None) if config.model_type == "cohere" else None
+    cap = getattr(config, "final_logit_softcapping", None) if config.model_type == "gemma2" else None
+
+    def post(logits: torch.Tensor) -> torch.Tensor:
+        if scale is not None:
+            logits = logits * scale
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return post
+
+
+def chunked_loss(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor | None,
+    chunk_tokens: int,
+    post: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits,
+    *,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    shift_labels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """transformers' causal-LM loss of `head(hidden)` without its full logits: the counted positions in
+    chunks of `chunk_tokens`, each recomputed in backward. `hidden`: (..., tokens, hidden size)."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    shift_labels = shift_labels.to(hidden.device)
+    counted = shift_labels != IGNORE_INDEX
+    states, targets = hidden[counted], shift_labels[counted]
+
+    def chunk_sum(states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = post(head(states)).float()
+        return F.cross_entropy(logits, targets, reduction="sum")
+
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, targets.numel(), chunk_tokens):
+        part = slice(start, start + chunk_tokens)
+        total = total + checkpoint(
+            chunk_sum, states[part], targets[part], use_reentrant=False, preserve_rng_state=False
+        )
+    if num_items_in_batch is None:
+        return total / counted.sum()
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+class _Call:
+    """One chunked forward in flight: its labels, and the hidden states the head was handed."""
+
+    def __init__(self, kwargs: dict[str, Any]):
+        self.labels = kwargs.pop("labels")
+        self.num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        self.shift_labels = kwargs.pop("shift_labels", None)
+        self.hidden: torch.Tensor | None = None
+        self.handle: Any = None
+
+
+class ChunkedHead:
+    """The hooks that run `plan`'s chunked loss on `model` (the wrapper's model, PEFT or not), removed by `remove()`."""
+
+    def __init__(self, model: nn.Module, plan: HeadPlan, ran: Callable[[str | None], None]):
+        self.plan, self.ran = plan, ran  # ran(None): a training forward ran chunked; ran(why): it ran plain
+        base = causal_lm(model)
+        self.head = base.get_output_embeddings()
+        self.post = post_ops(base.config)
+        self.aux_coef = getattr(base, "router_aux_loss_coef", getattr(base.config, "router_aux_loss_coef", None))
+        self.call: _Call | None = None  # the forward in flight (a model's forward does not run inside itself)
+        self.plain_because: set[str] = set()
+        self.handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.remove_call()
+
+    def _plain(self, why: str) -> None:
+        if why not in self.plain_because:
+            self.plain_because.add(why)
+            logger.info("head: %s: the model's own head ran", why)
+        self.ran(why)
+
+    def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        self.remove_call()
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        if kwargs.get("labels") is None:
+            self._plain("a training forward without labels (its caller computes the loss from the logits)")
+            return None
+        if kwargs.get("fused_lm_head"):
+            self._plain("TRL's fused LM head computes the loss (fused_lm_head=True)")
+            return None
+        if kwargs.get("return_dict") is False or kwargs.get("logits_to_keep") not in (None, 0):
+            self._plain("the caller asked for return_dict=False or logits_to_keep")
+            return None
+        self.ran(None)
+        kwargs = dict(kwargs)
+        self.call = call = _Call(kwargs)
+        call.handle = self.head.register_forward_pre_hook(self._capture(call))
+        return args, kwargs
+
+    def remove_call(self) -> None:
+        if self.call is not None:
+            self.call.handle.remove()
+            self.call = None
+
+    @staticmethod
+    def _capture(call: _Call) -> Callable[..., Any]:
+        def hook(_: nn.Module, args: tuple[Any, ...]) -> Any:
+            if call.hidden is not None:
+                return None
+            call.hidden = args[0]
+            return (args[0][..., :0, :], *args[1:])  # the head's own call runs on no tokens
+
+        return hook
+
+    def _after(self, module: nn.Module, args: Any, *rest: Any) -> Any:
+        """`rest`: (kwargs, output); (None,) when the forward raised (torch then passes no kwargs)."""
+        call, output = self.call, rest[-1]
+        self.remove_call()
+        if call is None or output is None:
+            return None
+        if call.hidden is None:
+            raise StateError(
+                f"head: {type(module).__name__} never called its output embedding, so remat has no hidden states to "
+                'compute the chunked loss from; use CheckpointConfig(head="plain")'
+            )
+        loss = chunked_loss(
+            self.head,
+            call.hidden,
+            call.labels,
+            self.plan.chunk_tokens or DEFAULT_CHUNK_TOKENS,
+            self.post,
+            num_items_in_batch=call.num_items_in_batch,
+            shift_labels=call.shift_labels,
+        )
+        aux = output.get("aux_loss") if hasattr(output, "get") else None
+        if aux is not None and self.aux_coef:
+            loss = loss + self.aux_coef * aux.to(loss.device)
+        if not hasattr(output, "keys"):  # a tuple (return_dict=False in the model's config): loss first, no logits
+            return (loss, *output[1:])
+        fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
+        return type(output)(loss=loss, **fields)

@@ -1,0 +1,230 @@
+"""The head row: `head="chunked"` computes the causal-LM loss in chunks of counted tokens.
+
+Judged against the model's own forward (the same weights, head="plain"): the loss and every
+gradient equal in fp32 on every family remat chunks, with half the labels ignored; a LoRA'd head,
+tied embeddings, Gemma 2's softcapping, Cohere's scale and a MoE auxiliary loss included. What
+the chunked forward creates is watched by a dispatch mode of the test's own (no full logits, no
+vocabulary x hidden gradient for a frozen head)."""
+
+import math
+
+import pytest
+import torch
+import transformers
+from conftest import ARCHS, VOCAB, _config, add_lora, assert_same_grads, batch, step_grads, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.errors import ConfigError
+
+CHUNK = 5  # tokens: several chunks and a short last one
+
+
+def _extra_model(arch: str, seed: int = 0, **overrides):
+    """Families the shared tiny configs do not build: Gemma 2 (final softcapping) and Cohere (logit scale)."""
+    torch.manual_seed(seed)
+    common = {k: v for k, v in _config("llama").to_dict().items() if k in ("vocab_size", "hidden_size")}
+    shape = dict(
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        pad_token_id=0,
+    )
+    if arch == "gemma2":
+        config = transformers.Gemma2Config(**common, **shape, final_logit_softcapping=2.0, **overrides)
+    else:
+        config = transformers.CohereConfig(**common, **shape, logit_scale=0.5, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.train()
+    return model
+
+
+def _half_ignored(seed: int = 0):
+    data = batch(seed=seed)
+    labels = data["labels"]
+    labels[:, ::2] = -100
+    return data
+
+
+def _loss_and_grads(model, head: str, data, **config):
+    cm = CheckpointedModel(model, CheckpointConfig(head=head, **config))
+    loss, grads = step_grads(cm, list(cm.model.named_parameters()), data)
+    cm.disable()
+    return loss, grads
+
+
+def _same_as_plain(build, data, **config):
+    plain_loss, plain = _loss_and_grads(build(), "plain", data, **config)
+    loss, grads = _loss_and_grads(build(), "chunked", data, head_chunk_tokens=CHUNK, **config)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-7)
+    assert_same_grads(plain, grads)
+    assert grads, "some parameter got a gradient"
+
+
+@pytest.mark.parametrize("arch", [*ARCHS, "gemma2", "cohere"])
+def test_the_chunked_loss_and_every_gradient_equal_the_models_own(arch):
+    build = (lambda: tiny_model(arch)) if arch in ARCHS else (lambda: _extra_model(arch))
+    if arch == "qwen2_moe":  # its auxiliary loss on
+        build = lambda: tiny_model(arch, output_router_logits=True)
+    _same_as_plain(build, _half_ignored())
+
+
+def test_a_lora_head_and_tied_embeddings_train_exactly():
+    from peft import LoraConfig, get_peft_model
+
+    def lora_head():
+        model = get_peft_model(tiny_model(), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+        torch.manual_seed(1)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.02)
+        return model
+
+    _same_as_plain(lora_head, _half_ignored())
+    _same_as_plain(lambda: tiny_model(tie_word_embeddings=True), _half_ignored(1))
+
+
+def test_the_output_has_the_loss_and_no_logits_and_the_map_shows_the_head_row():
+    cm = CheckpointedModel(tiny_model(), CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
+    out = cm(**batch())
+    assert out.logits is None and "logits" not in out and out.loss.requires_grad
+    head = cm.checkpoint_map.head
+    assert (head.name, head.label) == ("lm_head", f"chunked({CHUNK})")
+    last = str(cm.checkpoint_map).splitlines()[-1].split()
+    assert last[:3] == ["head", "lm_head", f"chunked({CHUNK})"]
+    assert "head chunked(5)" in repr(cm.checkpoint_map)
+    plain = CheckpointedModel(tiny_model(), CheckpointConfig())
+    assert str(plain.checkpoint_map).splitlines()[-1].split()[:3] == ["head", "lm_head", "plain"]
+
+
+def test_evaluation_generation_and_forwards_without_labels_or_gradients_run_the_models_own_head():
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
+    data = batch()
+    with torch.no_grad():  # training mode, dropout on: the same seed for both
+        torch.manual_seed(0)
+        expected = model.lm_head(model.model(**{k: v for k, v in data.items() if k != "labels"}).last_hidden_state)
+        torch.manual_seed(0)
+        assert torch.equal(cm(**data).logits, expected)  # no gradients
+    no_labels = {k: v for k, v in data.items() if k != "labels"}
+    assert cm(**no_labels).logits.shape == (*data["input_ids"].shape, VOCAB)
+    with cm.for_inference():
+        out = cm(**data)
+        assert out.logits.shape[-1] == VOCAB and out.loss is not None
+        assert cm.generate(input_ids=data["input_ids"][:1, :4], max_new_tokens=2, do_sample=False).shape == (1, 6)
+    # the row said what the training forward without labels ran; with labels it chunks again
+    assert cm.checkpoint_map.head.policy == "plain" and "without labels" in cm.checkpoint_map.head.reason
+    assert cm(**data).logits is None and cm.checkpoint_map.head.label == f"chunked({CHUNK})"
+
+
+class _Shapes(TorchDispatchMode):
+    """Every shape an op makes while it is on, views aside (the test's own watch, not remat's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.shapes.update(tuple(t.shape) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
+
+
+def test_a_frozen_head_gets_no_vocabulary_by_hidden_gradient_and_no_full_logits_are_made():
+    cm = CheckpointedModel(add_lora(tiny_model(), dropout=0.0), CheckpointConfig(head="chunked", head_chunk_tokens=4))
+    data = batch()
+    tokens = data["input_ids"].numel()
+    hidden = cm.model.config.hidden_size
+    watch = _Shapes()
+    with watch:
+        cm(**data).loss.backward()
+    assert (VOCAB, hidden) not in watch.shapes and (hidden, VOCAB) not in watch.shapes
+    rows = lambda shapes: {math.prod(s[:-1]) for s in shapes if len(s) >= 2 and s[-1] == VOCAB}
+    assert max(rows(watch.shapes)) == 4, "logits of one chunk at a time, never more"
+    # the same watch sees the full logits in the plain forward
+    plain = _Shapes()
+    cm.enable(cm.checkpoint_config.replace(head="plain", head_chunk_tokens=None))
+    with plain:
+        cm(**data).loss.backward()
+    assert max(rows(plain.shapes)) == tokens
+
+
+def test_num_items_in_batch_divides_as_the_models_own_loss():
+    data = _half_ignored()
+    for items in (7, torch.tensor(31)):
+        losses = []
+        for head in ("plain", "chunked"):
+            cm = CheckpointedModel(tiny_model(), CheckpointConfig(head=head))
+            losses.append(cm(**data, num_items_in_batch=items).loss)
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_accumulation_through_a_real_trainer_trains_as_the_plain_head(tmp_path):
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from remat import RematTrainer
+
+    rows = [_half_ignored(seed) for seed in range(2)]
+    records = [{k: v[i].tolist() for k, v in row.items()} for row in rows for i in range(2)]
+    records[1]["labels"][:6] = [-100] * 6  # unequal counts: the sum over num_items_in_batch matters
+    weights = {}
+    for head in ("plain", "chunked"):
+        cm = CheckpointedModel(add_lora(tiny_model(), dropout=0.0), CheckpointConfig(head=head))
+        args = TrainingArguments(
+            output_dir=str(tmp_path / head),
+            max_steps=1,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-2,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+        )
+        trainer = RematTrainer(model=cm, args=args, train_dataset=Dataset.from_list(records))
+        trainer.train()
+        weights[head] = {n: p.detach().clone() for n, p in cm.model.named_parameters() if p.requires_grad}
+        assert trainer.state.log_history[-1]["train_loss"] > 0
+    assert_same_grads(weights["plain"], weights["chunked"])
+
+
+def test_a_family_remat_cannot_reproduce_keeps_its_own_head_and_says_why():
+    model = tiny_model()
+    model.config.model_type = "somebody_elses"
+    cm = CheckpointedModel(model, CheckpointConfig(head="chunked"))
+    head = cm.checkpoint_map.head
+    assert head.policy == "plain" and "'somebody_elses') is not one of them" in head.reason
+    assert cm(**batch()).logits is not None
+
+
+def test_a_forward_that_raises_leaves_the_head_as_it_was():
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
+
+    def fail(*_):
+        raise RuntimeError("injected")
+
+    handle = model.model.norm.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        cm(**batch())
+    handle.remove()
+    assert not model.lm_head._forward_pre_hooks
+    assert cm(**batch()).loss is not None
+    cm.disable()
+    assert not model.lm_head._forward_pre_hooks and not model._forward_hooks
+    assert cm.model(**batch()).logits is not None
+
+
+def test_head_chunk_tokens_without_chunked_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match='add head="chunked"'):
+        CheckpointConfig(head_chunk_tokens=256)
+    with pytest.raises(ValueError, match="head"):
+        CheckpointConfig(head="fused")
+    config = CheckpointConfig(head="chunked", head_chunk_tokens=256)
+    assert CheckpointConfig.from_dict(config.to_dict()) == config
