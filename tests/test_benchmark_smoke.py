@@ -89,6 +89,8 @@ def test_the_gpu_check_script_runs_its_cpu_fallback_and_writes_the_tables(tmp_pa
     policies = (tmp_path / "gpu-check-run.log").read_text()
     assert "| selective |" in policies and "| recompute |" in policies
     assert "| planner / native |" in (tmp_path / "gpu-check-pareto.log").read_text()
+    head = (tmp_path / "gpu-check-head.log").read_text()
+    assert "| chunked(32) |" in head and "| TRL fused head |" in head
     pareto = json.loads((tmp_path / "pareto-tiny-cpu.json").read_text())
     assert [r["setting"] for r in pareto["native"]] == ["native every_n_layers=1", "native none"]
     assert all(r["planned_held_bytes"] <= r["budget_bytes"] for r in pareto["budgets"])

@@ -1,0 +1,121 @@
+"""The head: a LoRA step whose logits dominate, its peak and its time, plain against chunked and TRL's fused head.
+
+    python benchmarks/head.py --repeats 7
+
+(`benchmarks/gpu_check.sh` runs it on a GPU: bf16, a 128k vocabulary, 2 x 4096 tokens.)
+
+A Llama of 2 layers (hidden 256) with a 32k vocabulary, 2 x 512 tokens, LoRA on the attention and the MLP:
+the logits (1024 x 32768 in fp32, 128 MiB) outweigh everything the layers hold. Per setting: the peak of one
+training step as torch's `MemTracker` counts it (`remat.testing.measure_step_peak`), and its time (alternated
+steps, medians and quartiles). Settings: the model's own head ("plain"); remat's `head="chunked"` at several
+chunk sizes; TRL's fused LM head at its defaults (`trl.trainer.utils.add_fused_lm_head`, called as TRL's
+SFTTrainer calls it: `model(**batch, fused_lm_head=True)`, the loss its negative log-probabilities over the
+counted tokens).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.testing import measure_step_peak
+
+PRESET = dict(hidden=256, layers=2, intermediate=688, heads=8, kv_heads=4, vocab=32768, batch=2, seq=512)
+
+
+def build(p: dict, device: str, dtype: torch.dtype, seed: int = 0):
+    config = transformers.LlamaConfig(
+        vocab_size=p["vocab"],
+        hidden_size=p["hidden"],
+        intermediate_size=p["intermediate"],
+        num_hidden_layers=p["layers"],
+        num_attention_heads=p["heads"],
+        num_key_value_heads=p["kv_heads"],
+        max_position_embeddings=p["seq"],
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = get_peft_model(
+        model.to(device=device, dtype=dtype),
+        LoraConfig(r=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]),
+    )
+    model.train()
+    return model
+
+
+def make_batch(p: dict, device: str):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, p["vocab"], (p["batch"], p["seq"]), generator=g)
+    labels = ids.clone()
+    labels[:, : p["seq"] // 4] = -100  # a prompt: the first quarter is not counted
+    return {"input_ids": ids.to(device), "labels": labels.to(device)}
+
+
+def trl_loss(outputs, batch):
+    counted = (batch["labels"][:, 1:] != -100).sum()
+    return -outputs.log_probs.sum() / counted
+
+
+def settings(chunks):
+    out = {"plain": (CheckpointConfig(), None, {})}
+    for chunk in chunks:
+        out[f"chunked({chunk})"] = (CheckpointConfig(head="chunked", head_chunk_tokens=chunk), None, {})
+    out["TRL fused head"] = (CheckpointConfig(), trl_loss, {"fused_lm_head": True})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7, help="alternated timed steps per setting")
+    parser.add_argument("--chunks", type=int, nargs="*", default=[1024, 512, 256, 128])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    for key in ("hidden", "vocab", "batch", "seq"):
+        parser.add_argument(f"--{key}", type=int, default=PRESET[key])
+    args = parser.parse_args()
+    from trl.trainer.utils import add_fused_lm_head
+
+    p = {**PRESET, **{key: getattr(args, key) for key in ("hidden", "vocab", "batch", "seq")}}
+    batch = make_batch(p, args.device)
+    runs = {}
+    for name, (config, loss_fn, extra) in settings(args.chunks).items():
+        model = build(p, args.device, getattr(torch, args.dtype))
+        if extra:
+            add_fused_lm_head(model.get_base_model(), outputs=("log_probs",))
+        cm = CheckpointedModel(model, config)
+        runs[name] = (cm, loss_fn, {**batch, **extra})
+    losses, peaks, times = {}, {}, {name: [] for name in runs}
+    for name, (cm, loss_fn, data) in runs.items():
+        peaks[name] = measure_step_peak(cm, data, loss_fn=loss_fn)
+        out = cm(**data)
+        losses[name] = float((loss_fn(out, data) if loss_fn else out.loss).detach())
+        cm.zero_grad(set_to_none=True)
+    for _ in range(args.repeats):
+        for name, (cm, loss_fn, data) in runs.items():
+            start = time.perf_counter()
+            out = cm(**data)
+            (loss_fn(out, data) if loss_fn else out.loss).backward()
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+            cm.zero_grad(set_to_none=True)
+    plain_peak, plain_time = peaks["plain"], statistics.median(times["plain"])
+    print(f"tokens {p['batch'] * p['seq']}, vocabulary {p['vocab']}, hidden {p['hidden']}, {args.device} {args.dtype}")
+    print("| setting | loss | step peak MiB | peak / plain | step ms (quartiles) | time / plain |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in runs:
+        q1, median, q3 = (
+            statistics.quantiles(times[name], n=4, method="inclusive") if len(times[name]) > 1 else [times[name][0]] * 3
+        )
+        print(
+            f"| {name} | {losses[name]:.6f} | {peaks[name] / 2**20:.1f} | {peaks[name] / plain_peak:.2f} | "
+            f"{median * 1e3:.0f} ({q1 * 1e3:.0f}-{q3 * 1e3:.0f}) | {median / plain_time:.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
