@@ -186,8 +186,11 @@ class Controller:
         """The one path of `enable` and re-planning: plan once, run every check that can refuse before
         anything changes, then swap, install (`install`) or re-apply. `said`: the caller logged it."""
         new_map = plan_layers(config, self.discovery.names, checkpointing_off_by=off_by) if planned is None else planned
-        self._head_planned = plan_head(config.head, config.head_chunk_tokens, self.model)
-        new_map = new_map.with_head(self._head_planned)
+        head = plan_head(config.head, config.head_chunk_tokens, self.model)
+        # the same head planned again (a route, a mode change) keeps the row of what last ran
+        shown = self.checkpoint_map.head if head == self._head_planned else None
+        self._head_planned = head
+        new_map = new_map.with_head(shown or head)
         installing = install and not self.is_enabled
         live = installing or self.is_enabled
         if live:
