@@ -261,3 +261,47 @@ def test_a_profile_of_the_chunked_head_predicts_the_step_peak_memtracker_measure
         )
         assert cm.checkpoint_map.head.label == "chunked(8)"
         optimizer.state.clear()
+
+
+def test_the_planner_chooses_the_head_and_the_largest_chunk_that_fits_with_the_layers():
+    """Profiled with head="chunked" and no head_chunk_tokens, the profile measures the head plain and
+    at two chunk sizes; plans then choose the head with the layers: plain where it fits (fastest),
+    else the largest chunk that fits; a budget under every plan with the plain head, which before
+    was "nothing fits", gets a chunked head. Each plan's step peak within 5% of MemTracker's."""
+    from independent_memory import step_peak_bytes
+
+    model = add_lora(tiny_model(vocab_size=4096, num_hidden_layers=4), dropout=0.0)
+    cm = CheckpointedModel(model, CheckpointConfig(head="chunked"))
+    data = batch(size=2, seq=32)
+    data["labels"][:, :8] = -100
+    optimizer = torch.optim.AdamW([p for p in cm.parameters() if p.requires_grad], lr=1e-3)
+    profile = cm.profile(data, optimizer=optimizer, repeats=1, progress=False)
+    frontier = profile.frontier(scope="step")
+    heads = [(p.head, p.head_chunk_tokens) for p in frontier]
+    assert heads[-1] == ("plain", None) and {("chunked", 16), ("chunked", 32)} <= set(heads)
+    least_plain = min(p.predicted_peak_bytes for p in frontier if p.head == "plain")
+    assert profile.plan(least_plain - 1, scope="step").head == "chunked"
+    assert profile.plan(frontier[-1].predicted_peak_bytes * 2, scope="step").head == "plain"
+    options = profile.measurements.head.choices()
+    for budget in (
+        frontier[0].predicted_peak_bytes,
+        (frontier[0].predicted_peak_bytes + least_plain) // 2,
+        least_plain,
+    ):
+        planned = profile.plan(budget, scope="step")
+        if planned.head == "chunked":  # a larger chunk with the same layers does not fit
+            larger = [o for o in options if o.policy == "chunked" and o.chunk_tokens > planned.head_chunk_tokens]
+            chosen = next(o for o in options if o.chunk_tokens == planned.head_chunk_tokens)
+            own = planned.predicted_peak_bytes - chosen.outside - chosen.extra
+            assert all(own + o.outside + o.extra > budget for o in larger)
+        cm.enable(planned)
+        cm(**data).loss.backward()  # a first step makes the optimizer's state
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        measured = step_peak_bytes(cm, data, optimizer)
+        assert abs(measured - planned.predicted_peak_bytes) <= 0.05 * planned.predicted_peak_bytes
+        assert cm.checkpoint_map.head.label == (
+            f"chunked({planned.head_chunk_tokens})" if planned.head == "chunked" else "plain"
+        )
+        optimizer.state.clear()
+    assert "outside layers (head " in str(planned)

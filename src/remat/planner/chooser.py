@@ -6,6 +6,7 @@ input of the last checkpointed layer stays on the device (backward needs it firs
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -38,6 +39,59 @@ class StepMemory:
         """For a map: its key's measurement, else the largest measured (None: nothing measured)."""
         key = (policies[-1], checkpoints(policies)) if policies else None
         return self.extras[key] if key in self.extras else max(self.extras.values(), default=None)
+
+
+class HeadChoice(NamedTuple):
+    """A plan's head, and what it adds over the head the profile ran: bytes outside the layers,
+    bytes of the step's extras, seconds."""
+
+    policy: str
+    chunk_tokens: int | None
+    outside: int
+    extra: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class HeadProfile:
+    """The head measured at its options (profiled with head="chunked" and no `head_chunk_tokens`),
+    as differences from the head the profile ran: "plain", and "chunked" at two chunk sizes fitted
+    as a fixed part plus a part per token of the chunk (one chunk's logits, upcast, and their
+    gradient). Seconds by counts: chunking runs the head's matmul again in backward over the
+    counted tokens (`recompute_seconds`: its FLOPs times the profile's rate), plus each chunk's own
+    ops (`chunk_seconds`). Chunks are offered in powers of two from 16 tokens, and one chunk of all."""
+
+    counted: int  # tokens whose label counts
+    profiled: int  # the chunk the profile ran
+    plain: tuple[int, int]  # (outside, extra)
+    fixed: tuple[float, float]
+    per_token: tuple[float, float]
+    recompute_seconds: float
+    chunk_seconds: float
+
+    def choices(self) -> list[HeadChoice]:
+        own = self._seconds(self.profiled)
+        sizes = [2**k for k in range(4, max(4, math.ceil(math.log2(max(self.counted, 1))))) if 2**k < self.counted]
+        out = [HeadChoice("plain", None, *self.plain, -own)]
+        for chunk in [*sizes, max(self.counted, 1)]:
+            outside, extra = (round(f + t * chunk) for f, t in zip(self.fixed, self.per_token, strict=True))
+            out.append(HeadChoice("chunked", chunk, outside, extra, self._seconds(chunk) - own))
+        return out
+
+    def _seconds(self, chunk: int | None) -> float:
+        return 0.0 if chunk is None else self.recompute_seconds + self.chunk_seconds * math.ceil(self.counted / chunk)
+
+    def scaled(self, ratio: float) -> HeadProfile:
+        """For `ratio` times the tokens: the counted tokens, and what grows with them (the logits of a
+        plain head, the hidden states a chunked one keeps, the recompute) grow; a chunk's part stays."""
+        grow = lambda pair: tuple(type(x)(x * ratio) for x in pair)
+        return replace(
+            self,
+            counted=max(1, round(self.counted * ratio)),
+            plain=grow(self.plain),
+            fixed=grow(self.fixed),
+            recompute_seconds=self.recompute_seconds * ratio,
+        )
 
 
 @dataclass(frozen=True)
@@ -107,6 +161,7 @@ class Measurements:
     step: StepMemory | None = None  # for scope="step"
     time: TimePrices | None = None  # how the seconds were priced; None for hand-made measurements
     shorter: Measurements | None = None  # the same bytes at a shorter length, when measured
+    head: HeadProfile | None = None  # the head's options, when the profile may choose them
 
     def scaled(self, tokens: int | None) -> Measurements:
         """For a batch of `tokens` tokens: bytes fitted through both lengths when `shorter` was
@@ -138,7 +193,14 @@ class Measurements:
             step = StepMemory({k: grow(v, before[k]) if k in before else v for k, v in step.extras.items()})
         outside = Outside(*map(grow, self.outside, short.outside if short else (None, None)))
         base_seconds, time = self.base_seconds * ratio, self.time and self.time.scaled(ratio)
-        return Measurements(layers, self.names, self.options, outside, alone, base_seconds, tokens, step, time)
+        head = self.head and self.head.scaled(ratio)
+        return Measurements(
+            layers, self.names, self.options, outside, alone, base_seconds, tokens, step, time, head=head
+        )
+
+    def head_choices(self) -> list[HeadChoice | None]:
+        """The heads a plan may take (None: the one profiled, with nothing to choose)."""
+        return [None] if self.head is None else list(self.head.choices())
 
 
 def _fit(x1: int, y1: int, x2: int, y2: int, x: int) -> int:
@@ -161,6 +223,15 @@ class Combination(NamedTuple):
     owed_bytes: int
     seconds: float
     policies: tuple[str, ...]
+    head: HeadChoice | None = None  # its seconds are in `seconds`; its bytes `scoped_bytes` adds
+
+
+def with_heads(m: Measurements, found: list[Combination]) -> list[Combination]:
+    """Every combination with every head the measurements offer."""
+    heads = m.head_choices()
+    if heads == [None]:
+        return found
+    return [c._replace(seconds=c.seconds + h.seconds, head=h) for c in found for h in heads if h is not None]
 
 
 @dataclass(frozen=True)
@@ -187,6 +258,7 @@ class Plan:
     scope: str
     peak_bytes: int | None  # the peak of one whole step, when the measurements have it
     seconds_range: tuple[float, float] | None = None  # the spread of `seconds` (quartiles of the rates)
+    head: HeadChoice | None = None  # None: the head the profile ran
 
 
 def combinations(m: Measurements) -> list[Combination]:
@@ -246,16 +318,17 @@ def checkpoints(policies: Sequence[str]) -> bool:
 def scoped_bytes(m: Measurements, c: Combination, scope: str) -> float:
     """Held device bytes, or with scope="step" the peak of the whole step (inf: not measured); a map
     that checkpoints nothing is priced by its own run (inf: not offered)."""
+    head_outside, head_extra = (0, 0) if c.head is None else (c.head.outside, c.head.extra)
     if checkpoints(c.policies):
-        held = c.device_bytes + c.owed_bytes + m.outside.checkpointing
+        held = c.device_bytes + c.owed_bytes + m.outside.checkpointing + head_outside
     elif m.alone is None or len(m.alone) != len(c.policies):
         return float("inf")
     else:
-        held = m.outside.not_checkpointing + sum(d for d, _ in m.alone)
+        held = m.outside.not_checkpointing + sum(d for d, _ in m.alone) + head_outside
     if scope == "activations":
         return held
     extra = m.step.extra(c.policies) if m.step is not None else None
-    return float("inf") if extra is None else held + extra
+    return float("inf") if extra is None else held + extra + head_extra
 
 
 def check_scope(m: Measurements, scope: str) -> None:
@@ -271,19 +344,19 @@ def check_scope(m: Measurements, scope: str) -> None:
 def choose(m: Measurements, budget: int, scope: str = "activations") -> Plan | None:
     """The fastest map whose `scope` bytes fit `budget`; None when nothing fits."""
     check_scope(m, scope)
-    fitting = [c for c in combinations(m) if scoped_bytes(m, c, scope) <= budget]
+    fitting = [c for c in with_heads(m, combinations(m)) if scoped_bytes(m, c, scope) <= budget]
     return _plan(m, min(fitting, key=lambda c: (_time(c), c.device_bytes + c.owed_bytes)), scope) if fitting else None
 
 
 def smallest(m: Measurements, scope: str = "activations") -> float:
     check_scope(m, scope)
-    return min(scoped_bytes(m, c, scope) for c in combinations(m))
+    return min(scoped_bytes(m, c, scope) for c in with_heads(m, combinations(m)))
 
 
 def frontier(m: Measurements, scope: str = "activations") -> list[Plan]:
     """Every undominated map: ascending in predicted bytes, each strictly faster than the one before."""
     check_scope(m, scope)
-    priced = [(scoped_bytes(m, c, scope), c) for c in combinations(m)]
+    priced = [(scoped_bytes(m, c, scope), c) for c in with_heads(m, combinations(m))]
     return [_plan(m, c, scope) for c in _each_faster([(b, c) for b, c in priced if b != float("inf")])]
 
 
@@ -323,13 +396,18 @@ def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
         assert m.alone is not None
         choices = [replace(x, device_bytes=d, host_bytes=h) for x, (d, h) in zip(choices, m.alone, strict=True)]
     outside = m.outside.checkpointing if checkpointing else m.outside.not_checkpointing
+    if c.head is not None:
+        outside += c.head.outside
     held = outside + sum(x.device_bytes for x in choices)
     extra = m.step.extra(c.policies) if m.step is not None else None
-    added = sum(x.seconds for x in choices)
+    if extra is not None and c.head is not None:
+        extra += c.head.extra
+    added = sum(x.seconds for x in choices) + (c.head.seconds if c.head is not None else 0.0)
     seconds = max(0.0, m.base_seconds + added)  # never negative, whatever the noise
     spread = None if m.time is None else m.time.seconds_range(added)
     peak = None if extra is None else int(held + extra)
-    return Plan(tuple(choices), outside, int(held), int(scoped_bytes(m, c, scope)), seconds, scope, peak, spread)
+    scoped = int(scoped_bytes(m, c, scope))
+    return Plan(tuple(choices), outside, int(held), scoped, seconds, scope, peak, spread, c.head)
 
 
 def _layer_choices(m: Measurements, chosen: Sequence[str]) -> list[LayerChoice]:

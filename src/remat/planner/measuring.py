@@ -23,13 +23,16 @@ import torch
 
 from ..config import CheckpointConfig
 from ..errors import ConfigError, ConfigTypeError, StateError
+from ..head import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, causal_lm, plan_head
 from ..loss import LossFn, check_loss_source, own_inputs, step_loss
 from ..policies import LayerProfile, policy
 from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, memory_report
 from ..snapshot import model_left_as_it_was
-from .chooser import Measurements, Outside, StepMemory, TimePrices
+from .chooser import HeadProfile, Measurements, Outside, StepMemory, TimePrices
 from .peak import StepPeak
-from .timing import Held, Seconds, price_time, synchronize, timed_policies
+from .timing import BALANCES, Held, Seconds, price_time, synchronize, timed_policies
+
+HEAD_CHUNK_OPS = 8  # ops each chunk of the chunked head launches (slice, matmul, upcast, cross entropy), forward
 
 CANDIDATES = ("none", "selective", "recompute", "offload")
 BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
@@ -121,12 +124,13 @@ class _Steps:
         self.n = len(state.checkpoint_map)
         self.base = state.config.replace(layer_policies=dict.fromkeys(range(self.n), "recompute"))
 
-    def use(self, policies: Mapping[int, str]) -> None:
-        self.state.enable(self.base.replace(layer_policies={**self.base.layer_policies, **policies}))
+    def use(self, policies: Mapping[int, str], head: dict[str, Any] | None = None) -> None:
+        self.state.enable(self.base.replace(layer_policies={**self.base.layer_policies, **policies}, **(head or {})))
 
-    def _run(self, policies: Mapping[int, str], step: Callable[[], Any]) -> Any:
-        """`step()` under `policies` (the other layers recomputing); None if it ran out of memory."""
-        self.use(policies)
+    def _run(self, policies: Mapping[int, str], step: Callable[[], Any], head: dict[str, Any] | None = None) -> Any:
+        """`step()` under `policies` (the other layers recomputing; `head`: config fields of another head); None if
+        it ran out of memory."""
+        self.use(policies, head)
         try:
             found = step()
         except OUT_OF_MEMORY:
@@ -138,7 +142,7 @@ class _Steps:
         self.bar.update(1)
         return found
 
-    def held(self, policies: Mapping[int, str]) -> Any:
+    def held(self, policies: Mapping[int, str], head: dict[str, Any] | None = None) -> Any:
         """One step's memory report (with an optimizer: its step too, its peak into `extras`)."""
 
         def step() -> Any:
@@ -153,7 +157,7 @@ class _Steps:
                 self.extras[key] = max(self.extras.get(key, extra), extra)
             return report
 
-        return self._run(policies, step)
+        return self._run(policies, step, head)
 
     def timed(self, policies: Mapping[int, str], within: contextlib.AbstractContextManager) -> float | None:
         """Seconds of a forward and backward under `policies` inside `within` (None: out of memory)."""
@@ -182,7 +186,8 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     short = shorter_batch(batch)
     memory_steps = (1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)) * (1 if short is None else 2)
     timing = repeats * (len(timed_policies(names)) + ("offload" in names))
-    total = memory_steps + 1 + ("selective" in names) + timing  # bytes, counting, timing
+    counted = head_options(state, batch)
+    total = memory_steps + 1 + ("selective" in names) + timing + (3 if counted else 0)  # bytes, counting, timing
     with (
         tqdm(total=total, desc="remat: profiling", disable=not options.progress, leave=False) as bar,
         _left_as_it_was(state),
@@ -197,6 +202,9 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
                 "apart): predicted seconds are that uncertain; the choice of map depends only on the counts"
             )
         measured = _measurements(steps, names, found, swapped, seconds, base, prices)
+        if counted:
+            head = _head_profile(steps, counted, prices, notes)
+            measured = dataclasses.replace(measured, head=head)
         if short is not None:
             # bytes at a second length, so that `tokens` can model what grows with the square of it
             steps = _Steps(state, own_inputs(short), loss_fn, optimizer, bar)
@@ -310,6 +318,57 @@ def _measurements(
         tokens=batch_tokens(steps.batch),
         step=StepMemory(found.extras) if found.extras else None,
         time=prices,
+    )
+
+
+def head_options(state: Controlled, batch: Mapping[str, Any]) -> int:
+    """The counted tokens when the profile measures the head's options (head="chunked" with no
+    `head_chunk_tokens`, on a head remat chunks, a batch with labels, four counted tokens or more), else 0."""
+    config, labels = state.config, batch.get("labels")
+    if config.head != "chunked" or config.head_chunk_tokens is not None or not isinstance(labels, torch.Tensor):
+        return 0
+    if plan_head("chunked", None, state.model).policy != "chunked":
+        return 0
+    counted = int((labels[..., 1:] != IGNORE_INDEX).sum())
+    return counted if counted >= 4 else 0
+
+
+def _head_profile(steps: _Steps, counted: int, prices: TimePrices, notes: list[str]) -> HeadProfile | None:
+    """The head's bytes measured with every layer recomputed: "plain", and "chunked" at a quarter and half of
+    the counted tokens (fitted as a line in the chunk's tokens); its seconds by counts (`HeadProfile`)."""
+
+    def measured(head: dict[str, Any]) -> tuple[int, int] | None:
+        saved, steps.extras = steps.extras, {}
+        try:
+            report = steps.held({}, head)
+        finally:
+            extras, steps.extras = steps.extras, saved
+        return None if report is None else (report.outside_device_bytes, next(iter(extras.values()), 0))
+
+    small, large = counted // 4, counted // 2
+    plain = measured({"head": "plain", "head_chunk_tokens": None})
+    at_small = measured({"head_chunk_tokens": small})
+    at_large = measured({"head_chunk_tokens": large})
+    if plain is None or at_small is None or at_large is None:
+        notes.append("head: a step ran out of memory measuring the head's options: the plan keeps remat's chunk")
+        return None
+    per_token = tuple((b - a) / (large - small) for a, b in zip(at_small, at_large, strict=True))
+    fixed = tuple(a - t * small for a, t in zip(at_small, per_token, strict=True))
+    profiled = min(DEFAULT_CHUNK_TOKENS, counted)
+    own = tuple(f + t * profiled for f, t in zip(fixed, per_token, strict=True))
+    head = causal_lm(steps.model).get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if weight is None and callable(getattr(head, "get_base_layer", None)):
+        weight = head.get_base_layer().weight
+    rate, balance = prices.seconds_per_flop, BALANCES.get(steps.device.type, BALANCES["cuda"])
+    return HeadProfile(
+        counted=counted,
+        profiled=profiled,
+        plain=tuple(round(p - o) for p, o in zip(plain, own, strict=True)),  # type: ignore[arg-type]
+        fixed=tuple(f - o for f, o in zip(fixed, own, strict=True)),  # type: ignore[arg-type]
+        per_token=per_token,  # type: ignore[arg-type]
+        recompute_seconds=rate * 2 * counted * (weight.numel() if weight is not None else 0),
+        chunk_seconds=rate * HEAD_CHUNK_OPS * balance.flops_per_op,
     )
 
 

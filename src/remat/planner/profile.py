@@ -52,7 +52,8 @@ class PlannedConfig(CheckpointConfig):
             (str(c.index), c.name, c.policy, mib(c.device_bytes), mib(c.host_bytes), f"{c.seconds * 1e3:+.1f}")
             for c in self.choices
         ]
-        rows.append(("", "outside layers", "", mib(self.outside_bytes), "0.00", ""))
+        head = f"chunked({self.head_chunk_tokens})" if self.head == "chunked" else self.head
+        rows.append(("", f"outside layers (head {head})", "", mib(self.outside_bytes), "0.00", ""))
         totals = (mib(self.predicted_device_bytes), mib(self.predicted_host_bytes))
         step = f"{self.predicted_seconds * 1e3:.1f} per step"
         if self.predicted_seconds_range is not None:
@@ -183,7 +184,9 @@ class Profile:
         return controller.config, m
 
     def _config(self, chosen: Plan, budget: int, tokens: int, config: CheckpointConfig) -> PlannedConfig:
-        planned = config.replace(layer_policies={c.index: c.policy for c in chosen.choices})
+        picked = chosen.head
+        head = {} if picked is None else {"head": picked.policy, "head_chunk_tokens": picked.chunk_tokens}
+        planned = config.replace(layer_policies={c.index: c.policy for c in chosen.choices}, **head)
         return PlannedConfig.of(
             planned,
             choices=chosen.choices,
