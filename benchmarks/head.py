@@ -6,11 +6,12 @@
 
 A Llama of 2 layers (hidden 256) with a 32k vocabulary, 2 x 512 tokens, LoRA on the attention and the MLP:
 the logits (1024 x 32768 in fp32, 128 MiB) outweigh everything the layers hold. Per setting: the peak of one
-training step as torch's `MemTracker` counts it (`remat.testing.measure_step_peak`), and its time (alternated
-steps, medians and quartiles). Settings: the model's own head ("plain"); remat's `head="chunked"` at several
-chunk sizes; TRL's fused LM head at its defaults (`trl.trainer.utils.add_fused_lm_head`, called as TRL's
-SFTTrainer calls it: `model(**batch, fused_lm_head=True)`, the loss its negative log-probabilities over the
-counted tokens).
+training step with AdamW's step as torch's `MemTracker` counts it (`remat.testing.measure_step_peak`), and its
+time (alternated steps, medians and quartiles). Settings: the model's own head ("plain"); remat's
+`head="chunked"` at several chunk sizes, and as the planner chooses it for a third of plain's step peak
+(`--budget-share`; the smallest plan where that is less); TRL's fused LM head at its defaults
+(`trl.trainer.utils.add_fused_lm_head`, called as TRL's trainers call it: `model(**batch, fused_lm_head=True)`,
+the loss its negative log-probabilities over the counted tokens).
 """
 
 import argparse
@@ -74,6 +75,9 @@ def main() -> None:
     parser.add_argument("--chunks", type=int, nargs="*", default=[1024, 512, 256, 128])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument(
+        "--budget-share", type=float, default=1 / 3, help="the planned setting's budget, of plain's peak"
+    )
     for key in ("hidden", "vocab", "batch", "seq"):
         parser.add_argument(f"--{key}", type=int, default=PRESET[key])
     args = parser.parse_args()
@@ -88,12 +92,35 @@ def main() -> None:
             add_fused_lm_head(model.get_base_model(), outputs=("log_probs",))
         cm = CheckpointedModel(model, config)
         runs[name] = (cm, loss_fn, {**batch, **extra})
-    losses, peaks, times = {}, {}, {name: [] for name in runs}
-    for name, (cm, loss_fn, data) in runs.items():
-        peaks[name] = measure_step_peak(cm, data, loss_fn=loss_fn)
+    losses, peaks, optimizers = {}, {}, {}
+
+    def measured(name: str) -> None:
+        cm, loss_fn, data = runs[name]
+        optimizer = optimizers.setdefault(name, torch.optim.AdamW([q for q in cm.parameters() if q.requires_grad]))
+        peaks[name] = measure_step_peak(cm, data, optimizer, loss_fn=loss_fn)
         out = cm(**data)
         losses[name] = float((loss_fn(out, data) if loss_fn else out.loss).detach())
         cm.zero_grad(set_to_none=True)
+
+    for name in list(runs):
+        measured(name)
+    # the planner's choice: profiled with head="chunked" (no chunk), planned for a share of plain's step peak
+    cm = CheckpointedModel(build(p, args.device, getattr(torch, args.dtype)), CheckpointConfig(head="chunked"))
+    optimizer = torch.optim.AdamW([q for q in cm.parameters() if q.requires_grad])
+    profile = cm.profile(batch, optimizer=optimizer, progress=False)
+    budget = max(int(peaks["plain"] * args.budget_share), profile.frontier(scope="step")[0].predicted_peak_bytes)
+    planned = profile.plan(budget, scope="step")
+    cm.enable(planned)
+    head = f"chunked({planned.head_chunk_tokens})" if planned.head == "chunked" else "plain"
+    recomputed = sum(c.policy != "none" for c in planned.choices)
+    name = f"planned for {args.budget_share:.2f} of plain's peak: {head}, {recomputed} layers recomputed"
+    runs[name], optimizers[name] = (cm, None, batch), optimizer
+    measured(name)
+    print(
+        f"planner: budget {budget / 2**20:.1f} MiB, profile {profile.profiling_seconds:.1f} s, predicted peak "
+        f"{planned.predicted_peak_bytes / 2**20:.1f} MiB, measured {peaks[name] / 2**20:.1f} MiB"
+    )
+    times = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, (cm, loss_fn, data) in runs.items():
             start = time.perf_counter()

@@ -305,3 +305,89 @@ def test_the_planner_chooses_the_head_and_the_largest_chunk_that_fits_with_the_l
         )
         optimizer.state.clear()
     assert "outside layers (head " in str(planned)
+
+
+def test_a_quantized_head_runs_as_a_module_per_chunk(tmp_path):
+    """An 8-bit head (bitsandbytes on the CPU, the LM head quantized too) goes through the quantized
+    module once per chunk (and once on no tokens, the model's own call), and trains. Not bit-equal to
+    the model's own head: int8 scales its input by what each call holds (here 0.6% apart in the loss)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_model(attention_dropout=0.0, hidden_size=64, intermediate_size=128).save_pretrained(tmp_path)
+    losses = {}
+    for head in ("plain", "chunked"):
+        model = AutoModelForCausalLM.from_pretrained(
+            tmp_path,
+            quantization_config=BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=[]),
+            device_map="cpu",
+        )
+        assert type(model.lm_head).__name__ == "Linear8bitLt"
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        model.train()
+        cm = CheckpointedModel(
+            model, CheckpointConfig(head=head, head_chunk_tokens=CHUNK if head == "chunked" else None)
+        )
+        rows = []
+        record = lambda module, args, out, rows=rows: rows.append(args[0].shape[-2])  # what the head ran on
+        model.base_model.model.lm_head.register_forward_hook(record)
+        data = _half_ignored()
+        loss = cm(**data).loss
+        loss.backward()
+        losses[head] = float(loss)
+        lora = [p.grad for n, p in model.named_parameters() if "lora_" in n]
+        assert all(g is not None and torch.isfinite(g).all() for g in lora) and any(g.abs().sum() > 0 for g in lora)
+    counted = int((data["labels"][:, 1:] != -100).sum())
+    chunks = [min(CHUNK, counted - start) for start in range(0, counted, CHUNK)]
+    assert rows == [0, *chunks, *chunks[::-1]], rows  # the model's own call on no tokens; forward; backward
+    assert losses["chunked"] == pytest.approx(losses["plain"], rel=0.02)
+
+
+def test_trls_fused_head_is_measured_as_it_runs():
+    """A batch that asks for TRL's fused head (as TRL's trainers do): remat stands down in the
+    profile's steps too, so the profile measures TRL's head, and a plan's step peak is within 5% of
+    MemTracker's for that batch; no head options are offered (remat's head does not run)."""
+    from independent_memory import step_peak_bytes
+    from trl.trainer.utils import add_fused_lm_head
+
+    model = tiny_model(vocab_size=4096, num_hidden_layers=4)
+    add_fused_lm_head(model, outputs=("log_probs",))
+    cm = CheckpointedModel(add_lora(model, dropout=0.0), CheckpointConfig(head="chunked"))
+    data = {**batch(size=2, seq=32), "fused_lm_head": True}
+    optimizer = torch.optim.AdamW([p for p in cm.parameters() if p.requires_grad], lr=1e-3)
+    profile = cm.profile(data, optimizer=optimizer, repeats=1, progress=False)
+    assert profile.measurements.head is None
+    frontier = profile.frontier(scope="step")
+    planned = profile.plan((frontier[0].predicted_peak_bytes + frontier[-1].predicted_peak_bytes) // 2, scope="step")
+    cm.enable(planned)
+    cm(**data).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    measured = step_peak_bytes(cm, data, optimizer)
+    assert abs(measured - planned.predicted_peak_bytes) <= 0.05 * planned.predicted_peak_bytes
+    assert "TRL's fused LM head" in cm.checkpoint_map.head.reason
+
+
+def test_a_head_profile_prices_a_chunk_between_its_measured_points_never_below_them():
+    """Pure: between two measured chunk sizes a chunk is priced on the line through them; below the
+    first as the first; beyond the last on the last line. Plain and the recompute grow with the
+    tokens (`tokens=`), a chunk's own bytes do not."""
+    from remat.planner.chooser import HeadProfile
+
+    head = HeadProfile(
+        counted=100,
+        profiled=100,
+        plain=(1000, 500),
+        points=((16, 0, -900), (64, 0, -600), (100, 0, 0)),
+        recompute_seconds=0.01,
+        chunk_seconds=0.001,
+    )
+    priced = {c.chunk_tokens: c for c in head.choices()}
+    assert sorted(k for k in priced if k is not None) == [16, 32, 64, 100]
+    assert (priced[16].extra, priced[32].extra, priced[64].extra, priced[100].extra) == (-900, -800, -600, 0)
+    assert priced[None].seconds == pytest.approx(-(0.01 + 0.001)) and priced[100].seconds == 0.0
+    assert priced[16].seconds == pytest.approx(0.001 * (7 - 1))  # 7 chunks instead of 1
+    double = {c.chunk_tokens: c for c in head.scaled(2.0).choices()}
+    assert max(k for k in double if k is not None) == 200 and double[None].outside == 2000
+    assert double[200].extra == 1667  # beyond the last point: on the last line (64 -> 100)
+    assert double[16].extra == -900

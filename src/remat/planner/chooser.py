@@ -18,6 +18,7 @@ from ..policies import LayerProfile, policy
 
 FRONT_LIMIT = 20_000  # combinations kept per layer; far above what identical layers produce
 SCOPES = ("activations", "step")
+SMALLEST_CHUNK = 16  # tokens: the smallest chunk of the head a plan is offered (then powers of two)
 
 
 class Outside(NamedTuple):
@@ -55,41 +56,51 @@ class HeadChoice(NamedTuple):
 @dataclass(frozen=True)
 class HeadProfile:
     """The head measured at its options (profiled with head="chunked" and no `head_chunk_tokens`),
-    as differences from the head the profile ran: "plain", and "chunked" at two chunk sizes fitted
-    as a fixed part plus a part per token of the chunk (one chunk's logits, upcast, and their
-    gradient). Seconds by counts: chunking runs the head's matmul again in backward over the
-    counted tokens (`recompute_seconds`: its FLOPs times the profile's rate), plus each chunk's own
-    ops (`chunk_seconds`). Chunks are offered in powers of two from 16 tokens, and one chunk of all."""
+    as differences from the head the profile ran: "plain", and "chunked" at up to four chunk sizes
+    (`points`: tokens, outside bytes, extra bytes). Between two points a chunk is priced on the line
+    through them, below the first as the first: a step's peak is the larger of the head's (growing
+    with the chunk) and another, so the line between two points never says less than the step
+    holds. Seconds by counts: chunking runs the head's matmul again in backward over the counted
+    tokens (`recompute_seconds`: its FLOPs times the profile's rate), plus each chunk's own ops
+    (`chunk_seconds`). Chunks are offered in powers of two from `SMALLEST_CHUNK` tokens, and one chunk of all
+    (the smallest is one of the points measured)."""
 
     counted: int  # tokens whose label counts
     profiled: int  # the chunk the profile ran
     plain: tuple[int, int]  # (outside, extra)
-    fixed: tuple[float, float]
-    per_token: tuple[float, float]
+    points: tuple[tuple[int, int, int], ...]  # (chunk tokens, outside, extra), ascending
     recompute_seconds: float
     chunk_seconds: float
 
     def choices(self) -> list[HeadChoice]:
         own = self._seconds(self.profiled)
-        sizes = [2**k for k in range(4, max(4, math.ceil(math.log2(max(self.counted, 1))))) if 2**k < self.counted]
+        top = math.ceil(math.log2(max(self.counted, 1)))
+        sizes = [2**k for k in range(SMALLEST_CHUNK.bit_length() - 1, top) if 2**k < self.counted]
         out = [HeadChoice("plain", None, *self.plain, -own)]
         for chunk in [*sizes, max(self.counted, 1)]:
-            outside, extra = (round(f + t * chunk) for f, t in zip(self.fixed, self.per_token, strict=True))
-            out.append(HeadChoice("chunked", chunk, outside, extra, self._seconds(chunk) - own))
+            out.append(HeadChoice("chunked", chunk, *self._bytes(chunk), self._seconds(chunk) - own))
         return out
+
+    def _bytes(self, chunk: int) -> tuple[int, int]:
+        points = self.points
+        if chunk <= points[0][0] or len(points) == 1:
+            return points[0][1], points[0][2]
+        # the segment that holds `chunk`, or the last one extended beyond the largest point
+        lower = next((i for i in range(len(points) - 1) if chunk <= points[i + 1][0]), len(points) - 2)
+        (x0, *y0), (x1, *y1) = points[lower], points[lower + 1]
+        at = lambda a, b: round(a + (b - a) * (chunk - x0) / (x1 - x0))
+        return at(y0[0], y1[0]), max(at(y0[1], y1[1]), y1[1] if chunk > x1 else y0[1])
 
     def _seconds(self, chunk: int | None) -> float:
         return 0.0 if chunk is None else self.recompute_seconds + self.chunk_seconds * math.ceil(self.counted / chunk)
 
     def scaled(self, ratio: float) -> HeadProfile:
-        """For `ratio` times the tokens: the counted tokens, and what grows with them (the logits of a
-        plain head, the hidden states a chunked one keeps, the recompute) grow; a chunk's part stays."""
-        grow = lambda pair: tuple(type(x)(x * ratio) for x in pair)
+        """For `ratio` times the tokens: the counted tokens, a plain head's logits and the recompute grow; what a
+        chunk adds is a chunk's, and stays."""
         return replace(
             self,
             counted=max(1, round(self.counted * ratio)),
-            plain=grow(self.plain),
-            fixed=grow(self.fixed),
+            plain=(round(self.plain[0] * ratio), round(self.plain[1] * ratio)),
             recompute_seconds=self.recompute_seconds * ratio,
         )
 

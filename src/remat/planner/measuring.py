@@ -28,7 +28,7 @@ from ..loss import LossFn, check_loss_source, own_inputs, step_loss
 from ..policies import LayerProfile, policy
 from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, memory_report
 from ..snapshot import model_left_as_it_was
-from .chooser import HeadProfile, Measurements, Outside, StepMemory, TimePrices
+from .chooser import SMALLEST_CHUNK, HeadProfile, Measurements, Outside, StepMemory, TimePrices
 from .peak import StepPeak
 from .timing import BALANCES, Held, Seconds, price_time, synchronize, timed_policies
 
@@ -187,7 +187,8 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     memory_steps = (1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)) * (1 if short is None else 2)
     timing = repeats * (len(timed_policies(names)) + ("offload" in names))
     counted = head_options(state, batch)
-    total = memory_steps + 1 + ("selective" in names) + timing + (3 if counted else 0)  # bytes, counting, timing
+    head = head_steps(counted) if counted else 0
+    total = memory_steps + 1 + ("selective" in names) + timing + head  # bytes, counting, timing, the head
     with (
         tqdm(total=total, desc="remat: profiling", disable=not options.progress, leave=False) as bar,
         _left_as_it_was(state),
@@ -327,15 +328,28 @@ def head_options(state: Controlled, batch: Mapping[str, Any]) -> int:
     config, labels = state.config, batch.get("labels")
     if config.head != "chunked" or config.head_chunk_tokens is not None or not isinstance(labels, torch.Tensor):
         return 0
+    if batch.get("fused_lm_head"):  # TRL's fused head computes the loss: measured as it runs, not chosen
+        return 0
     if plan_head("chunked", None, state.model).policy != "chunked":
         return 0
     counted = int((labels[..., 1:] != IGNORE_INDEX).sum())
     return counted if counted >= 4 else 0
 
 
+def head_steps(counted: int) -> int:
+    """The steps `_head_profile` takes: plain, and each chunk size it measures."""
+    return 1 + len(_head_sizes(counted))
+
+
+def _head_sizes(counted: int) -> list[int]:
+    profiled = min(DEFAULT_CHUNK_TOKENS, counted)
+    return sorted({min(SMALLEST_CHUNK * 4**k, profiled) for k in range(8) if SMALLEST_CHUNK * 4 ** (k - 1) < profiled})
+
+
 def _head_profile(steps: _Steps, counted: int, prices: TimePrices, notes: list[str]) -> HeadProfile | None:
-    """The head's bytes measured with every layer recomputed: "plain", and "chunked" at a quarter and half of
-    the counted tokens (fitted as a line in the chunk's tokens); its seconds by counts (`HeadProfile`)."""
+    """The head's bytes measured with every layer recomputed: "plain", and "chunked" from the smallest chunk offered
+    in steps of 4x up to the chunk the profile ran (16, 64, 256, 1024 tokens at most), as differences from that
+    last; its seconds by counts."""
 
     def measured(head: dict[str, Any]) -> tuple[int, int] | None:
         saved, steps.extras = steps.extras, {}
@@ -345,17 +359,15 @@ def _head_profile(steps: _Steps, counted: int, prices: TimePrices, notes: list[s
             extras, steps.extras = steps.extras, saved
         return None if report is None else (report.outside_device_bytes, next(iter(extras.values()), 0))
 
-    small, large = counted // 4, counted // 2
+    profiled = min(DEFAULT_CHUNK_TOKENS, counted)
+    sizes = _head_sizes(counted)
+    found = {size: measured({"head_chunk_tokens": size}) for size in sizes}
     plain = measured({"head": "plain", "head_chunk_tokens": None})
-    at_small = measured({"head_chunk_tokens": small})
-    at_large = measured({"head_chunk_tokens": large})
-    if plain is None or at_small is None or at_large is None:
+    if plain is None or any(value is None for value in found.values()):
         notes.append("head: a step ran out of memory measuring the head's options: the plan keeps remat's chunk")
         return None
-    per_token = tuple((b - a) / (large - small) for a, b in zip(at_small, at_large, strict=True))
-    fixed = tuple(a - t * small for a, t in zip(at_small, per_token, strict=True))
-    profiled = min(DEFAULT_CHUNK_TOKENS, counted)
-    own = tuple(f + t * profiled for f, t in zip(fixed, per_token, strict=True))
+    own = found[profiled]
+    less = lambda pair: (pair[0] - own[0], pair[1] - own[1])  # type: ignore[index]
     head = causal_lm(steps.model).get_output_embeddings()
     weight = getattr(head, "weight", None)
     if weight is None and callable(getattr(head, "get_base_layer", None)):
@@ -364,9 +376,8 @@ def _head_profile(steps: _Steps, counted: int, prices: TimePrices, notes: list[s
     return HeadProfile(
         counted=counted,
         profiled=profiled,
-        plain=tuple(round(p - o) for p, o in zip(plain, own, strict=True)),  # type: ignore[arg-type]
-        fixed=tuple(f - o for f, o in zip(fixed, own, strict=True)),  # type: ignore[arg-type]
-        per_token=per_token,  # type: ignore[arg-type]
+        plain=less(plain),
+        points=tuple((size, *less(found[size])) for size in sizes),  # type: ignore[misc]
         recompute_seconds=rate * 2 * counted * (weight.numel() if weight is not None else 0),
         chunk_seconds=rate * HEAD_CHUNK_OPS * balance.flops_per_op,
     )
