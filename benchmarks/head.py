@@ -69,6 +69,31 @@ def settings(chunks):
     return out
 
 
+def loss_op_seconds(cm, batch, chunk: int | None, repeats: int, device: str) -> list[float]:
+    """The loss op alone, forward and backward, from the model's last hidden states (fixed, requiring grad):
+    transformers' own (the head on every position, upcast, its causal-LM loss) or remat's chunks."""
+    from remat.head import causal_lm, chunked_loss
+
+    base = causal_lm(cm.model)
+    with torch.no_grad():
+        hidden = base.model(input_ids=batch["input_ids"]).last_hidden_state
+    hidden.requires_grad_(True)
+    head, labels, vocab = base.get_output_embeddings(), batch["labels"], base.config.vocab_size
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if chunk is None:
+            loss = base.loss_function(logits=head(hidden), labels=labels, vocab_size=vocab)
+        else:
+            loss = chunked_loss(head, hidden, labels, chunk)
+        loss.backward()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+        hidden.grad = None
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7, help="alternated timed steps per setting")
@@ -142,6 +167,15 @@ def main() -> None:
             f"| {name} | {losses[name]:.6f} | {peaks[name] / 2**20:.1f} | {peaks[name] / plain_peak:.2f} | "
             f"{median * 1e3:.0f} ({q1 * 1e3:.0f}-{q3 * 1e3:.0f}) | {median / plain_time:.2f} |"
         )
+    # the loss op alone (head, upcast, loss; forward and backward): plain, each chunk, the planner's, alternated
+    chunks = sorted({*args.chunks, *([planned.head_chunk_tokens] if planned.head == "chunked" else [])})
+    ops: dict[int | None, list[float]] = {chunk: [] for chunk in (None, *chunks)}
+    for _ in range(args.repeats):
+        for chunk, seconds in ops.items():
+            seconds += loss_op_seconds(cm, batch, chunk, 1, args.device)
+    plain_op = statistics.median(ops[None])
+    print(f"loss op alone, {args.repeats} alternated: plain {plain_op * 1e3:.1f} ms; chunked / plain:", end="")
+    print("".join(f" {chunk}: {statistics.median(ops[chunk]) / plain_op:.2f}" for chunk in chunks))
 
 
 if __name__ == "__main__":
