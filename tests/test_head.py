@@ -392,3 +392,14 @@ def test_a_head_profile_prices_a_chunk_between_its_measured_points_never_below_t
     assert max(k for k in double if k is not None) == 200 and double[None].outside == 2000
     assert double[200].extra == 1667  # beyond the last point: on the last line (64 -> 100)
     assert double[16].extra == -900
+
+
+def test_a_deep_copy_chunks_on_its_own_model_and_disabling_it_leaves_the_original_chunking():
+    import copy
+
+    cm = CheckpointedModel(tiny_model(), CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
+    twin = copy.deepcopy(cm)
+    assert twin(**batch()).logits is None and twin.checkpoint_map.head.label == f"chunked({CHUNK})"
+    twin.disable()
+    assert twin.model(**batch()).logits is not None and not twin.model.lm_head._forward_pre_hooks
+    assert cm(**batch()).logits is None, "the original still chunks"
