@@ -22,7 +22,7 @@ CHUNK = 5  # tokens: several chunks and a short last one
 
 
 def _extra_model(arch: str, seed: int = 0, **overrides):
-    """Families the shared tiny configs do not build: Gemma 2 (final softcapping) and Cohere (logit scale)."""
+    """Families the shared tiny configs do not build: Gemma 2 (final softcapping), Cohere (logit scale), Qwen2."""
     torch.manual_seed(seed)
     common = {k: v for k, v in _config("llama").to_dict().items() if k in ("vocab_size", "hidden_size")}
     shape = dict(
@@ -37,6 +37,8 @@ def _extra_model(arch: str, seed: int = 0, **overrides):
     shape.update(overrides)
     if arch == "gemma2":
         config = transformers.Gemma2Config(**common, **shape, final_logit_softcapping=2.0)
+    elif arch == "qwen2":
+        config = transformers.Qwen2Config(**common, **shape)
     else:
         config = transformers.CohereConfig(**common, **shape, logit_scale=0.5)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -66,7 +68,7 @@ def _same_as_plain(build, data, **config):
     assert grads, "some parameter got a gradient"
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "gemma2", "cohere"])
+@pytest.mark.parametrize("arch", [*ARCHS, "gemma2", "cohere", "qwen2"])
 def test_the_chunked_loss_and_every_gradient_equal_the_models_own(arch):
     build = (lambda: tiny_model(arch)) if arch in ARCHS else (lambda: _extra_model(arch))
     if arch == "qwen2_moe":  # its auxiliary loss on
