@@ -56,6 +56,14 @@ def _config(arch: str, **overrides):
     elif arch == "gemma":
         cfg = transformers.GemmaConfig
         c["head_dim"] = 8
+    elif arch == "gemma2":  # its final logit softcapping, small enough to matter (remat.head)
+        cfg = transformers.Gemma2Config
+        c.update(head_dim=8, final_logit_softcapping=2.0)
+    elif arch == "cohere":  # its logit scale (remat.head)
+        cfg = transformers.CohereConfig
+        c["logit_scale"] = 0.5
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config
     elif arch == "qwen2_moe":
         cfg = transformers.Qwen2MoeConfig
         c.update(

@@ -219,10 +219,8 @@ class ChunkedHead:
             num_items_in_batch=call.num_items_in_batch,
             shift_labels=call.shift_labels,
         )
-        aux = output.get("aux_loss") if hasattr(output, "get") else None
+        aux = output.get("aux_loss")  # a ModelOutput: a caller asking for tuples ran the model's own head
         if aux is not None and self.aux_coef:
             loss = loss + self.aux_coef * aux.to(loss.device)
-        if not hasattr(output, "keys"):  # a tuple (return_dict=False in the model's config): loss first, no logits
-            return (loss, *output[1:])
         fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
         return type(output)(loss=loss, **fields)

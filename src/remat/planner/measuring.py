@@ -359,8 +359,8 @@ def _head_profile(steps: _Steps, counted: int, prices: TimePrices, notes: list[s
             extras, steps.extras = steps.extras, saved
         return None if report is None else (report.outside_device_bytes, next(iter(extras.values()), 0))
 
-    profiled = min(DEFAULT_CHUNK_TOKENS, counted)
     sizes = _head_sizes(counted)
+    profiled = sizes[-1]  # the chunk the profile ran
     found = {size: measured({"head_chunk_tokens": size}) for size in sizes}
     plain = measured({"head": "plain", "head_chunk_tokens": None})
     if plain is None or any(value is None for value in found.values()):
