@@ -10,6 +10,10 @@ TORCH ?= torch==2.13.0
 NEWEST_TRANSFORMERS ?= 5.24.0
 OLDER_TRANSFORMERS ?= 4.57.6 5.17.0
 PINS = peft==0.21.2 accelerate==1.15.0 trl==1.16.0 safetensors==0.8.0 pytest==9.2.0 pytest-xdist==3.8.0 bitsandbytes==0.50.2 matplotlib==3.11.2 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0
+# Liger Kernel (tests/test_head.py: remat stands down where Liger replaced the forward; Triton imports
+# without a GPU). 0.8 needs transformers 5; 0.7.0 is the newest that takes 4.57.
+LIGER = triton==3.9.0 liger-kernel==0.8.5
+LIGER_4.57.6 = triton==3.9.0 liger-kernel==0.7.0
 VENV = .venv
 
 .PHONY: demo demo-notice test compat lint clean
@@ -18,7 +22,7 @@ $(VENV)/.installed-$(NEWEST_TRANSFORMERS): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet "$(TORCH)"
-	$(VENV)/bin/pip install --quiet "transformers==$(NEWEST_TRANSFORMERS)" $(PINS) ruff
+	$(VENV)/bin/pip install --quiet "transformers==$(NEWEST_TRANSFORMERS)" $(PINS) $(LIGER) ruff
 	$(VENV)/bin/pip install --quiet --no-deps -e .
 	rm -f $(VENV)/.installed-* && touch $@
 
@@ -42,7 +46,7 @@ test: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
 	$(PYTHON) -m venv .venvs/tf-$*
 	.venvs/tf-$*/bin/pip install --quiet --upgrade pip
 	.venvs/tf-$*/bin/pip install --quiet "$(TORCH)"
-	.venvs/tf-$*/bin/pip install --quiet "transformers==$*" $(PINS)
+	.venvs/tf-$*/bin/pip install --quiet "transformers==$*" $(PINS) $(or $(LIGER_$*),$(LIGER))
 	.venvs/tf-$*/bin/pip install --quiet --no-deps -e .
 	touch $@
 

@@ -344,6 +344,62 @@ def test_trls_fused_head_is_measured_as_it_runs():
     assert "TRL's fused LM head" in cm.checkpoint_map.head.reason
 
 
+@pytest.mark.parametrize("when", ["before wrapping", "after wrapping"])
+def test_where_liger_replaced_the_forward_remat_stands_down_and_liger_computes_the_loss(when, monkeypatch):
+    """Liger Kernel's own forward (its fused linear cross-entropy) gets the labels and computes the
+    loss; the row says Liger's head ran; the layers are still checkpointed exactly. Liger's loss
+    kernel is Triton (no CPU), so the test swaps it, inside Liger's forward, for the same loss in
+    torch: the spy proves Liger's fused path ran with the labels remat would otherwise take."""
+    liger = pytest.importorskip("liger_kernel.transformers")
+    from liger_kernel.transformers.model import llama as liger_llama
+
+    calls = []
+
+    def fused_loss(self, hidden_states, hidden_size, labels, shift_labels, **kwargs):
+        calls.append(labels)
+        logits = self.lm_head(hidden_states)
+        return self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+
+    monkeypatch.setattr(liger_llama, "lce_maybe_trainable_lm_head", fused_loss)
+
+    def patch(model):
+        flags = dict(rope=False, rms_norm=False, swiglu=False, cross_entropy=False, fused_linear_cross_entropy=True)
+        liger._apply_liger_kernel_to_instance(model=model, **flags)
+
+    data = batch()
+    plain = tiny_model()
+    expected_loss, expected = step_grads(plain, list(plain.named_parameters()), data)
+    model = tiny_model()
+    if when == "before wrapping":
+        patch(model)
+    cm = CheckpointedModel(model, CheckpointConfig(head="chunked"))
+    if when == "after wrapping":
+        patch(model)
+    loss, grads = step_grads(cm, list(model.named_parameters()), data)
+    assert len(calls) == 1 and torch.equal(calls[0], data["labels"])
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
+    assert_same_grads(expected, grads)
+    head = cm.checkpoint_map.head
+    assert head.policy == "plain" and "Liger Kernel replaced the forward" in head.reason
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Liger's fused loss is a Triton kernel: it needs a GPU")
+def test_liger_on_a_gpu_computes_the_loss_beside_remats_checkpointed_layers():
+    """The same stand-down with Liger's real Triton loss: the loss is the model's own (to Liger's
+    precision), the layers are checkpointed, and the row names Liger."""
+    liger = pytest.importorskip("liger_kernel.transformers")
+    data = {key: value.cuda() for key, value in batch().items()}
+    plain = tiny_model().cuda()
+    expected = plain(**data).loss
+    model = tiny_model().cuda()
+    liger._apply_liger_kernel_to_instance(model=model, rope=False, rms_norm=False, swiglu=False)
+    cm = CheckpointedModel(model, CheckpointConfig(head="chunked"))
+    loss = cm(**data).loss
+    loss.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-5)
+    assert "Liger Kernel replaced the forward" in cm.checkpoint_map.head.reason
+
+
 def test_a_head_profile_prices_a_chunk_between_its_measured_points_never_below_them():
     """Pure: between two measured chunk sizes a chunk is priced on the line through them; below the
     first as the first; beyond the last on the last line. Plain and the recompute grow with the

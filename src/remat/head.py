@@ -14,7 +14,8 @@ head and post-ops run on zero tokens), and the loss is computed here, as the mod
   or by `num_items_in_batch` when Trainer passes it; a MoE model's auxiliary loss added as it adds it.
 Hooks on the instances, never the model's `forward` (TRL patches that one on the instance, and
 undoing ours would undo theirs). Evaluation, generation and forwards without labels or gradients
-run the model's own head; so does a forward TRL asks for its own fused head (`fused_lm_head=True`).
+run the model's own head; so does a forward TRL asks for its own fused head (`fused_lm_head=True`),
+and a model whose forward Liger Kernel replaced (its fused linear cross-entropy never makes the logits).
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
 
 
+def liger_forward(base: nn.Module) -> bool:
+    """Whether Liger Kernel replaced `base`'s forward (on the instance or on its class) with its own fused loss."""
+    bound = getattr(getattr(base, "forward", None), "__func__", None)
+    owners = (getattr(bound, "__module__", None), getattr(type(base).forward, "__module__", None))
+    return any(str(owner).startswith("liger_kernel") for owner in owners)
+
+
+LIGER = "Liger Kernel replaced the forward: its fused linear cross-entropy computes the loss"
+
+
 def plan_head(head: str, chunk_tokens: int | None, model: nn.Module) -> HeadPlan:
     """The head row for a config's `head` and `head_chunk_tokens` on `model`."""
     base = causal_lm(model)
@@ -59,6 +70,8 @@ def plan_head(head: str, chunk_tokens: int | None, model: nn.Module) -> HeadPlan
         return HeadPlan(name, "plain", None, 'head="plain": the model\'s own head and loss')
     if module is None:
         return HeadPlan(name, "plain", None, f"{type(base).__name__} has no output embedding: nothing to chunk")
+    if liger_forward(base):
+        return HeadPlan(name, "plain", None, LIGER)
     config = getattr(base, "config", None)
     family = getattr(config, "model_type", None)
     if family not in FAMILIES:
@@ -174,6 +187,9 @@ class ChunkedHead:
             return None
         if kwargs.get("fused_lm_head"):
             self._plain("TRL's fused LM head computes the loss (fused_lm_head=True)")
+            return None
+        if liger_forward(causal_lm(module)):
+            self._plain(LIGER)
             return None
         if kwargs.get("return_dict") is False or kwargs.get("logits_to_keep") not in (None, 0):
             self._plain("the caller asked for return_dict=False or logits_to_keep")
