@@ -1,28 +1,18 @@
-"""Pricing time: what each policy adds to a step, as counted work times one timed rate.
-
-Wall clocks move on a busy machine (three profiles priced a recompute at +66, +84 and +545 ms a layer), so every
-price is a count and only the rate is timed:
-- `FlopTally` counts per layer the work of its forward, of what a recompute repeats and of what "selective" repeats:
-  FLOPs by torch's formulas (`torch.utils.flop_counter`), plus the other ops' bytes and launches at the device's
-  fixed `Balance`.
-- The rate (seconds per unit of work) is the median over every layer call timed by `LayerClock` in every other
-  timed step; its quartiles are the spread shown with each prediction.
-- "selective" costs the work it repeats plus its policy's cost per dispatched op; "offload" a recompute plus its
-  copies (timed steps with every layer offloaded, beyond their prediction).
-- A checkpoint costs more than its timed calls: torch's pack and unpack hooks on every saved tensor, its RNG
-  state, the check of what was recomputed (tiny layers: 4.4-4.9 ms a layer measured whole against 1.8 ms timed;
-  large ones less, their recomputed activations still in cache at backward). So the timed maps are every layer
-  "none" and every layer "recompute" (`timed_policies`), and the prices are scaled by one factor, `whole`: what
-  recomputing adds to the steps timed without layer timers, over what its timed calls priced it.
-- The step with nothing recomputed: the median, over the steps timed without layer timers, of the step's time
-  less its map's (scaled) prices.
-So the ranking of maps is fixed by counts: noise moves every price alike (offload's copies aside), through the
-rate and the factor.
+"""Pricing time: what each policy adds to a step, as counted work times one timed rate (README, "How it
+prices time"). Wall clocks move on a busy machine (three profiles priced a recompute at +66, +84 and +545 ms a
+layer), so every price is a count and only the rate is timed: `FlopTally` counts each layer's work (FLOPs by
+torch's formulas, the other ops' bytes and launches at the device's fixed `Balance`); the rate is the median
+seconds per unit of work over the layer calls `LayerClock` times. "selective" also pays its policy's cost per
+dispatched op; "offload" a recompute plus its timed copies. A checkpoint costs more than its timed calls (pack
+and unpack hooks, RNG state; tiny layers: 4.4-4.9 ms a layer whole against 1.8 ms timed), so prices are scaled
+by one factor, `whole`, from the steps timed without layer timers, which also give the step with nothing
+recomputed. Noise thus moves every price alike (offload's copies aside): counts fix the ranking of maps.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -52,19 +42,17 @@ def quartiles(values: Sequence[float]) -> tuple[float, float, float]:
 
 
 class Balance(NamedTuple):
-    """A device's time for what is not a FLOP, in FLOPs: moving a byte, launching an op, and an
-    op under "selective"'s policy (a Python dispatch mode). Fixed per device kind, never timed
-    per profile, so the prices' ratios are counts and a busy machine moves only the rate."""
+    """A device's time, in FLOPs, for moving a byte, launching an op, and an op under "selective"'s policy (a
+    dispatch mode). Fixed per device kind, never timed, so the prices' ratios are counts."""
 
     flops_per_byte: float
     flops_per_op: float
     flops_per_policed_op: float
 
 
-# cpu: fitted on this project's idle 2-core x86, torch 2.13, from the time recompute and selective add to the
-# benchmark's tiny and small presets against their counts (150 GFLOP/s, 10 GB/s for small ops, 37 us an op, 21 us more
-# under selective's policy; benchmarks/RESULTS.md). cuda: H100/H200 datasheets (bf16, HBM3), ~1 us a launch, the policy
-# hidden behind queued kernels; not measured here (no GPU was lent).
+# cpu: fitted on an idle 2-core x86, torch 2.13, to the benchmark's tiny and small presets (150 GFLOP/s, 10 GB/s for
+# small ops, 37 us an op, 21 us more under selective; benchmarks/RESULTS.md). cuda: H100/H200 datasheets (bf16, HBM3),
+# ~1 us a launch, the policy hidden behind queued kernels; not measured here.
 BALANCES = {
     "cpu": Balance(flops_per_byte=15.0, flops_per_op=5.5e6, flops_per_policed_op=3.1e6),
     "cuda": Balance(flops_per_byte=250.0, flops_per_op=1e9, flops_per_policed_op=0.0),
@@ -84,15 +72,14 @@ class Work(NamedTuple):
         return self.flops + self.bytes * balance.flops_per_byte + self.ops * balance.flops_per_op
 
 
-def _hook_layers(layers: Sequence[nn.Module], on_layer: Callable, on_child: Callable) -> list[Any]:
-    """Hooks before and after each layer and each of its direct children: transformers
-    checkpoints a layer's `forward` inside the hooks on the layer itself, so its children are
-    what shows the recompute. `on_layer(i, start)` and `on_child(i, start)` make the hooks."""
+def _hook_layers(layers: Sequence[nn.Module], on_call: Callable[..., None]) -> list[Any]:
+    """`on_call(i, child, start)` before and after each layer and each of its direct children: transformers
+    checkpoints a layer's `forward` inside the hooks on the layer itself, so its children show the recompute."""
     handles = []
     for i, layer in enumerate(layers):
-        for module, make in ((layer, on_layer), *((child, on_child) for child in layer.children())):
-            handles.append(module.register_forward_pre_hook(make(i, True)))
-            handles.append(module.register_forward_hook(make(i, False), always_call=True))
+        for module, child in ((layer, False), *((c, True) for c in layer.children())):
+            handles.append(module.register_forward_pre_hook(functools.partial(on_call, i, child, True)))
+            handles.append(module.register_forward_hook(functools.partial(on_call, i, child, False), always_call=True))
     return handles
 
 
@@ -109,23 +96,16 @@ class FlopTally(TorchDispatchMode):
         self.recomputed = [[0, 0, 0, 0] for _ in layers]
         self._phase = [0] * len(layers)  # 0 before the forward, 1 in it, 2 after it
         self._counting: list[int] | None = None
-        self._handles = _hook_layers(layers, self._layer, self._child)
+        self._handles = _hook_layers(layers, self._hook)
 
-    def _layer(self, i: int, start: bool) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            if start and self._phase[i] == 0 and self._counting is None:
-                self._phase[i], self._counting = 1, self.forward[i]
-            elif not start and self._phase[i] == 1:
-                self._phase[i], self._counting = 2, None
-
-        return hook
-
-    def _child(self, i: int, start: bool) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
+    def _hook(self, i: int, child: bool, start: bool, *_: Any) -> None:
+        if child:
             if self._phase[i] == 2:  # after the forward: a recompute
                 self._counting = self.recomputed[i] if start else None
-
-        return hook
+        elif start and self._phase[i] == 0 and self._counting is None:
+            self._phase[i], self._counting = 1, self.forward[i]
+        elif not start and self._phase[i] == 1:
+            self._phase[i], self._counting = 2, None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -159,10 +139,8 @@ class Counts(NamedTuple):
 
 
 def timed_policies(names: Sequence[str]) -> list[str]:
-    """The policies of the timed steps, one map each, every layer under it: "none" and "recompute", whose
-    calls give the rate, and whose difference measured whole gives `whole`. "selective" is priced by counts
-    only: timed with the others, any error in its price (its policy's cost per op is a fixed balance) went
-    into every map's base."""
+    """The timed maps, every layer under one policy: "none" and "recompute" give the rate and `whole`. "selective"
+    is priced by counts only: timed with them, any error in its price went into every map's base."""
     return [name for name in ("none", "recompute") if name in names] or ["recompute"]
 
 
@@ -196,8 +174,7 @@ def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced
     offloaded: list[float] = []
     for repeat in range(repeats):
         for k, policies in enumerate(maps):
-            # every other step without the layer timers (alternating per repeat, so that each map
-            # is timed both ways): the base comes from those, as their hooks are no part of a step
+            # every other step (alternating per repeat) without the layer timers, which no real step runs: the base
             hooked = (k + repeat) % 2 == 0
             while (seconds := steps.timed(policies, clock.step() if hooked else contextlib.nullcontext())) is None:
                 # out of memory: half of its "none" layers recompute, for this step and the repeats
@@ -213,15 +190,8 @@ def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced
                 offloaded.append(seconds)
     if not runs:
         raise StateError("profiling: every timed step ran out of memory; profile with a smaller batch")
-    return _prices(
-        n,
-        names,
-        held,
-        Counts(forward, recompute, selective),
-        BALANCES.get(steps.device.type, BALANCES["cuda"]),
-        runs,
-        offloaded,
-    )
+    balance = BALANCES.get(steps.device.type, BALANCES["cuda"])
+    return _prices(n, names, held, Counts(forward, recompute, selective), balance, runs, offloaded)
 
 
 def _prices(
@@ -251,8 +221,7 @@ def _prices(
         if not selective:
             notes.append("time: the selective recompute of these layers could not be counted; priced as a recompute")
         out["selective"] = {i: rate * selective[i] if selective else recompute[i] for i in held["selective"]}
-    # the steps timed without hooks where there are any: what recomputing adds to them whole, and the step with
-    # nothing recomputed
+    # the steps timed without hooks, if any: what recomputing adds to them whole, and the step with nothing recomputed
     plain = [run for run in runs if run[2] is None] or runs
     added = lambda policies: sum(out.get(p, recompute)[i] for i, p in policies.items())
     whole = _whole(plain, added)
@@ -288,9 +257,8 @@ def _prices(
 
 
 def _whole(plain: Runs, added: Callable[[dict[int, str]], float]) -> float | None:
-    """What the maps' prices add to a step measured whole, over those prices: the slope of the median step time of
-    each map against its prices (least squares; two maps: the line through them). None where the maps' prices do not
-    differ or the slope is not positive."""
+    """What the maps' prices add to a step measured whole, over those prices: the least-squares slope of each map's
+    median step time against its prices; None where the prices do not differ or the slope is not positive."""
     times: dict[tuple[tuple[int, str], ...], list[float]] = {}
     for policies, seconds, _ in plain:
         times.setdefault(tuple(sorted(policies.items())), []).append(seconds)
@@ -323,28 +291,21 @@ class LayerClock:
         event.record()
         return event
 
-    def _layer(self, i: int, start: bool) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            if len(self._marks[i]) == (0 if start else 1):  # the first call only
-                self._marks[i].append(self._now())
-
-        return hook
-
-    def _child(self, i: int, start: bool) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
-            marks = self._marks[i]
-            if len(marks) == (2 if start else 3):  # after the forward: the recompute starts
+    def _hook(self, i: int, child: bool, start: bool, *_: Any) -> None:
+        marks = self._marks[i]
+        if not child:
+            if len(marks) == (0 if start else 1):  # the layer's first call only
                 marks.append(self._now())
-            elif not start and len(marks) == 4:  # a later child ends: the recompute goes on
-                marks[3] = self._now()
-
-        return hook
+        elif len(marks) == (2 if start else 3):  # after the forward: the recompute starts
+            marks.append(self._now())
+        elif not start and len(marks) == 4:  # a later child ends: the recompute goes on
+            marks[3] = self._now()
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:
         for marks in self._marks:
             marks.clear()
-        handles = _hook_layers(self.layers, self._layer, self._child)
+        handles = _hook_layers(self.layers, self._hook)
         try:
             yield
         finally:
