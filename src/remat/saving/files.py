@@ -232,7 +232,4 @@ def take_lock(path: str, *, wait: bool, remove: bool, shared: bool = False) -> L
         with contextlib.suppress(FileNotFoundError):
             if os.path.samestat(os.fstat(fd), os.lstat(path)):
                 return Lock(fd, path, remove, shared)
-        # The holder before us deleted the file we locked: take the one at the path now.
-        with contextlib.suppress(OSError):
-            filelock.unlock_descriptor(fd)
-        os.close(fd)
+        Lock(fd, path, remove=False).release()  # the holder before us deleted the file we locked: take the one there

@@ -1,12 +1,11 @@
-"""A folder is a transaction: saves commit whole, in order; loads read one whole save (README, "Saving,
-loading, Trainer"). A save writes into a staging folder inside the target (one file system; made and
-its `LOCK` taken under the folder's lock, so recovery never takes a live writer for a dead one), the
-config last. Then, under the folder's lock, crashed saves are recovered, a manifest (`COMMIT`) names the
-files and the state of those they replace, and each is renamed into place: a crash before the manifest
-leaves the folder as it was, after it recovery finishes the commit unless a newer save overtook it. A
-load takes the lock shared and checks the files in place where PEFT then reads them; unlocked (a folder
-it cannot write) it reads again if a commit came in between. Recovery never leaves the folder: a link or
-non-regular file where a `LOCK`, manifest or entry goes, or a malformed manifest, drops that staging folder.
+"""A folder is a transaction: saves commit whole, in order; loads read one whole save (README, "Saving, loading,
+Trainer"). A save writes into a staging folder inside the target (one file system; made and its `LOCK` taken under
+the folder's lock, so recovery never takes a live writer for a dead one), the config last. Then, under the folder's
+lock, crashed saves are recovered, a manifest (`COMMIT`) names the files and the state of those they replace, and
+each is renamed into place: a crash before the manifest leaves the folder as it was, after it recovery finishes the
+commit unless a newer save overtook it. A load takes the lock shared and checks the files in place where PEFT reads
+them; unlocked (a folder it cannot write) it reads again if a commit came in between. Recovery never leaves the
+folder: a link or non-regular file where a `LOCK`, manifest or entry goes, or a bad manifest, drops that staging.
 """
 
 from __future__ import annotations
@@ -253,8 +252,7 @@ def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
 
 
 def _well_formed(entry: Any, staging: str, target: str) -> bool:
-    """A path leaving neither folder (nor through a link) to a regular file that can land (else every
-    recovery would fail on it)."""
+    """A path leaving neither folder (nor through a link) to a regular file that can land (else recoveries fail)."""
     if not isinstance(entry, dict) or set(entry) != {"path", "replaces"}:
         return False
     path, replaces = entry["path"], entry["replaces"]
@@ -300,8 +298,8 @@ class Snapshot:
         return relative in self._opened
 
     def open(self, relative: str) -> int | None:
-        """A descriptor on `relative` if it is a regular file (links followed, as PEFT does), None
-        if absent; anything else is an error naming it (PEFT's `open()` could block on it)."""
+        """A descriptor on the regular file `relative` (links followed, as PEFT does), None if absent; anything else
+        is an error naming it (PEFT's `open()` could block on it)."""
         if relative in self._opened:
             return self._opened[relative][0]
         if os.path.isabs(relative) or ".." in relative.split(os.sep) or relative in self._absent:
