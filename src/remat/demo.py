@@ -1,8 +1,6 @@
 """`python -m remat.demo`: a LoRA fine-tune of a tiny model on CPU, with its checkpoint map.
-
-Everything ships with remat (no downloads). It prints the map, the loss falling, and per setting (none,
-every layer, every second layer) the median step time with its spread and activation bytes held.
-"""
+Everything ships with remat (no downloads). It prints the map, the loss falling, and per setting (none, every layer,
+every second layer) the median step time with its spread and activation bytes held."""
 
 from __future__ import annotations
 
@@ -31,8 +29,8 @@ Row = tuple[str, float, int, tuple[float, float]]  # setting, median seconds, ac
 
 
 def quiet_third_party_noise() -> None:
-    """Keep what scripts print theirs: at import bitsandbytes (through PEFT) warns that an optional Hub
-    kernel cannot load, transformers about deprecations. The library never touches others' logging."""
+    """Keep what scripts print theirs: at import bitsandbytes (through PEFT) warns that an optional Hub kernel cannot
+    load, transformers about deprecations. The library never touches others' logging."""
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning)
     transformers.logging.set_verbosity_error()
@@ -57,8 +55,8 @@ def add_lora(model):
 
 
 def byte_tokenizer():
-    """A tokenizer whose ids are the text's bytes (as `batches` reads it), with no download: `<pad>`,
-    `<s>`, `</s>` take ids 0, 1, 2 (bytes text never holds), the other bytes their own value."""
+    """A tokenizer whose ids are the text's bytes (as `batches` reads it), with no download: `<pad>`, `<s>`, `</s>`
+    take ids 0, 1, 2 (bytes text never holds), the other bytes their own value."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -83,8 +81,7 @@ def batches(text: bytes, seq: int, size: int, seed: int):
 
 
 def compare_with_spread(cm: CheckpointedModel, batch: dict, repeats: int) -> list[Row]:
-    """Each setting's median step time (alternated over `repeats`), activation bytes held, and
-    `spread` of its step times."""
+    """Each setting's median step time (alternated over `repeats`), activation bytes held, and `spread` of its times."""
     settings = {
         "no checkpointing": cm.disable,
         "every layer": partial(cm.enable, CheckpointConfig(every_n_layers=1)),

@@ -1,10 +1,9 @@
-"""The "offload" policy: which checkpoint input moves to the host when (bytes cross in `remat.transport`),
-per-layer counters and the host budget. torch's checkpoint saves a layer's positional inputs before
-entering its own hooks, so a `saved_tensors_hooks` context around the call sees exactly those. Only the
-hidden states move, and not under `offload_min_bytes`. Backward needs the last checkpointed layer's
-input first, so each input is held back until the next checkpointed layer starts, then copied out while
-that layer computes. Host buffers go with the autograd graph that holds them, an abandoned step's too.
-"""
+"""The "offload" policy: which checkpoint input moves to the host when (bytes cross in `remat.transport`), per-layer
+counters and the host budget. torch's checkpoint saves a layer's positional inputs before entering its own hooks, so a
+`saved_tensors_hooks` context around the call sees exactly those; only the hidden states move, and not under
+`offload_min_bytes`. Backward needs the last checkpointed layer's input first, so each input is held back until the
+next checkpointed layer starts, then copied out while that layer computes. Host buffers go with the autograd graph that
+holds them, an abandoned step's too."""
 
 from __future__ import annotations
 
@@ -27,6 +26,8 @@ KEPT_LAST = "last checkpointed layer of forward (backward needs it first)"
 KEPT_ON_CPU = "the model runs on the CPU: nothing to offload"
 KEPT_SHARED = "not the layer's first input (masks and other inputs shared by layers stay)"
 
+_nothing_held: Callable[[], None] = lambda: None  # stands for a dead weak reference: no input is held back
+
 
 @dataclass
 class LayerOffloadStats:
@@ -48,10 +49,9 @@ def _signature(tensor: torch.Tensor) -> tuple:
 
 
 class HostBuffers:
-    """One device's transport and the pinned bytes offloaded inputs hold there, against the host
-    budget. Past it, or where pinning fails, a buffer is pageable (one warning): copies do not
-    overlap compute, but host memory is never exhausted. A buffer is given back when a GC pass (any
-    thread, mid-method) frees its graph, so `give_back` only pops from a dict (atomic): no lock."""
+    """One device's transport and the pinned bytes offloaded inputs hold there, against the host budget. Past it, or
+    where pinning fails, a buffer is pageable (one warning): copies do not overlap compute, but host memory is never
+    exhausted. A GC pass (any thread, mid-method) gives buffers back, so `give_back` only pops (atomic): no lock."""
 
     def __init__(self, transport: OffloadTransport, max_bytes: int | None = None):
         self.transport = transport
@@ -183,9 +183,9 @@ class Offloader:
             buffers.release()
 
     def hooks(self, layer: int, target: torch.Tensor | None) -> torch.autograd.graph.saved_tensors_hooks:
-        """The context around one checkpoint call. Only `target` (the hidden states) is offloaded,
-        recognised by storage, shape and dtype (some torch versions save a 0-byte marker first). Only its
-        signature is kept: a closure over the tensor, stored with every saved tensor, would pin it."""
+        """The context around one checkpoint call. Only `target` (the hidden states) is offloaded, recognised by
+        storage, shape and dtype (some torch versions save a 0-byte marker first); only its signature is kept, as a
+        closure over the tensor (stored with every saved tensor) would pin it."""
         signature = _signature(target) if target is not None else None
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(layer, t, signature), self._unpack)
 
@@ -240,7 +240,3 @@ class Offloader:
 
     def reset_stats(self) -> None:
         self.stats.clear()
-
-
-def _nothing_held() -> None:
-    """Stands for a dead weak reference: no input is held back."""

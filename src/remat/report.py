@@ -1,9 +1,7 @@
-"""`cm.memory_report(batch)`: one training step, measured layer by layer.
-
-Every op's output is recorded with the layer running (`remat.measure`). A checkpointed layer holds
-its positional inputs, so their storages count for it; every other storage for the layer that made
-it, or "outside layers" (embeddings, final norm, logits, loss): each once, so rows add up to the
-total. Reads the wrapper's controller (`Measured`): rooms below the wrapper never reach back up."""
+"""`cm.memory_report(batch)`: one training step, measured layer by layer. Every op's output is recorded with the layer
+running (`remat.measure`). A checkpointed layer holds its positional inputs, so their storages count for it; every
+other storage for the layer that made it, or "outside layers" (embeddings, final norm, logits, loss): each once, so
+rows add up to the total. Reads the wrapper's controller (`Measured`): rooms below the wrapper never reach back up."""
 
 from __future__ import annotations
 
@@ -56,11 +54,10 @@ class LayerMemory:
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """What one training step held, per layer and in total; `str()` renders a table. Held bytes
-    (`device_bytes`, `host_bytes`, `total_bytes`): activations alive after forward, which backward
-    needs. Weights (`weight_bytes`): every parameter and buffer resident where it is (a swapped
-    layer's frozen weights wait on the host), the layers' and the rest's (`outside_weight_bytes`:
-    embeddings, final norm, head). Each storage counts once."""
+    """What one training step held, per layer and in total; `str()` renders a table. Held bytes (`device_bytes`,
+    `host_bytes`, `total_bytes`): activations alive after forward, which backward needs. Weights (`weight_bytes`): every
+    parameter and buffer resident where it is (a swapped layer's frozen weights wait on the host), the layers' and the
+    rest's (`outside_weight_bytes`: embeddings, final norm, head). Each storage counts once."""
 
     layers: tuple[LayerMemory, ...]
     outside_device_bytes: int
@@ -114,9 +111,9 @@ class MemoryReport:
 
 
 class _LayerHooks:
-    """Which layer runs (innermost), how often each body starts (its first child to run marks it), and
-    weak references to each layer's positional inputs and the layers' outputs, resolved to storages
-    after forward (an address recorded during it could be reused by another tensor before it ends)."""
+    """Which layer runs (innermost), how often each body starts (its first child to run marks it), and weak references
+    to each layer's positional inputs and the layers' outputs, resolved to storages after forward (an address recorded
+    during it could be reused by another tensor before it ends)."""
 
     def __init__(self, layers: list[nn.Module]):
         self.stack: list[int] = []
@@ -157,9 +154,9 @@ def _alive_storages(refs: Iterable[weakref.ref[torch.Tensor]]) -> set[int]:
 
 
 def memory_report_leaving_state(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
-    """`memory_report` with everything the step changed put back, whatever happens (`cm.memory_report`):
-    gradients (accumulated ones too: a report between micro-batches changes nothing the optimizer
-    sees), module buffers and counters, RNG, the offload and swap counters."""
+    """`memory_report` with everything the step changed put back, whatever happens (`cm.memory_report`): gradients
+    (accumulated ones too: a report between micro-batches changes nothing the optimizer sees), module buffers and
+    counters, RNG, the offload and swap counters."""
     model_kept = model_left_as_it_was(state.model, copy_limit=BUFFER_COPY_LIMIT, what="memory_report")
     with counters_left_as_they_were(state), model_kept:
         return memory_report(state, batch, loss_fn)
@@ -167,8 +164,8 @@ def memory_report_leaving_state(state: Measured, batch: dict[str, Any], loss_fn:
 
 @contextlib.contextmanager
 def counters_left_as_they_were(state: Measured) -> Iterator[None]:
-    """The offload and swap counters (and the swap's resident peak) put back, whatever happens:
-    a report's or a profile's steps are not the user's training."""
+    """The offload and swap counters (and the swap's resident peak) put back, whatever happens: a report's or a
+    profile's steps are not the user's training."""
     offload_stats = copy.deepcopy(dict(state.offloader.stats))
     swap_stats = {i: copy.copy(e.stats) for i, e in state.swapper.layers.items()}
     swap_peak = state.swapper.peak_resident_bytes
@@ -183,8 +180,8 @@ def counters_left_as_they_were(state: Measured) -> Iterator[None]:
 
 
 def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
-    """Run one training step (forward, backward) and measure it, leaving its gradients and counters
-    for the planner, which steps an optimizer on them and puts everything back itself."""
+    """Run one training step (forward, backward) and measure it, leaving its gradients and counters for the planner,
+    which steps an optimizer on them and puts everything back itself."""
     model, offloader, swapper = state.model, state.offloader, state.swapper
     check_loss_source(model, batch, loss_fn, "memory_report")
     batch = own_inputs(batch)

@@ -1,10 +1,11 @@
-"""Test doubles and checks for code that uses remat, as `torch.testing` is for torch (remat itself
-never imports this module): a transport played on the CPU, and a plan's bytes counted on a real step."""
+"""Test doubles and checks for code that uses remat, as `torch.testing` is for torch (remat itself never imports this
+module): a transport played on the CPU, and a plan's bytes counted on a real step."""
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -16,6 +17,8 @@ from .errors import ConfigError
 from .loss import LossFn, step_loss
 from .measure import held_bytes_after, weight_storages
 from .transport import CpuTransport, Event, TensorMeta
+
+_NO_HOOK = SimpleNamespace(remove=lambda: None)  # a hook handle whose removal changes nothing
 
 
 def trainer_checkpointing_args(enabled: bool = True, kwargs: dict | None = None) -> dict[str, Any]:
@@ -32,15 +35,10 @@ def _batch_device(batch: Mapping[str, Any]) -> torch.device:
 
 
 def measure_held_activations(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None) -> int:
-    """The bytes forward leaves alive for backward on the batch's device, as remat counts them
-    (`remat.measure`; weights, buffers and host copies not counted): compare with a plan's
-    `predicted_device_bytes` (`scope="activations"`). Runs one step; gradients are cleared after.
-
-    Example::
-
-        cm.enable(planned)
-        assert measure_held_activations(cm, batch) <= planned.budget
-    """
+    """The bytes forward leaves alive for backward on the batch's device, as remat counts them (`remat.measure`;
+    weights, buffers and host copies not counted): compare with a plan's `predicted_device_bytes`
+    (`scope="activations"`), e.g. `cm.enable(planned); assert measure_held_activations(cm, batch) <= planned.budget`.
+    Runs one step; gradients are cleared after."""
     device = _batch_device(batch)
     loss, held = held_bytes_after(lambda: step_loss(model, batch, loss_fn), weight_storages(model), device)
     loss.backward()
@@ -48,26 +46,15 @@ def measure_held_activations(model: nn.Module, batch: Mapping[str, Any], *, loss
     return held
 
 
-class _NoHook:
-    def remove(self) -> None:
-        pass
-
-
 def measure_step_peak(
     model: nn.Module, batch: Mapping[str, Any], optimizer: Optimizer | None = None, *, loss_fn: LossFn | None = None
 ) -> int:
-    """The peak bytes on the batch's device of one training step (forward, backward and, given an
-    `optimizer`, its step) as `MemTracker` counts them (weights, gradients, optimizer state, the batch,
-    every op's output while alive), also with frozen parameters, where `MemTracker` alone fails.
-    Compare with a plan's `predicted_peak_bytes` (`scope="step"`, profiled with the same optimizer).
-    A real step: the optimizer updates the weights; one with no state yet first takes an uncounted
-    step to make it, as remat predicts a step after the first. Gradients are cleared after.
-
-    Example::
-
-        cm.enable(planned)  # planned = profile.plan("20GiB", scope="step"), profiled with optimizer
-        print(measure_step_peak(cm, batch, optimizer), planned.predicted_peak_bytes)
-    """
+    """The peak bytes on the batch's device of one training step (forward, backward and, given an `optimizer`, its
+    step) as `MemTracker` counts them (weights, gradients, optimizer state, the batch, every op's output while alive),
+    also with frozen parameters, where `MemTracker` alone fails. Compare with a plan's `predicted_peak_bytes`
+    (`scope="step"`, profiled with the same optimizer; README: "Checking the numbers yourself"). A real step: the
+    optimizer updates the weights; one with no state yet first takes an uncounted step to make it, as remat predicts a
+    step after the first. Gradients are cleared after."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     device = _batch_device(batch)
@@ -83,7 +70,7 @@ def measure_step_peak(
             # MemTracker hooks every gradient, and torch refuses a hook on a frozen parameter (LoRA):
             # handles that remove nothing change nothing it counts. Checked against torch 2.13.
             if not parameter.requires_grad:
-                tracker._param_to_grad_hook_handles[parameter] = (_NoHook(), _NoHook())
+                tracker._param_to_grad_hook_handles[parameter] = (_NO_HOOK, _NO_HOOK)
         step_loss(model, batch, loss_fn).backward()
         for each in optimizers:
             each.step()
@@ -94,9 +81,9 @@ def measure_step_peak(
 
 
 class SimulatedTransport(CpuTransport):
-    """A device/host pair played on the CPU: `handles` every tensor, so "offload" moves inputs through
-    it as on an accelerator, with real copies logged in order, pinning that can be made to fail,
-    and a count of its buffers still alive (host memory given back)."""
+    """A device/host pair played on the CPU: `handles` every tensor, so "offload" moves inputs through it as on an
+    accelerator, with real copies logged in order, pinning that can be made to fail, and a count of its buffers still
+    alive (host memory given back)."""
 
     def __init__(self, *, pin_fails: bool = False):
         self.pin_fails = pin_fails

@@ -1,8 +1,6 @@
-"""The one host<->device transport per device (`transport_for`), shared by offload and block swap: it
-moves bytes and says when they arrived. `CudaTransport` has a side stream per copy direction (one copy
-engine each: an input going out overlaps a weight coming in); the compute stream waits on an event only
-where it reads what a copy wrote. Test doubles live in `remat.testing`.
-"""
+"""The one host<->device transport per device (`transport_for`), shared by offload and block swap. CUDA has a
+side stream per copy direction (one copy engine each: an input going out overlaps a weight coming in); the compute
+stream waits on an event only where it reads what a copy wrote. Test doubles live in `remat.testing`."""
 
 from __future__ import annotations
 
@@ -18,18 +16,14 @@ logger = logging.getLogger("remat")
 
 
 class Event(Protocol):
-    def wait(self) -> None:
-        """Make the compute stream wait for the work this event marks."""
-
-    def synchronize(self) -> None:
-        """Block the host until that work is done."""
+    def wait(self) -> None: ...  # the compute stream waits for the work this event marks
+    def synchronize(self) -> None: ...  # the host blocks until that work is done
 
 
 class DoneEvent:
     """The event of a copy that is already complete (synchronous copies)."""
 
-    def wait(self) -> None:
-        pass
+    def wait(self) -> None: ...
 
     synchronize = wait
 
@@ -65,32 +59,21 @@ def from_bytes(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 
 
 class OffloadTransport(Protocol):
-    """What the "offload" policy calls (`CheckpointedModel(offload_transport=...)`)."""
+    """What the "offload" policy calls (`CheckpointedModel(offload_transport=...)`). Host buffers are uint8,
+    pinned where that helps; copies only start, their events say when they are done."""
 
-    def handles(self, tensor: torch.Tensor) -> bool:
-        """Whether `tensor` lives on this transport's device (only those are offloaded)."""
-
-    def allocate_host(self, nbytes: int) -> torch.Tensor:
-        """A host buffer of `nbytes` bytes (uint8), pinned where that helps."""
-
-    def return_freed_host_memory(self) -> None:
-        """Give host buffers this transport allocated and nobody references back to the system."""
-
-    def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
-        """Start copying `src` (on the device) into the host buffer `dst`."""
-
-    def to_device(self, src: torch.Tensor, meta: TensorMeta, layer: int) -> tuple[torch.Tensor, Event]:
-        """Start copying the host buffer `src` back into a new device tensor shaped by `meta`."""
+    def handles(self, tensor: torch.Tensor) -> bool: ...  # on this transport's device (only those are offloaded)
+    def allocate_host(self, nbytes: int) -> torch.Tensor: ...
+    def return_freed_host_memory(self) -> None: ...  # buffers it allocated that nobody references go back
+    def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event: ...  # device src -> host dst
+    def to_device(self, src: torch.Tensor, meta: TensorMeta, layer: int) -> tuple[torch.Tensor, Event]: ...
 
 
 class WeightMover(Protocol):
     """What block swap calls (`CheckpointedModel(swap_mover=...)`)."""
 
-    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A copy of `tensor` in host memory (pinned where that helps)."""
-
-    def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        """Start copying host `src` into the device tensor `dst`; return its event."""
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor: ...  # in host memory, pinned where that helps
+    def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> Event: ...  # starts copying host src into device dst
 
 
 class Transport(OffloadTransport, WeightMover, Protocol):
@@ -174,8 +157,7 @@ class CpuTransport:
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().clone()
 
-    def return_freed_host_memory(self) -> None:
-        pass
+    def return_freed_host_memory(self) -> None: ...
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
         dst[: src.nbytes].copy_(as_bytes(src))
@@ -202,7 +184,7 @@ def transport_for(device: torch.device) -> Transport:
 
 
 def default_host_budget() -> int:
-    """Half of the host's physical memory, split between the processes of this host
-    (`LOCAL_WORLD_SIZE`, set by torchrun and accelerate). Past it buffers are pageable, never an OOM kill."""
+    """Half of the host's physical memory, split between this host's processes (`LOCAL_WORLD_SIZE`, set by
+    torchrun and accelerate). Past it buffers are pageable, never an OOM kill."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return total // 2 // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

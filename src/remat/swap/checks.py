@@ -1,8 +1,6 @@
-"""Which layers block swap may take, and which of their weights: checks that change nothing. Sharded
-weights (a `DTensor`, an FSDP unit on, in or around the layer, a `FlatParameter`, ZeRO-3's `ds_id`) and
-trainable base weights are refused; adapter and tied weights stay: only frozen weights a layer holds
-alone are swapped.
-"""
+"""Which layers block swap may take, and which of their weights: checks that change nothing. Sharded weights (a
+`DTensor`, an FSDP unit on, in or around the layer, a `FlatParameter`, ZeRO-3's `ds_id`) and trainable base weights
+are refused; adapter and tied weights stay: only frozen weights a layer holds alone are swapped."""
 
 from __future__ import annotations
 
@@ -27,9 +25,8 @@ def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module) 
 
 
 def weights_in_use(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -> list[str]:
-    """The frozen weights of these layers that something else holds (above all the graph of a
-    backward still to run, saved by a layer that ran without checkpointing): swapping them out
-    would change what that backward computes."""
+    """The frozen weights of these layers that something else holds (above all the graph of a backward still to run,
+    saved by a layer that ran without checkpointing): swapping them out would change what that backward computes."""
     owners = parameter_owners(model)
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     return [

@@ -1,8 +1,7 @@
-"""Guards on a swapped layer's instance (and on the model while anything is swapped), undone when it
-leaves: forward hooks fetch and give back its weights; `state_dict()`, `load_state_dict()` and `.to()`
-work on the host copies; copies, pickling, DataParallel, `assign=True` loads and PEFT merges are refused.
-The forward hooks run eagerly under `torch.compile` (inductor cannot compile a `set_` on a graph input).
-"""
+"""Guards on a swapped layer's instance (and on the model while anything is swapped), undone when it leaves: forward
+hooks fetch and give back its weights; `state_dict()`, `load_state_dict()` and `.to()` work on the host copies; copies,
+pickling, DataParallel, `assign=True` loads and PEFT merges are refused. The forward hooks run eagerly under
+`torch.compile` (inductor cannot compile a `set_` on a graph input)."""
 
 from __future__ import annotations
 

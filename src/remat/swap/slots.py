@@ -1,10 +1,8 @@
-"""The slot pool (device memory swapped weights occupy while their layer runs) and its schedule. Only
-what `p.data` points at changes (the `Parameter` objects stay): at rest a placeholder (one element
-expanded, ~0 bytes), in use a slot filled from the host copy; frozen, nothing is copied back. Slots are
-shared by layout, `prefetch_depth + 1` per layout. Nothing relies on a step finishing (an exception
-abandons it with slots held): a layer that does not continue the current pass (forward ascending,
-backward descending) starts a new one and gives back every slot.
-"""
+"""The slot pool (device memory swapped weights occupy while their layer runs) and its schedule. Only what `p.data`
+points at changes (the `Parameter` objects stay): at rest a placeholder (one element expanded, ~0 bytes), in use a slot
+filled from the host copy; frozen, nothing is copied back. Slots are shared by layout, `prefetch_depth + 1` per layout.
+Nothing relies on a step finishing (an exception abandons it with slots held): a layer that does not continue the
+current pass (forward ascending, backward descending) starts a new one and gives back every slot."""
 
 from __future__ import annotations
 
@@ -76,8 +74,8 @@ class SlotPool:
         return sum(per_layout.values()) * (self.prefetch_depth + 1)
 
     def fetch(self, layer: SwappedLayer, *, beyond_pool: bool = False) -> bool:
-        """Start copying the layer's weights into a slot; False if every slot of its layout is held
-        (`beyond_pool` makes one more: a step that failed halfway holds them)."""
+        """Start copying the layer's weights into a slot; False if every slot of its layout is held (`beyond_pool`
+        makes one more: a step that failed halfway holds them)."""
         if layer.slot is not None:
             return True
         layout = layer.layout
@@ -135,8 +133,8 @@ class Schedule:
 
     @contextlib.contextmanager
     def recomputing(self, index: int) -> Iterator[None]:
-        """Backward recomputes layer `index`: fetch its weights; the layer's own hooks stand aside
-        (a layer swapped no more since the forward needs nothing)."""
+        """Backward recomputes layer `index`: fetch its weights; the layer's own hooks stand aside (a layer swapped no
+        more since the forward needs nothing)."""
         if index not in self.layers:
             yield
             return
@@ -151,8 +149,8 @@ class Schedule:
             self.in_recompute = False
 
     def _start(self, index: int, forward: bool) -> None:
-        """Layer `index` runs (forward ascending, backward descending): the layers passed give their
-        slots back, its own weights are fetched and the next ones start fetching."""
+        """Layer `index` runs (forward ascending, backward descending): the layers passed give their slots back, its
+        own weights are fetched and the next ones start fetching."""
         phase, direction = self._phase, "forward" if forward else "backward"
         if phase is None or phase[0] != direction or not (index > phase[1] if forward else index < phase[1]):
             self.release_all()  # a new pass
@@ -173,8 +171,8 @@ class Schedule:
     def _use(self, index: int) -> None:
         layer = self.layers[index]
         if not self.pool.fetch(layer):
-            # Every slot of this layout is held by a prefetch for later: the running layer comes
-            # first, so the prefetch farthest away gives its slot up (it is fetched again later).
+            # Every slot of this layout is held by a prefetch for later: the running layer comes first, so the
+            # prefetch farthest away gives its slot up (it is fetched again later).
             holders = [e for e in self.layers.values() if e.slot is not None and e.layout == layer.layout]
             if holders:
                 self.pool.release(max(holders, key=lambda e: abs(e.index - index)))

@@ -1,6 +1,6 @@
-"""`WeightSwapper`: which layers are swapped, moving them out and home; one per wrapper for its whole
-life (shims of a step in flight find their layers). A joining layer takes its host copy first (what can
-fail), so a refusal changes nothing."""
+"""`WeightSwapper`: which layers are swapped, moving them out and home; one per wrapper for its whole life (shims of a
+step in flight find their layers). A joining layer takes its host copy first (what can fail), so a refusal changes
+nothing."""
 
 from __future__ import annotations
 
