@@ -1,18 +1,22 @@
 """`WeightSwapper`: which layers are swapped, moving them out and home; one per wrapper for its whole life (shims of a
 step in flight find their layers). A joining layer takes its host copy first (what can fail), so a refusal changes
-nothing."""
+nothing. Its guards on a swapped layer's instance (and on the model while anything is swapped), undone when it leaves:
+forward hooks fetch and give back its weights; `state_dict()`, `load_state_dict()` and `.to()` work on the host copies;
+copies, pickling, DataParallel, `assign=True` loads and PEFT merges are refused. The forward hooks run eagerly under
+`torch.compile` (inductor cannot compile a `set_` on a graph input)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import ConfigTypeError
+from ..errors import ConfigTypeError, StateError
+from ..refs import InstancePatches, Ref
 from ..transport import WeightMover, transport_for
 from .checks import check_swappable, own_frozen_params, parameter_owners
-from .guards import ModelGuards, guard_layer, refusal, unguard_layer
 from .slots import LayerSwapStats, Schedule, SlotPool, SwappedLayer, placeholder
 
 
@@ -138,3 +142,147 @@ class WeightSwapper:
         layer.rest()
         self._keep_used_slots()
         return result
+
+
+def guard_layer(swapper: WeightSwapper, layer: SwappedLayer, module: nn.Module) -> None:
+    guard = _LayerGuard(swapper, layer.index, layer.name, module)
+    layer.handles += [
+        module.register_forward_pre_hook(torch.compiler.disable(guard.before_forward)),
+        module.register_forward_hook(torch.compiler.disable(guard.after_forward), always_call=True),
+        # torch marks this hook with an attribute, which a bound method cannot take: a partial can
+        module.register_state_dict_post_hook(functools.partial(_LayerGuard.state_dict_reads_host_copies, guard)),
+        module.register_load_state_dict_pre_hook(guard.load_writes_host_copies),
+        module.register_load_state_dict_post_hook(guard.load_done),
+    ]
+    layer.patches.set(module, "_apply", guard.apply)
+    layer.patches.set(module, "__deepcopy__", guard.deepcopy)
+    layer.patches.set(module, "__reduce_ex__", guard.pickle)
+    layer.patches.set(module, "_replicate_for_data_parallel", guard.replicate)
+
+
+def unguard_layer(layer: SwappedLayer) -> None:
+    for handle in layer.handles:
+        handle.remove()
+    layer.handles.clear()
+    layer.patches.undo()
+
+
+def refusal(index: int, name: str, what: str) -> str:
+    return (
+        f"cannot {what}: block swap keeps the frozen weights of layer {index} ({name}) in host "
+        "memory, and its parameters hold placeholders. Bring the weights home first with "
+        "cm.enable(cm.checkpoint_config.replace(swap_layers=0)) or cm.disable(); nothing was copied"
+    )
+
+
+def assign_refusal(indices: list[int]) -> str:
+    return (
+        f"load_state_dict(assign=True) would replace the parameters of layers {indices}, whose frozen weights "
+        "block swap keeps in host memory; load with assign=False (the default), which writes into the host "
+        "copies, or bring the weights home first with cm.disable()"
+    )
+
+
+class _LayerGuard:
+    """The hooks and patches of one swapped layer; each reads the swapper's current entry."""
+
+    def __init__(self, swapper: WeightSwapper, index: int, name: str, module: nn.Module):
+        self.swapper, self.index, self.name, self.module = swapper, index, name, Ref(module)
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        schedule = self.swapper.schedule
+        if schedule.in_recompute:
+            return
+        if torch.is_grad_enabled() and not module.training:
+            raise StateError(
+                f"block swap: layer {self.index} ran in eval mode with gradients enabled. Its weights go back to "
+                "host memory after it runs, which a graph built outside checkpointing cannot survive. Evaluate "
+                "under torch.no_grad() (generate already does), or train with cm.for_training()."
+            )
+        schedule.before_forward(self.index)
+
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.swapper.schedule.in_recompute:
+            self.swapper.schedule.after_forward(self.index)
+
+    def state_dict_reads_host_copies(self, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        layer = self.swapper.layers[self.index]
+        hosts = {id(p): host for p, host in zip(layer.params, layer.host, strict=True)}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in hosts and prefix + name in state_dict:
+                state_dict[prefix + name] = hosts[id(param)]
+
+    def load_writes_host_copies(self, module: nn.Module, state_dict: dict, prefix: str, meta: dict, *args: Any) -> None:
+        layer = self.swapper.layers[self.index]
+        mine = {id(p) for p in layer.params}
+        names = [prefix + n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in mine]
+        if not any(name in state_dict for name in names):
+            return  # nothing of this layer's swapped weights is loaded (adapter weights, say)
+        if meta.get("assign_to_params_buffers"):
+            raise StateError(assign_refusal([layer.index]))
+        # torch copies the loaded values into `p.data`: point it at the host copy for the load.
+        self.swapper.pool.release(layer)
+        layer.point_at(layer.host)
+
+    def load_done(self, module: nn.Module, incompatible_keys: Any) -> None:
+        layer = self.swapper.layers.get(self.index)
+        if layer is not None:
+            layer.rest()
+
+    def apply(self, fn: Any, recurse: bool = True) -> Any:  # what `.to()`, `.half()`, `.cuda()` call
+        module = self.module()
+        return self.swapper.apply_to_layer(self.index, type(module)._apply.__get__(module), fn, recurse)
+
+    def deepcopy(self, memo: Any = None) -> Any:
+        raise ConfigTypeError(refusal(self.index, self.name, "copy.deepcopy this model"))
+
+    def pickle(self, protocol: Any = None) -> Any:
+        raise ConfigTypeError(refusal(self.index, self.name, "pickle this model (torch.save of the module)"))
+
+    def replicate(self) -> Any:
+        raise StateError(
+            refusal(self.index, self.name, "replicate this model for nn.DataParallel")
+            + "; DistributedDataParallel (one process per GPU) works with block swap"
+        )
+
+
+class ModelGuards:
+    """Refusals on the whole model, made before any module loads (`assign=True`) or merges."""
+
+    def __init__(self, swapper: WeightSwapper):
+        self._swapper = Ref(swapper)
+        self._handles: list[Any] = []
+        self._patches = InstancePatches()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def install(self, model: nn.Module) -> None:
+        self._handles.append(model.register_load_state_dict_pre_hook(self._refuse_assign))
+        for module in model.modules():
+            if hasattr(type(module), "_check_merge_allowed"):  # PEFT's tuner models (LoraModel, ...)
+                self._patches.set(module, "_check_merge_allowed", self._refuse_merge)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._patches.undo()
+
+    def _refuse_assign(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any):
+        swapper = self._swapper()
+        if swapper is None:
+            return
+        swapped_loaded = any(prefix + n in state_dict for n in swapper.swapped_names)
+        if local_metadata.get("assign_to_params_buffers") and swapped_loaded:
+            raise StateError(assign_refusal(list(swapper.layers)))
+
+    def _refuse_merge(self, *args: Any, **kwargs: Any) -> None:
+        swapper = self._swapper()
+        layers = list(swapper.layers) if swapper is not None else []
+        raise StateError(
+            f"block swap keeps the frozen weights of layers {layers} in host memory, and merging "
+            "adapters into them is not supported. Bring them home first: "
+            "cm.enable(cm.checkpoint_config.replace(swap_layers=0)) (or cm.disable()), then merge. Nothing was merged."
+        )
