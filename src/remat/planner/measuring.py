@@ -1,12 +1,9 @@
-"""Measuring a profile: a few training steps under chosen maps, then everything put back as it was.
-
-Bytes (`_bytes`, one `memory_report` a step): every layer recomputed gives the inputs and what is
-outside the layers; then each policy in mixed maps (step k gives layer i policy number (i + k): on
-transformers 4.57 a "none" layer holds more while another is checkpointed), split by policy, then by
-halves, when one runs out of memory; "offload" on every layer; nothing checkpointed (no layer swapped).
-With an optimizer each step also takes its step, for the peak (`peak`); for plain text all again at
-half the length, for what grows with its square (`Measurements.scaled`). Time: `timing`. Batch tensors
-that require grad get fresh leaves (`remat.loss.own_inputs`), so a soft prompt's gradient is untouched.
+"""Measuring a profile: a few training steps under chosen maps, then everything put back as it was (README, "How it
+measures"). Bytes (`_bytes`, one `memory_report` a step): each policy in mixed maps (step k gives layer i policy
+number i + k: on transformers 4.57 a "none" layer holds more while another is checkpointed), split when one runs out
+of memory. With an optimizer each step also takes its step, for the peak (`peak`); for plain text all again at half
+the length, for what grows with its square (`Measurements.scaled`). Time: `timing`. Batch tensors that require grad
+get fresh leaves (`remat.loss.own_inputs`), so a soft prompt's gradient is untouched.
 """
 
 from __future__ import annotations
@@ -74,8 +71,7 @@ def check_measurable(state: Controlled, batch: Mapping[str, Any], loss_fn: LossF
     model = state.model
     if not state.is_enabled or state.inference or not model.training:
         raise StateError(f"{what} measures training steps: call cm.enable() and cm.for_training() first")
-    stepping = [n for n, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]
-    if stepping:
+    if stepping := [n for n, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]:
         raise StateError(
             f"{what} runs training steps, and {stepping[0]} (and {len(stepping) - 1} more) has a "
             "post-accumulate-grad hook (an optimizer stepping in backward): measuring would train the model. "
@@ -86,16 +82,11 @@ def check_measurable(state: Controlled, batch: Mapping[str, Any], loss_fn: LossF
 
 def batch_tokens(batch: Mapping[str, Any]) -> int:
     """Batch x sequence length: of `input_ids`, `inputs_embeds`, or the first tensor of 2+ dims."""
-    ids = batch.get("input_ids")
-    if isinstance(ids, torch.Tensor):
+    if isinstance(ids := batch.get("input_ids"), torch.Tensor):
         return ids.numel()
-    embeds = batch.get("inputs_embeds")
-    if isinstance(embeds, torch.Tensor):
+    if isinstance(embeds := batch.get("inputs_embeds"), torch.Tensor):
         return embeds.numel() // embeds.shape[-1]
-    for value in batch.values():
-        if isinstance(value, torch.Tensor) and value.dim() >= 2:
-            return value.shape[0] * value.shape[1]
-    return 1
+    return next((v.shape[0] * v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), 1)
 
 
 def candidates(state: Controlled) -> tuple[list[str], list[str]]:
@@ -124,13 +115,10 @@ class _Steps:
         self.n = len(state.checkpoint_map)
         self.base = state.config.replace(layer_policies=dict.fromkeys(range(self.n), "recompute"))
 
-    def use(self, policies: Mapping[int, str], head: dict[str, Any] | None = None) -> None:
-        self.state.enable(self.base.replace(layer_policies={**self.base.layer_policies, **policies}, **(head or {})))
-
     def _run(self, policies: Mapping[int, str], step: Callable[[], Any], head: dict[str, Any] | None = None) -> Any:
         """`step()` under `policies` (the other layers recomputing; `head`: config fields of another head); None if
         it ran out of memory."""
-        self.use(policies, head)
+        self.state.enable(self.base.replace(layer_policies={**self.base.layer_policies, **policies}, **(head or {})))
         try:
             found = step()
         except OUT_OF_MEMORY:
@@ -150,8 +138,7 @@ class _Steps:
                 report = memory_report(self.state, self.batch, self.loss_fn)
                 if optimizer is not None:
                     optimizer.step()
-            extra = self.peak.extra(report)
-            if extra is not None:
+            if (extra := self.peak.extra(report)) is not None:
                 plans = list(self.state.checkpoint_map)
                 key = (plans[-1].policy, any(plan.checkpointed for plan in plans))
                 self.extras[key] = max(self.extras.get(key, extra), extra)
@@ -187,7 +174,7 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     memory_steps = (1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)) * (1 if short is None else 2)
     timing = repeats * (len(timed_policies(names)) + ("offload" in names))
     counted = head_options(state, batch)
-    head = head_steps(counted) if counted else 0
+    head = 1 + len(_head_sizes(counted)) if counted else 0  # plain, and each chunk size `_head_profile` measures
     total = memory_steps + 1 + ("selective" in names) + timing + head  # bytes, counting, timing, the head
     with (
         tqdm(total=total, desc="remat: profiling", disable=not options.progress, leave=False) as bar,
@@ -204,8 +191,7 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
             )
         measured = _measurements(steps, names, found, swapped, seconds, base, prices)
         if counted:
-            head = _head_profile(steps, counted, prices, notes)
-            measured = dataclasses.replace(measured, head=head)
+            measured = dataclasses.replace(measured, head=_head_profile(steps, counted, prices, notes))
         if short is not None:
             # bytes at a second length, so that `tokens` can model what grows with the square of it
             steps = _Steps(state, own_inputs(short), loss_fn, optimizer, bar)
@@ -243,8 +229,7 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
         for i, name in policies.items():
             held[name][i] = (report.layers[i].device_bytes, report.layers[i].host_bytes)
 
-    report = steps.held({})
-    if report is None:
+    if (report := steps.held({})) is None:
         raise StateError(
             "profiling: even with every layer recomputed, one step of this batch does not fit on the device; "
             "no map can fit it (try a smaller batch)"
@@ -259,11 +244,9 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
         pending.append(dict.fromkeys(everything, "offload"))
     split = False
     while pending:
-        policies = {i: name for i, name in pending.pop(0).items() if name != "recompute"}
-        if not policies:
+        if not (policies := {i: name for i, name in pending.pop(0).items() if name != "recompute"}):
             continue
-        report = steps.held(policies)
-        if report is not None:
+        if (report := steps.held(policies)) is not None:
             record(report, policies)
             continue
         by_policy = sorted(set(policies.values()))
@@ -283,8 +266,7 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
     alone: dict[int, tuple[int, int]] | None = None
     if not swapped and "none" in names:
         if n > 1:
-            report = steps.held(dict.fromkeys(everything, "none"))
-            if report is not None:
+            if (report := steps.held(dict.fromkeys(everything, "none"))) is not None:
                 alone = {i: (layer.device_bytes, layer.host_bytes) for i, layer in enumerate(report.layers)}
                 outside[False] = report.outside_device_bytes
         elif 0 in held["none"]:
@@ -328,17 +310,11 @@ def head_options(state: Controlled, batch: Mapping[str, Any]) -> int:
     config, labels = state.config, batch.get("labels")
     if config.head != "chunked" or config.head_chunk_tokens is not None or not isinstance(labels, torch.Tensor):
         return 0
-    if batch.get("fused_lm_head"):  # TRL's fused head computes the loss: measured as it runs, not chosen
-        return 0
-    if plan_head("chunked", None, state.model).policy != "chunked":
+    # TRL's fused head computes the loss: measured as it runs, not chosen
+    if batch.get("fused_lm_head") or plan_head("chunked", None, state.model).policy != "chunked":
         return 0
     counted = int((labels[..., 1:] != IGNORE_INDEX).sum())
     return counted if counted >= 4 else 0
-
-
-def head_steps(counted: int) -> int:
-    """The steps `_head_profile` takes: plain, and each chunk size it measures."""
-    return 1 + len(_head_sizes(counted))
 
 
 def _head_sizes(counted: int) -> list[int]:
@@ -347,9 +323,8 @@ def _head_sizes(counted: int) -> list[int]:
 
 
 def _head_profile(steps: _Steps, counted: int, prices: TimePrices, notes: list[str]) -> HeadProfile | None:
-    """The head's bytes measured with every layer recomputed: "plain", and "chunked" from the smallest chunk offered
-    in steps of 4x up to the chunk the profile ran (16, 64, 256, 1024 tokens at most), as differences from that
-    last; its seconds by counts."""
+    """The head's bytes with every layer recomputed, less those of the chunk the profile ran: "plain", and "chunked"
+    in steps of 4x from the smallest chunk up to that one (16, 64, 256, 1024 tokens at most); seconds by counts."""
 
     def measured(head: dict[str, Any]) -> tuple[int, int] | None:
         saved, steps.extras = steps.extras, {}
