@@ -1,9 +1,7 @@
-"""The "offload" policy: which checkpoint input moves to the host when (bytes cross in `remat.transport`), per-layer
-counters and the host budget. torch's checkpoint saves a layer's positional inputs before entering its own hooks, so a
-`saved_tensors_hooks` context around the call sees exactly those; only the hidden states move, and not under
-`offload_min_bytes`. Backward needs the last checkpointed layer's input first, so each input is held back until the
-next checkpointed layer starts, then copied out while that layer computes. Host buffers go with the autograd graph that
-holds them, an abandoned step's too."""
+"""The "offload" policy: which checkpoint input moves to the host when (bytes cross in `remat.transport`). torch saves
+a checkpointed layer's positional inputs before entering its hooks, so a `saved_tensors_hooks` context around the call
+sees exactly those. Backward needs the last checkpointed layer's input first, so each input is held back until the
+next checkpointed layer starts, then copied out while it computes. Host buffers go with the graph that holds them."""
 
 from __future__ import annotations
 

@@ -112,8 +112,7 @@ class MemoryReport:
 
 class _LayerHooks:
     """Which layer runs (innermost), how often each body starts (its first child to run marks it), and weak references
-    to each layer's positional inputs and the layers' outputs, resolved to storages after forward (an address recorded
-    during it could be reused by another tensor before it ends)."""
+    to the layers' inputs and outputs, resolved after forward (an address recorded during it could be reused)."""
 
     def __init__(self, layers: list[nn.Module]):
         self.stack: list[int] = []

@@ -49,12 +49,10 @@ def measure_held_activations(model: nn.Module, batch: Mapping[str, Any], *, loss
 def measure_step_peak(
     model: nn.Module, batch: Mapping[str, Any], optimizer: Optimizer | None = None, *, loss_fn: LossFn | None = None
 ) -> int:
-    """The peak bytes on the batch's device of one training step (forward, backward and, given an `optimizer`, its
-    step) as `MemTracker` counts them (weights, gradients, optimizer state, the batch, every op's output while alive),
-    also with frozen parameters, where `MemTracker` alone fails. Compare with a plan's `predicted_peak_bytes`
-    (`scope="step"`, profiled with the same optimizer; README: "Checking the numbers yourself"). A real step: the
-    optimizer updates the weights; one with no state yet first takes an uncounted step to make it, as remat predicts a
-    step after the first. Gradients are cleared after."""
+    """The peak bytes on the batch's device of one real training step (forward, backward, the `optimizer`'s step) as
+    `MemTracker` counts them, also with frozen parameters, where `MemTracker` alone fails: compare with a plan's
+    `predicted_peak_bytes` (`scope="step"`). An optimizer with no state first takes an uncounted step to make it, as
+    remat predicts a step after the first. Gradients are cleared after."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     device = _batch_device(batch)

@@ -1,8 +1,7 @@
-"""The slot pool (device memory swapped weights occupy while their layer runs) and its schedule. Only what `p.data`
-points at changes (the `Parameter` objects stay): at rest a placeholder (one element expanded, ~0 bytes), in use a slot
-filled from the host copy; frozen, nothing is copied back. Slots are shared by layout, `prefetch_depth + 1` per layout.
-Nothing relies on a step finishing (an exception abandons it with slots held): a layer that does not continue the
-current pass (forward ascending, backward descending) starts a new one and gives back every slot."""
+"""The slot pool (device memory swapped weights occupy while their layer runs) and its schedule. Only `p.data` changes
+(the `Parameter` objects stay): a ~0-byte placeholder at rest, in use a slot filled from the host copy (frozen: nothing
+is copied back); `prefetch_depth + 1` slots per layout. An exception can abandon a step with slots held, so a layer
+that does not continue the current pass (forward ascending, backward descending) starts a new one, freeing them all."""
 
 from __future__ import annotations
 
@@ -124,9 +123,6 @@ class Schedule:
         for layer in self.layers.values():
             self.pool.release(layer)
 
-    def before_forward(self, index: int) -> None:
-        self._start(index, forward=True)
-
     def after_forward(self, index: int) -> None:
         if index in self.layers:
             self.pool.release(self.layers[index])
@@ -138,7 +134,7 @@ class Schedule:
         if index not in self.layers:
             yield
             return
-        self._start(index, forward=False)
+        self.start(index, forward=False)
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
             self._callback_queued = True
@@ -148,7 +144,7 @@ class Schedule:
         finally:
             self.in_recompute = False
 
-    def _start(self, index: int, forward: bool) -> None:
+    def start(self, index: int, forward: bool) -> None:
         """Layer `index` runs (forward ascending, backward descending): the layers passed give their slots back, its
         own weights are fetched and the next ones start fetching."""
         phase, direction = self._phase, "forward" if forward else "backward"
@@ -171,8 +167,7 @@ class Schedule:
     def _use(self, index: int) -> None:
         layer = self.layers[index]
         if not self.pool.fetch(layer):
-            # Every slot of this layout is held by a prefetch for later: the running layer comes first, so the
-            # prefetch farthest away gives its slot up (it is fetched again later).
+            # Every slot of this layout is held by a prefetch: the running layer comes first, the farthest gives way.
             holders = [e for e in self.layers.values() if e.slot is not None and e.layout == layer.layout]
             if holders:
                 self.pool.release(max(holders, key=lambda e: abs(e.index - index)))

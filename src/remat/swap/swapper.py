@@ -1,9 +1,8 @@
-"""`WeightSwapper`: which layers are swapped, moving them out and home; one per wrapper for its whole life (shims of a
-step in flight find their layers). A joining layer takes its host copy first (what can fail), so a refusal changes
-nothing. Its guards on a swapped layer's instance (and on the model while anything is swapped), undone when it leaves:
-forward hooks fetch and give back its weights; `state_dict()`, `load_state_dict()` and `.to()` work on the host copies;
-copies, pickling, DataParallel, `assign=True` loads and PEFT merges are refused. The forward hooks run eagerly under
-`torch.compile` (inductor cannot compile a `set_` on a graph input)."""
+"""`WeightSwapper`: which layers are swapped, moving them out and home (a joining layer takes its host copy first, what
+can fail, so a refusal changes nothing), and its guards on a swapped layer (and on the model), undone when it leaves:
+forward hooks fetch its weights (eagerly under `torch.compile`: inductor cannot compile a `set_` on a graph input);
+`state_dict()`, `load_state_dict()` and `.to()` work on the host copies; copies, pickling, DataParallel, `assign=True`
+loads and PEFT merges are refused."""
 
 from __future__ import annotations
 
@@ -78,9 +77,9 @@ class WeightSwapper:
         swapped = {id(p) for layer in self.layers.values() for p in layer.params}
         self.swapped_names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in swapped]
         self._keep_used_slots()
-        if self.layers and not self._model_guards.installed:
+        if self.layers:
             self._model_guards.install(model)
-        elif not self.layers:
+        else:
             self._model_guards.remove()
         return [i for i, _, _ in joining], leaving
 
@@ -107,7 +106,7 @@ class WeightSwapper:
         for event in layer.ready or ():  # copies still writing into the slot must finish first
             event.synchronize()
         self.pool.release(layer)
-        unguard_layer(layer)
+        _unhook(layer.handles, layer.patches)
         for param, host, rest in zip(layer.params, layer.host, layer.placeholders, strict=True):
             # The host copy is the swapper's own: on a CPU model it becomes the weight itself.
             same_place = host.device == rest.device and not host.is_pinned()
@@ -120,8 +119,7 @@ class WeightSwapper:
         """`module.to(...)` and friends on a swapped layer: the host copies and placeholders follow."""
         layer = self.layers[index]
         self.pool.release(layer)
-        # What `fn` does to each weight is read off an empty tensor of its dtype and device:
-        # applying it to the placeholder would allocate the full tensor on the device.
+        # What `fn` does is read off empty tensors: applied to a placeholder it would allocate the full tensor.
         probes = [fn(torch.empty(0, dtype=ph.dtype, device=ph.device)) for ph in layer.placeholders]
         for param in layer.params:
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)  # hidden from torch's loop
@@ -160,11 +158,11 @@ def guard_layer(swapper: WeightSwapper, layer: SwappedLayer, module: nn.Module) 
     layer.patches.set(module, "_replicate_for_data_parallel", guard.replicate)
 
 
-def unguard_layer(layer: SwappedLayer) -> None:
-    for handle in layer.handles:
+def _unhook(handles: list[Any], patches: InstancePatches) -> None:
+    for handle in handles:
         handle.remove()
-    layer.handles.clear()
-    layer.patches.undo()
+    handles.clear()
+    patches.undo()
 
 
 def refusal(index: int, name: str, what: str) -> str:
@@ -199,7 +197,7 @@ class _LayerGuard:
                 "host memory after it runs, which a graph built outside checkpointing cannot survive. Evaluate "
                 "under torch.no_grad() (generate already does), or train with cm.for_training()."
             )
-        schedule.before_forward(self.index)
+        schedule.start(self.index, forward=True)
 
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.swapper.schedule.in_recompute:
@@ -254,21 +252,16 @@ class ModelGuards:
         self._handles: list[Any] = []
         self._patches = InstancePatches()
 
-    @property
-    def installed(self) -> bool:
-        return bool(self._handles)
-
     def install(self, model: nn.Module) -> None:
+        if self._handles:
+            return  # installed already
         self._handles.append(model.register_load_state_dict_pre_hook(self._refuse_assign))
         for module in model.modules():
             if hasattr(type(module), "_check_merge_allowed"):  # PEFT's tuner models (LoraModel, ...)
                 self._patches.set(module, "_check_merge_allowed", self._refuse_merge)
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._patches.undo()
+        _unhook(self._handles, self._patches)
 
     def _refuse_assign(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any):
         swapper = self._swapper()
