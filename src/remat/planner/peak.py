@@ -1,7 +1,6 @@
-"""The peak of a whole training step as torch's `MemTracker` counts it (`scope="step"`): every
-storage alive on the device (`remat.measure.LiveStorages` with `peak_on`), without `MemTracker`'s
-attribution to modules, which made a step of the benchmark's small preset about 15 times slower.
-The suite checks the predictions against `MemTracker` itself (tests/independent_memory.py)."""
+"""The peak of a whole training step as torch's `MemTracker` counts it (`scope="step"`): every storage alive on the
+device (`remat.measure.LiveStorages`), without `MemTracker`'s attribution to modules, which made a step of the
+benchmark's small preset ~15x slower. The suite checks it against `MemTracker` (tests/independent_memory.py)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,15 @@ from torch import nn
 from ..measure import LiveStorages
 
 
+# For `ProfileOptions.optimizer`: measure the step's peak with no optimizer to step (a budget whose wrapper
+# knows no optimizer plans the whole step all the same, and says its peak has no optimizer state).
+WITHOUT_OPTIMIZER: Any = type("WithoutOptimizer", (), {"__repr__": lambda self: "WITHOUT_OPTIMIZER"})()
+
+
 class StepPeak:
-    """With an optimizer: a context for one measured step under a live count that also takes the
-    optimizer's step, its state made first (as in every step after the first), then puts the
-    parameters and the optimizer's state back (later steps run on the same weights: an MoE
-    router's choices depend on them). `extra(report)`: the peak beyond the held activations."""
+    """With an optimizer: a context for one measured step under a live count that also takes the optimizer's step, its
+    state made first (as in every step after the first), then puts the parameters and the optimizer's state back (an
+    MoE router's choices depend on the weights). `extra(report)`: the peak beyond the held activations."""
 
     def __init__(self, model: nn.Module, batch: Mapping[str, Any], optimizer: Any, device: torch.device):
         self.model, self.batch, self.optimizer, self.device = model, batch, optimizer, device
@@ -31,6 +34,13 @@ class StepPeak:
         optimizer = self.optimizer
         if optimizer is None:
             yield None
+            return
+        if optimizer is WITHOUT_OPTIMIZER:  # the step's peak all the same: weights, gradients, activations
+            known = [*self.model.parameters(), *self.model.buffers(), *(v for v in self.batch.values())]
+            known += [p.grad for p in self.model.parameters() if p.grad is not None]
+            self.tracker = LiveStorages(peak_on=self.device, known=[t for t in known if isinstance(t, torch.Tensor)])
+            with self.tracker:
+                yield None
             return
         saved_state = copy.deepcopy(optimizer.state_dict())
         params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -1,8 +1,7 @@
-"""`ModelState`: what a profile's bytes and seconds per layer depend on, recorded when measured. A
-plan for a model changed since (cast, moved, another trainable parameter, adapter, swap set or
-checkpoint implementation) is refused, naming the change (`StaleProfileError`): a float32 profile
-planned a float64 model at half its bytes, and swapped weights hold device slots across a step.
-"""
+"""`ModelState`: what a profile's bytes and seconds per layer depend on, recorded when measured. A plan for a model
+changed since (cast, moved, another trainable parameter, adapter, swap set or checkpoint implementation) is refused,
+naming the change (`StaleProfileError`): a float32 profile planned a float64 model at half its bytes, and swapped
+weights hold device slots across a step."""
 
 from __future__ import annotations
 
@@ -95,8 +94,7 @@ def _trainable_change(before: Shapes, now: Shapes) -> str:
 def _adapters(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The PEFT adapters of `model` and the active ones: a PeftModel's, or those transformers' own
     integration loaded into a plain model (duck typing: no PEFT import)."""
-    configs = getattr(model, "peft_config", None)
-    if not isinstance(configs, dict) or not configs:
+    if not isinstance(configs := getattr(model, "peft_config", None), dict) or not configs:
         return (), ()
     active: Any = getattr(model, "active_adapters", ())
     try:

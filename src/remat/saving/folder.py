@@ -246,9 +246,7 @@ def _read_manifest(staging: str, target: str) -> list[dict[str, Any]] | None:
         entries = read_json_object(os.path.join(staging, _MANIFEST), follow_links=False)["files"]
     except (OSError, ValueError, KeyError):
         return None
-    if not isinstance(entries, list) or not all(_well_formed(entry, staging, target) for entry in entries):
-        return None
-    return entries
+    return entries if isinstance(entries, list) and all(_well_formed(e, staging, target) for e in entries) else None
 
 
 def _well_formed(entry: Any, staging: str, target: str) -> bool:
@@ -376,6 +374,5 @@ def _shard_stand_ins(staging: str) -> Iterator[list[str]]:
         for name in shards:  # the stand-ins transformers left
             path = os.path.join(staging, name)
             with contextlib.suppress(FileNotFoundError):
-                info = os.lstat(path)
-                if info.st_size == 0 and stat.S_ISREG(info.st_mode):
+                if (info := os.lstat(path)).st_size == 0 and stat.S_ISREG(info.st_mode):
                     os.unlink(path)
