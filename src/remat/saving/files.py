@@ -1,8 +1,7 @@
-"""Files that are whole or absent, and locks on them. Only regular files are opened, checked without
-blocking (a FIFO would make `open()` wait forever). Locks are `filelock`'s on a descriptor opened
-without following a link; a holder may remove the file on release, so a waiter then locked on the
-removed file takes the one at the path. No write access or no native locks: the lock is not held.
-"""
+"""Files that are whole or absent, and locks on them. Only regular files are opened, checked without blocking (a FIFO
+would make `open()` wait forever). Locks are `filelock`'s on a descriptor opened without following a link; a holder
+may remove the file on release, so a waiter then locked on the removed file takes the one at the path. No write
+access or no native locks: the lock is not held."""
 
 from __future__ import annotations
 
