@@ -14,7 +14,6 @@ from torch import nn
 
 from ..measure import LiveStorages
 
-
 # For `ProfileOptions.optimizer`: measure the step's peak with no optimizer to step (a budget whose wrapper
 # knows no optimizer plans the whole step all the same, and says its peak has no optimizer state).
 WITHOUT_OPTIMIZER: Any = type("WithoutOptimizer", (), {"__repr__": lambda self: "WITHOUT_OPTIMIZER"})()
