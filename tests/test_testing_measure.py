@@ -18,7 +18,7 @@ def test_a_plans_bytes_checked_with_the_public_helpers_on_a_lora_model():
     options = profile.frontier(scope="step")
     assert len(options) >= 2
     before = {n: p.detach().clone() for n, p in cm.named_parameters() if not p.requires_grad}
-    planned = profile.plan(options[0].budget, scope="step")  # every layer recomputed: the least
+    planned = profile.plan(options[0].planned_budget, scope="step")  # every layer recomputed: the least
     cm.enable(planned)
     peak = measure_step_peak(cm, data, optimizer)
     assert abs(peak - planned.predicted_peak_bytes) <= 0.01 * planned.predicted_peak_bytes

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arguments import MAX_COUNT
+from .arguments import MAX_COUNT, parse_bytes
 from .errors import ConfigError, ConfigTypeError, NotSavedError, SavedFileError
 from .policies import CHECKPOINT_POLICIES
 from .policies import NAMES as POLICIES
@@ -27,13 +27,21 @@ from .saving.folder import CONFIG_NAME, read_pair, save_pair
 from .version import __version__
 
 HEADS = ("plain", "chunked")  # the head row's policies (`remat.head`)
+BUDGET_SCOPES = ("step", "activations")  # what a budget bounds (`remat.budget`)
 
 logger = logging.getLogger("remat")
 SWAP_PLACEMENTS = ("spread", "tail")
 # `checkpoint_config.json`'s schema: 2 added "selective" (read as recompute by 1), 3 `architecture`
 # and the adapters' `config_sha256` (unchecked by 2). Newer files are refused; older ones load.
 FORMAT_VERSION = 3
-META_KEYS = ("format_version", "remat_version", "layers", "adapters", "architecture")  # about the save, not the config
+META_KEYS = (
+    "format_version",
+    "remat_version",
+    "layers",
+    "adapters",
+    "architecture",
+    "budget_profile",
+)  # about the save, not the config
 OFFLOAD_IS_A_POLICY = (
     'offload is a policy: checkpoint_policy="offload" for every checkpointed layer, or layer_policies={i: "offload"}'
 )
@@ -146,7 +154,12 @@ class CheckpointConfig:
         preserve_rng_state: replay the forward's RNG state during recompute, so dropout masks match.
         head: "plain" (the model's own head and loss) or "chunked": a training forward with labels computes
             the causal-LM loss in chunks of counted tokens, never the full logits (`remat.head`).
-        head_chunk_tokens: tokens per chunk for "chunked" (None: 1024).
+        head_chunk_tokens: tokens per chunk for "chunked" (None: 1024; with a budget, the planner's choice).
+        budget: bytes (or a size like "20GiB") the map is planned for by itself: on the first training step,
+            then again whenever a step's token count falls in another bucket (`remat.budget`). None: the
+            map is the config's.
+        budget_scope: what the budget bounds: "step" (the peak of a whole training step, with the optimizer's
+            state where the wrapper knows the optimizer) or "activations" (the bytes held for backward).
     """
 
     every_n_layers: int = 1
@@ -159,6 +172,8 @@ class CheckpointConfig:
     preserve_rng_state: bool = True
     head: str = "plain"
     head_chunk_tokens: int | None = None
+    budget: int | str | None = None
+    budget_scope: str = "step"
 
     def __new__(cls, *args: Any, **fields: Any) -> CheckpointConfig:
         if "offload" in fields:
@@ -185,6 +200,15 @@ class CheckpointConfig:
                     f'CheckpointConfig(head_chunk_tokens={self.head_chunk_tokens}) sizes the chunks of head="chunked", '
                     'but head is "plain": add head="chunked", or leave head_chunk_tokens out'
                 )
+        _check_in("budget_scope", self.budget_scope, BUDGET_SCOPES)
+        if self.budget is not None:
+            if parse_bytes(self.budget, "CheckpointConfig.budget") <= 0:
+                raise ConfigError(f"CheckpointConfig.budget must be more than 0 bytes, got {self.budget!r}")
+            if self.layer_policies:
+                raise ConfigError(
+                    "CheckpointConfig(budget=...) chooses every layer's policy, so layer_policies would be overruled: "
+                    "give a budget or layer_policies, not both"
+                )
         chosen = {self.checkpoint_policy, *self.layer_policies.values()}
         picky = sorted(name for name in chosen if _policy(name).needs_non_reentrant)
         if self.use_reentrant and picky:
@@ -192,6 +216,11 @@ class CheckpointConfig:
                 f"CheckpointConfig.use_reentrant=True cannot run the {picky} policy: torch supports it only in "
                 "non-reentrant checkpointing; use use_reentrant=False (the default)"
             )
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """`budget` in bytes (None: no budget)."""
+        return None if self.budget is None else parse_bytes(self.budget, "CheckpointConfig.budget")
 
     def _values(self) -> tuple[Any, ...]:
         return tuple(getattr(self, name) for name in _FIELDS)  # layer_policies: a hashable FrozenPolicies

@@ -4,6 +4,7 @@ all undone by `disable()`. It holds the model weakly and the model's patches hol
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .budget import BudgetState
 from .config import CheckpointConfig
 from .errors import ConfigError, ReplacedWrapperError, StateError
 from .head import ChunkedHead, HeadPlan, plan_head
@@ -39,6 +41,19 @@ def controller_of_wrapper(obj: Any) -> Controller | None:
     """The controller of a `CheckpointedModel`, else None (for rooms below `remat.model`)."""
     controller = obj.__dict__.get("_controller") if isinstance(obj, nn.Module) else None
     return controller if isinstance(controller, Controller) else None
+
+
+def budget_reasons(checkpoint_map: CheckpointMap, config: CheckpointConfig, budget: BudgetState) -> CheckpointMap:
+    """With a budget, each row says so: pending until the first training step, then the bucket planned for."""
+    if config.budget is None:
+        return checkpoint_map
+    scope = f"budget {config.budget} ({config.budget_scope})"
+    if budget.active is None:
+        why = f"{scope}: planned on the first training step; until then {{}}"
+    else:
+        why = f"{scope}, planned for {budget.active_bucket} tokens"
+    plans = [dataclasses.replace(p, reason=why.format(p.reason)) for p in checkpoint_map]
+    return CheckpointMap(plans, off=checkpoint_map.off, head=checkpoint_map.head)
 
 
 def swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tuple[int, str, nn.Module]]:
@@ -74,6 +89,7 @@ class Controller:
         self.wrapper: Ref[nn.Module] = Ref(None)  # the CheckpointedModel (a `LocalRef`), while it exists
         self._adopted_from: list[Ref[nn.Module]] = []  # models this one wrapped before `adopt`
         self._has_installed = False
+        self.budget = BudgetState()  # with CheckpointConfig(budget=...): the profile, plans per bucket, receipts
 
     @property
     def model(self) -> nn.Module:
@@ -135,7 +151,7 @@ class Controller:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
         install_routes(self._routes, self, model)
         self._save_load.install(self, model)
-        self._hook = model.register_forward_pre_hook(self._before_forward)
+        self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         for m in self._owned_models():  # the model keeps its controller alive
             object.__setattr__(m, "_remat_owner", self)
             _LAST_CLAIM[m] = weakref.ref(self)
@@ -185,8 +201,16 @@ class Controller:
     ) -> None:
         """The one path of `enable` and re-planning: plan once, run every check that can refuse before
         anything changes, then swap, install (`install`) or re-apply. `said`: the caller logged it."""
-        new_map = plan_layers(config, self.discovery.names, checkpointing_off_by=off_by) if planned is None else planned
-        head = plan_head(config.head, config.head_chunk_tokens, self.model)
+        if config != self.config and not self.budget.measuring:
+            self.budget.reset_plans()  # another config: its budget plans on the next training step
+        map_config = config
+        if config.budget is not None and planned is None:
+            map_config = self.budget.active or config  # the plan of the current bucket, or pending
+        new_map = (
+            plan_layers(map_config, self.discovery.names, checkpointing_off_by=off_by) if planned is None else planned
+        )
+        new_map = budget_reasons(new_map, config, self.budget)
+        head = plan_head(map_config.head, map_config.head_chunk_tokens, self.model)
         # the same head planned again (a route, a mode change) keeps the row of what last ran
         shown = self.checkpoint_map.head if head == self._head_planned else None
         self._head_planned = head
@@ -195,7 +219,7 @@ class Controller:
         live = installing or self.is_enabled
         if live:
             self._check_swap_change(new_map)
-        if not said:
+        if not said and not self.budget.measuring:  # a budget's profile says one line for all its steps
             self._log_changes(config, new_map, cause)
         if live:
             self._swap_to(new_map)
@@ -276,7 +300,11 @@ class Controller:
 
     def _set_head(self, plan: HeadPlan | None) -> None:
         """The chunked head's hooks for `plan` (none for a plain head, or None). They act on training
-        forwards only, so the mode needs no change here."""
+        forwards only, so the mode needs no change here. Hooks that exist take a new plan in place
+        (a budget re-plans inside the model's forward pre-hooks, whose list that call has already read)."""
+        if self._head is not None and plan is not None and (plan.policy == "chunked" or self.config.budget):
+            self._head.plan = plan
+            return
         if self._head is not None and (plan is None or self._head.plan != plan):
             self._head.remove()
             self._head = None
@@ -328,13 +356,27 @@ class Controller:
                 guard = functools.partial(self._refuse_training_in_inference, plan.index, plan.name)
                 self._guards.append(layer.module.register_forward_pre_hook(guard, prepend=True))
 
-    def _before_forward(self, module: nn.Module, args: Any) -> None:
-        """A model put back into training behind our back (Trainer calls `model.train()`) trains with its map."""
+    def _before_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        """A model put back into training behind our back (Trainer calls `model.train()`) trains with its map;
+        with a budget, a training forward first gets its bucket's plan (`remat.budget`)."""
         self._mode_before_call = None  # a `with` needs the mode call right before it
         if self.inference and (module.training or any(layer.module.training for layer in self.discovery.layers)):
             logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
             self.inference = False
             self.apply_map()
+        budget = self.budget
+        if self.config.budget is None or self.off_by is not None or budget.measuring or self.inference:
+            return
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        batch = dict(kwargs)
+        if args and isinstance(args[0], torch.Tensor):
+            batch.setdefault("input_ids", args[0])
+        budget.before_step(self, batch)
+        # after every other hook (the chunked head's replaces the output): watch this forward's backward
+        handle = module.register_forward_hook(
+            lambda m, a, output: (handle.remove(), budget.watch_backward(output))[0], always_call=True
+        )
 
     def _refuse_training_in_inference(self, index: int, name: str, module: nn.Module, args: Any) -> None:
         """A checkpointed layer run alone (not via the model's forward) in training mode would skip its checkpoint."""
@@ -344,6 +386,10 @@ class Controller:
                 "inference mode (checkpointing off), so it would train without its checkpoint. Call "
                 "cm.for_training() first, or run the whole model (cm(...) or cm.model(...)), which applies the map"
             )
+
+    def save_extras(self) -> dict[str, Any]:
+        """Keys a save writes into `checkpoint_config.json` beside the config (`remat.persistence.pair_format`)."""
+        return self.budget.save_extras(self.config)
 
     def adopt_saved_config(self, config: CheckpointConfig, cause: str) -> None:
         """A config loaded from a checkpoint folder; a route's "off" stays off, a disabled wrapper as it is."""

@@ -180,8 +180,8 @@ class ChunkedHead:
 
     def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.remove_call()
-        if not (module.training and torch.is_grad_enabled()):
-            return None
+        if self.plan.policy != "chunked" or not (module.training and torch.is_grad_enabled()):
+            return None  # plain: a budget's plan chose the model's own head (the hooks stay for its next plan)
         if kwargs.get("labels") is None:
             self._plain("a training forward without labels (its caller computes the loss from the logits)")
             return None

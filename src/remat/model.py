@@ -32,6 +32,7 @@ from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
 if TYPE_CHECKING:
     import torch
 
+    from .budget import Receipt
     from .loss import LossFn
     from .planner import Profile
     from .report import MemoryReport
@@ -269,6 +270,12 @@ class CheckpointedModel(nn.Module):
 
     def reset_swap_stats(self) -> None:
         self._controller.swapper.reset_stats()
+
+    @property
+    def budget_receipts(self) -> list[Receipt]:
+        """With `CheckpointConfig(budget=...)`: per token bucket planned so far, its plan, predicted bytes,
+        steps run and (on an accelerator) the measured peak (`remat.budget.Receipt`)."""
+        return [dataclasses.replace(r) for r in self._controller.budget.receipts.values()]
 
     def summary(self) -> str:
         """The map's table with what offload and block swap did per layer."""

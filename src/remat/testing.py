@@ -37,8 +37,8 @@ def _batch_device(batch: Mapping[str, Any]) -> torch.device:
 def measure_held_activations(model: nn.Module, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None) -> int:
     """The bytes forward leaves alive for backward on the batch's device, as remat counts them (`remat.measure`;
     weights, buffers and host copies not counted): compare with a plan's `predicted_device_bytes`
-    (`scope="activations"`), e.g. `cm.enable(planned); assert measure_held_activations(cm, batch) <= planned.budget`.
-    Runs one step; gradients are cleared after."""
+    (`scope="activations"`), e.g. `cm.enable(planned); assert measure_held_activations(cm, batch) <=
+    planned.planned_budget`. Runs one step; gradients are cleared after."""
     device = _batch_device(batch)
     loss, held = held_bytes_after(lambda: step_loss(model, batch, loss_fn), weight_storages(model), device)
     loss.backward()

@@ -55,6 +55,8 @@ class _RematTrainerMixin:
         super().__init__(*args, **kwargs)
         if self.model is not cm.model:  # a TRL trainer given peft_config= built a PeftModel around cm.model
             controller.adopt(self.model, f"{type(self).__name__}(peft_config=...)")
+        if isinstance(getattr(self, "optimizer", None), torch.optim.Optimizer):  # given as optimizers=(optimizer, ...)
+            controller.budget.set_optimizer(self.optimizer)
         _warn_if_arguments_change_the_map(controller, own_config, own_map, self.args)
         self.add_callback(_MapInLogs(self))
         if cm.is_enabled and not trainer_asks_for_checkpointing(self.args) and cm.checkpoint_map.checkpointed:
@@ -63,6 +65,22 @@ class _RematTrainerMixin:
                 "applies (layers %s checkpointed); cm.disable() trains without checkpointing",
                 cm.checkpoint_map.checkpointed,
             )
+
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        """Trainer's optimizer, made known to a budget (`budget_scope="step"` counts its state)."""
+        optimizer = super().create_optimizer(*args, **kwargs)  # type: ignore[misc]
+        if self.checkpointed_model is not None and isinstance(optimizer, torch.optim.Optimizer):
+            controller_of_wrapper(self.checkpointed_model).budget.set_optimizer(optimizer)
+        return optimizer
+
+    def log(self, logs: dict[str, Any], *args: Any, **kwargs: Any) -> None:
+        """With a budget, the receipt of the last step's bucket beside the loss: its tokens, its plan's
+        recomputed layers, predicted (and on an accelerator measured) bytes."""
+        cm = self.checkpointed_model
+        budget = controller_of_wrapper(cm).budget if cm is not None else None
+        if budget is not None and (receipt := budget.receipts.get(budget.last_bucket)) is not None:
+            logs = {**logs, **receipt.log_values()}
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def call_model_init(self, trial: Any = None) -> Any:
         """`model_init` may return a wrapper too (also on every hyperparameter-search trial)."""
@@ -163,7 +181,7 @@ def map_summary(controller: Any) -> dict[str, int | float]:
         ("remat/planned_activation_bytes", "predicted_device_bytes"),
         ("remat/planned_host_bytes", "predicted_host_bytes"),
         ("remat/planned_step_peak_bytes", "predicted_peak_bytes"),
-        ("remat/planned_budget_bytes", "budget"),
+        ("remat/planned_budget_bytes", "planned_budget"),
     ):
         value = getattr(controller.config, field, None)
         if isinstance(value, (int, float)) and not isinstance(value, bool):

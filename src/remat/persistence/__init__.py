@@ -80,6 +80,7 @@ def load_checkpointed_model(
                         Expected.of(built, found.names).check(loaded.saved)
                         checkpoint_map = cls._plan(built, found, loaded.saved.config)
                     cm = cls(built, loaded.saved.config, **vars(options), _prepared=(found, checkpoint_map))
+                    cm._controller.budget.take_saved(loaded.saved.budget_profile, loaded.saved.file)
             except FolderChangedError:
                 if loaded.snapshot.locked or attempt == _READ_AGAIN:
                     raise
@@ -92,8 +93,9 @@ def load_checkpointed_model(
 def apply_saved_config(owner: Any, folder: str, cause: str) -> None:
     """Check the pair in `folder` for `owner`'s model, then apply its config (Trainer's resume, best model)."""
     with read_model_pair(folder, Expected.for_owner(owner)) as loaded:
-        config = loaded.saved.config
-    owner.adopt_saved_config(config, f"{cause} from {folder}")
+        saved = loaded.saved
+    owner.budget.take_saved(saved.budget_profile, saved.file)
+    owner.adopt_saved_config(saved.config, f"{cause} from {folder}")
 
 
 def _save_with_config(owner: Any, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
@@ -136,6 +138,7 @@ class _LoadAdapterWithConfig:
                 result = load(loaded.snapshot.folder, *args, **kwargs)
                 loaded.snapshot.unchanged()  # PEFT read the files checked (a `FolderChangedError` is undone)
         self.loaded_from = os.path.abspath(folder)
+        self.owner.budget.take_saved(loaded.saved.budget_profile, loaded.saved.file)
         self.owner.adopt_saved_config(loaded.saved.config, f"load_adapter({folder})")
         return result
 

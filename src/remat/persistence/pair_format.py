@@ -74,6 +74,7 @@ class Saved:
     layers: list[str] | None
     adapters: tuple[SavedAdapter, ...] | None  # None: the config does not say (an older save)
     architecture: dict[str, Any] | None  # None: an older save
+    budget_profile: dict[str, Any] | None = None  # a budget's profile (`remat.planner.saved`), checked when used
 
 
 def parse_saved(snapshot: Snapshot) -> Saved:
@@ -99,7 +100,9 @@ def parse_saved(snapshot: Snapshot) -> Saved:
                 f"{file}: adapter {name!r} must name a folder, a weights file and their sha256{_AGAIN}"
             )
         found.append(SavedAdapter(name, entry["folder"], entry["weights"], entry["sha256"], entry.get("config_sha256")))
-    return Saved(file, config, layers, None if adapters is None else tuple(found), architecture)
+    profile = data.get("budget_profile")
+    profile = profile if isinstance(profile, dict) else None  # not one: measured again, nothing refused
+    return Saved(file, config, layers, None if adapters is None else tuple(found), architecture, profile)
 
 
 def pair_files(config: dict[str, Any] | None) -> list[str]:
@@ -266,6 +269,7 @@ def save_model_pair(
         payload["layers"] = relative_names(model, names)
         payload["architecture"] = architecture_of(model, len(names))
         payload["adapters"] = fingerprints(model, staging, selected)
+        payload.update(getattr(owner, "save_extras", dict)())  # a budget's profile
         return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 
     return save_pair(target, config_text, write, keep=("README.md",), stale_shards=not is_peft_model(model))

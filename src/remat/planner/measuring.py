@@ -26,7 +26,7 @@ from ..policies import LayerProfile, policy
 from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, memory_report
 from ..snapshot import model_left_as_it_was
 from .chooser import SMALLEST_CHUNK, HeadProfile, Measurements, Outside, StepMemory, TimePrices
-from .peak import StepPeak
+from .peak import WITHOUT_OPTIMIZER, StepPeak
 from .timing import BALANCES, Held, Seconds, price_time, synchronize, timed_policies
 
 HEAD_CHUNK_OPS = 8  # ops each chunk of the chunked head launches (slice, matmul, upcast, cross entropy), forward
@@ -48,7 +48,7 @@ class ProfileOptions:
     def __post_init__(self) -> None:
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ConfigError(f"repeats must be an int >= 1, got {self.repeats!r}")
-        if self.optimizer is not None and not isinstance(self.optimizer, torch.optim.Optimizer):
+        if self.optimizer not in (None, WITHOUT_OPTIMIZER) and not isinstance(self.optimizer, torch.optim.Optimizer):
             raise ConfigTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
 
 
@@ -113,7 +113,7 @@ class _Steps:
         self.peak = StepPeak(self.model, batch, optimizer, self.device)
         self.extras: dict[tuple[str, bool], int] = {}  # (last layer's policy, checkpointing) -> peak - held
         self.n = len(state.checkpoint_map)
-        self.base = state.config.replace(layer_policies=dict.fromkeys(range(self.n), "recompute"))
+        self.base = state.config.replace(budget=None, layer_policies=dict.fromkeys(range(self.n), "recompute"))
 
     def _run(self, policies: Mapping[int, str], step: Callable[[], Any], head: dict[str, Any] | None = None) -> Any:
         """`step()` under `policies` (the other layers recomputing; `head`: config fields of another head); None if

@@ -23,7 +23,7 @@ class PlannedConfig(CheckpointConfig):
 
     choices: tuple[LayerChoice, ...]
     outside_bytes: int
-    budget: int
+    planned_budget: int  # the bytes it was planned for (a config's `budget` is what plans it by itself)
     scope: str
     tokens: int
     predicted_seconds: float
@@ -61,7 +61,10 @@ class PlannedConfig(CheckpointConfig):
         rows.append(("", "total (predicted)", "", *totals, step))
         header = ("index", "name", "policy", "held MiB (device)", "held MiB (host)", "step ms")
         what = "held activations on the device" if self.scope == "activations" else "peak of a whole training step"
-        lines = [render_table(header, rows), f"budget {mib(self.budget)} MiB of {what}, for {self.tokens} tokens"]
+        lines = [
+            render_table(header, rows),
+            f"budget {mib(self.planned_budget)} MiB of {what}, for {self.tokens} tokens",
+        ]
         if self.predicted_peak_bytes is not None:
             lines.append(f"predicted peak of a whole step: {mib(self.predicted_peak_bytes)} MiB")
         return "\n".join([*lines, *self.notes])
@@ -136,7 +139,7 @@ class Profile:
 
     def frontier(self, *, scope: str = "activations", tokens: int | None = None) -> list[PlannedConfig]:
         """Every undominated plan: ascending in predicted bytes (of `scope`), each predicted faster
-        than the one before. Each is a `PlannedConfig` whose budget is its own predicted bytes."""
+        than the one before. Each is a `PlannedConfig` whose `planned_budget` is its own predicted bytes."""
         config, m = self._base(scope, tokens)
         return [self._config(p, p.device_bytes, m.tokens, config) for p in frontier(m, scope)]
 
@@ -163,35 +166,41 @@ class Profile:
         unknown; `StaleProfileError` if the model changed) and the measurements at `tokens`."""
         check_scope(self.measurements, scope)  # a scope this profile cannot plan is said first
         m = self.measurements.scaled(tokens)
+        controller, changes = self.changes()
+        if changes:
+            raise StaleProfileError(
+                f"this profile measured the model in another state: {'; '.join(changes)}. Its figures do not hold for "
+                "the model as it is now: call cm.profile(batch) again and plan from the new profile"
+            )
+        return (self.config if controller is None else controller.config), m
+
+    def changes(self) -> tuple[Any, list[str]]:
+        """The wrapper's controller (None: gone, or the state unknown) and what changed in its model since the
+        measuring, in words (empty: nothing)."""
         controller = self._wrapper()
         try:
             model = None if controller is None else controller.model
         except RuntimeError:  # the model is gone
             model = None
         if model is None or self.state is None:
-            return self.config, m
+            return None, []
         names = tuple(plan.name for plan in controller.checkpoint_map)
         now = ModelState.of(model, controller.config, len(names))
         measured_offload = any("offload" in options for options in self.measurements.options)
         changes = self.state.changes(now, measured_offload=measured_offload)
         if names != self.measurements.names:
             changes.insert(0, f"the layers were {list(self.measurements.names)}, now {list(names)}")
-        if changes:
-            raise StaleProfileError(
-                f"this profile measured the model in another state: {'; '.join(changes)}. Its figures do not hold for "
-                "the model as it is now: call cm.profile(batch) again and plan from the new profile"
-            )
-        return controller.config, m
+        return controller, changes
 
     def _config(self, chosen: Plan, budget: int, tokens: int, config: CheckpointConfig) -> PlannedConfig:
         picked = chosen.head
         head = {} if picked is None else {"head": picked.policy, "head_chunk_tokens": picked.chunk_tokens}
-        planned = config.replace(layer_policies={c.index: c.policy for c in chosen.choices}, **head)
+        planned = config.replace(budget=None, layer_policies={c.index: c.policy for c in chosen.choices}, **head)
         return PlannedConfig.of(
             planned,
             choices=chosen.choices,
             outside_bytes=chosen.outside_bytes,
-            budget=budget,
+            planned_budget=budget,
             scope=chosen.scope,
             tokens=tokens,
             predicted_seconds=chosen.seconds,

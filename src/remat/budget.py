@@ -1,0 +1,293 @@
+"""The budget (`CheckpointConfig(budget="20GiB")`): the map planned by itself, between steps.
+
+The first training forward with gradients (whoever calls it: `cm(...)`, Trainer, TRL) is measured on
+its batch (`remat.planner`, one profile); every training forward then takes the plan of its token
+count's bucket from that profile, chosen without running the model and cached. Buckets are geometric
+(`bucket_of`), each planned for its largest count, so every step in it fits. A step no plan fits is
+refused before its forward, naming the largest count that fits. The map changes in a forward's
+pre-hook only, never while an earlier forward's backward is owed. The receipt keeps, per bucket, the
+plan, its prediction and (on an accelerator) the allocator's measured peak.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .errors import ConfigError, StaleProfileError, StateError
+
+logger = logging.getLogger("remat")
+
+
+def bucket_of(tokens: int) -> int:
+    """The largest token count of `tokens`' bucket: the smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two
+    and one and a half times them) that is at least `tokens`: a step is planned for at most 1.5x its tokens."""
+    power = 1 << max(0, (max(tokens, 1) - 1).bit_length() - 1)  # the largest power of two below tokens (or 1)
+    return next(size for size in (power, power + power // 2, 2 * power) if size >= tokens)
+
+
+def step_tokens(batch: Mapping[str, Any]) -> int:
+    """Batch x sequence length of a forward's inputs (what the activations grow with)."""
+    from .planner.measuring import batch_tokens
+
+    return batch_tokens(batch)
+
+
+@dataclass
+class Receipt:
+    """One bucket: its plan, what the plan predicted, and what ran.
+
+    `measured_peak_bytes` is the largest allocator peak of its steps on an accelerator (None on a CPU,
+    where the only count is a dispatch-mode watch that slows every op: `remat.testing.measure_step_peak`)."""
+
+    bucket_tokens: int
+    policies: tuple[str, ...]
+    head: str
+    predicted_peak_bytes: int | None  # scope="step": the whole step; "activations": the held bytes
+    scope: str
+    steps: int = 0
+    measured_peak_bytes: int | None = None
+    planning_seconds: float = 0.0
+
+    def log_values(self) -> dict[str, float]:
+        """Numbers for a trainer's logs (TensorBoard and W&B keep numbers only)."""
+        values: dict[str, float] = {
+            "remat/budget_bucket_tokens": self.bucket_tokens,
+            "remat/budget_recomputed_layers": sum(p != "none" for p in self.policies),
+        }
+        if self.predicted_peak_bytes is not None:
+            values["remat/budget_predicted_bytes"] = self.predicted_peak_bytes
+        if self.measured_peak_bytes is not None:
+            values["remat/budget_measured_bytes"] = self.measured_peak_bytes
+        return values
+
+
+@dataclass
+class BudgetState:
+    """What one wrapper's budget knows: the profile, the plans per bucket, the receipts."""
+
+    profile: Any = None  # remat.planner.Profile, measured on the first training step (or loaded)
+    saved: Any = None  # a profile read from a save, used instead of measuring when it still describes the model
+    plans: dict[int, Any] = field(default_factory=dict)  # bucket -> PlannedConfig, or None: nothing fits
+    active: Any = None  # the PlannedConfig the map runs (None: pending, before the first step)
+    active_bucket: int | None = None
+    receipts: dict[int, Receipt] = field(default_factory=dict)
+    last_bucket: int | None = None
+    owed: set[int] = field(default_factory=set)  # forwards whose backward has not run (ids)
+    optimizer: Any = None  # weakref to the trainer's optimizer (scope="step" counts its state)
+    measuring: bool = False
+    fresh_key: Any = None  # `_model_key` when the profile was last found to describe the model
+    params: list[Any] = field(default_factory=list)  # the model's parameters then
+    profiles_measured: int = 0
+
+    def __reduce__(self) -> Any:
+        """A copy (deepcopy, pickle) starts afresh: its profile would check and plan another wrapper's model."""
+        return (BudgetState, ())
+
+    def reset_plans(self) -> None:
+        """Another budget, scope or setting: plans are chosen again (the profile stays while it describes the model)."""
+        self.plans.clear()
+        self.active = self.active_bucket = None
+
+    def take_saved(self, data: dict[str, Any] | None, source: str) -> None:
+        """A profile read from a save, planned from on the next training step where it still describes the model
+        and the machine (one measured in this process already is kept)."""
+        from .planner.saved import SavedProfile
+
+        if data is not None and self.profile is None:
+            self.saved = SavedProfile(source, data)
+
+    def save_extras(self, config: Any) -> dict[str, Any]:
+        """What a save writes beside a budget config: the profile, so a resumed run need not measure."""
+        from .planner.saved import profile_to_json
+
+        if config.budget is None or self.profile is None:
+            return {}
+        return {"budget_profile": profile_to_json(self.profile)}
+
+    def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self.optimizer = None if optimizer is None else weakref.ref(optimizer)
+
+    def known_optimizer(self) -> torch.optim.Optimizer | None:
+        return None if self.optimizer is None else self.optimizer()
+
+    def before_step(self, controller: Any, batch: dict[str, Any]) -> None:
+        """Called in the model's forward pre-hook of a training forward with gradients."""
+        config = controller.config
+        tokens = step_tokens(batch)
+        self._close_receipt()
+        started = time.perf_counter()
+        planned = self._plan_for(controller, batch, tokens)
+        bucket = bucket_of(tokens)
+        if planned != self.active:  # another map (two buckets often plan the same one: nothing to apply)
+            if self.owed:
+                raise StateError(
+                    f"budget: this forward ({tokens} tokens) needs the plan for {bucket} tokens, but an earlier "
+                    "forward's backward has not run, and the map must not change inside a step. Call backward (or "
+                    "drop that forward's outputs) first; nothing was changed"
+                )
+            self.active, self.active_bucket = planned, bucket
+            controller.replan(config, controller.off_by, f"budget: a step of {tokens} tokens", said=True)
+        receipt = self.receipts.get(bucket)
+        if receipt is None:  # said once per bucket; later changes between known buckets are not news
+            receipt = self.receipts[bucket] = _receipt(planned, bucket)
+            receipt.planning_seconds = time.perf_counter() - started
+            logger.info("budget: steps of up to %d tokens run %r", bucket, controller.checkpoint_map)
+        receipt.steps += 1
+        self.last_bucket = bucket
+        _reset_peak(controller)
+
+    def _plan_for(self, controller: Any, batch: dict[str, Any], tokens: int) -> Any:
+        config, bucket = controller.config, bucket_of(tokens)
+        if self.profile is None:
+            self._measure(controller, batch, tokens, why="the first training step")
+        # every step: a cached plan is only as good as its profile (the full check when the quick key moves, and
+        # for every bucket planned anew)
+        key = _model_key(controller, self.params)
+        if (key != self.fresh_key or bucket not in self.plans) and (changes := self.profile.changes()[1]):
+            self._measure(controller, batch, tokens, why=f"the model changed since its profile ({'; '.join(changes)})")
+        if key != self.fresh_key or bucket not in self.plans:
+            self.params = list(controller.model.parameters())
+            self.fresh_key = key = _model_key(controller, self.params)
+        if bucket not in self.plans:
+            self.plans[bucket] = self._choose(config, bucket)
+        planned = self.plans[bucket]
+        if planned is None:
+            fits = self.largest_fitting(config, bucket)
+            raise ConfigError(
+                f"budget: a step of {tokens} tokens fits no map under budget={config.budget!r} "
+                f"(budget_scope={config.budget_scope!r}); "
+                + (f"the largest step that fits is {fits} tokens" if fits else "no step fits this budget")
+                + ": make the batch shorter or smaller, or give a larger budget. This forward did not run"
+            )
+        return planned
+
+    def _choose(self, config: Any, tokens: int) -> Any:
+        """The plan for `tokens` under `config`'s budget; None when nothing fits."""
+        from .planner.chooser import check_scope
+
+        check_scope(
+            self.profile.measurements, config.budget_scope
+        )  # a scope it cannot plan is an error, not "too long"
+        try:
+            return self.profile.plan(config.budget_bytes, scope=config.budget_scope, tokens=tokens)
+        except StaleProfileError:
+            raise
+        except ConfigError:
+            return None  # nothing fits: refused by the caller, with the largest count that fits
+
+    def largest_fitting(self, config: Any, above: int) -> int:
+        """The largest token count below `above` that some plan fits; 0 if none."""
+        low, high = 0, above
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if self._choose(config, middle) is not None else (low, middle)
+        return low
+
+    def _measure(self, controller: Any, batch: dict[str, Any], tokens: int, why: str) -> None:
+        from .planner import ProfileOptions, profile_model
+
+        config = controller.config
+        if self.saved is not None:
+            saved, self.saved = self.saved, None
+            changes = saved.differences()
+            if not changes:
+                self.profile = saved.profile(controller)
+                logger.info("budget: planning from the saved profile (%s); nothing measured", saved.source)
+                return
+            logger.info("budget: the saved profile is not used (%s): measuring again", "; ".join(changes))
+        from .planner.peak import WITHOUT_OPTIMIZER
+
+        optimizer = self.known_optimizer() if config.budget_scope == "step" else None
+        if optimizer is None and config.budget_scope == "step":
+            optimizer = WITHOUT_OPTIMIZER
+        loss_fn = None if batch.get("labels") is not None else logits_loss
+        logger.info(
+            "budget %r (%s): measuring a profile on %s (%d tokens)%s",
+            config.budget,
+            config.budget_scope,
+            why,
+            tokens,
+            "; no optimizer known, so the planned step peak counts weights, gradients and activations but no "
+            "optimizer state (RematTrainer and TRL's trainers hand theirs over)"
+            if optimizer is WITHOUT_OPTIMIZER
+            else "",
+        )
+        self.measuring = True
+        try:
+            # one timed step per map: seconds scale every price by one rate, so a budget's choices (by bytes, then
+            # by those prices) are the counts' whatever the noise; only the printed seconds are less sure
+            self.profile = profile_model(controller, batch, ProfileOptions(loss_fn, optimizer, True, 1))
+        finally:
+            self.measuring = False
+        if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
+            self.profile.notes += ("step peak: weights, gradients and activations; no optimizer state (none known)",)
+        self.profiles_measured += 1
+        self.plans.clear()
+        self.fresh_key = None
+
+    def _close_receipt(self) -> None:
+        """The step that ran last: its allocator peak into its bucket's receipt (accelerators only)."""
+        receipt = self.receipts.get(self.last_bucket) if self.last_bucket is not None else None
+        if receipt is not None and (peak := _device_peak()) is not None:
+            receipt.measured_peak_bytes = max(receipt.measured_peak_bytes or 0, peak)
+
+    def watch_backward(self, output: Any) -> None:
+        """This forward owes a backward until one of its outputs gets a gradient, or all are freed."""
+        tensors = [t for t in _tensors(output) if t.requires_grad]
+        if not tensors:
+            return
+        token = id(tensors[0])
+        self.owed.add(token)
+        done = lambda *_: self.owed.discard(token)
+        for tensor in tensors:
+            tensor.register_hook(lambda grad: done())
+            weakref.finalize(tensor, done)
+
+
+def _model_key(controller: Any, params: list[Any]) -> tuple[Any, ...]:
+    """What a profile's validity depends on, cheap enough for every step: the dtype, device and training
+    flag of the parameters the model had when last checked, its adapters and active ones, the config.
+    (`Profile.changes` reads the whole state, every parameter by name, when this moves, and for every bucket
+    planned anew: a parameter added outside PEFT is seen there.)"""
+    model = controller.model
+    adapters = tuple(getattr(model, "peft_config", None) or ())
+    flags = tuple((p.dtype, p.device, p.requires_grad) for p in params)
+    return flags, adapters, str(getattr(model, "active_adapters", None)), id(controller.config)
+
+
+def logits_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
+    """A loss for profiling a batch without labels (GRPO, DPO: the trainer computes its loss from the
+    logits): the logits' mean, whose backward reaches every layer as any loss over the logits does."""
+    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
+    return logits.float().mean()
+
+
+def _tensors(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, torch.Tensor):
+        return [output]
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _receipt(planned: Any, bucket: int) -> Receipt:
+    peak = planned.predicted_peak_bytes if planned.scope == "step" else planned.predicted_device_bytes
+    head = f"chunked({planned.head_chunk_tokens})" if planned.head == "chunked" else planned.head
+    return Receipt(bucket, tuple(c.policy for c in planned.choices), head, peak, planned.scope)
+
+
+def _device_peak() -> int | None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated()
+    return None
+
+
+def _reset_peak(controller: Any) -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()

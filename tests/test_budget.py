@@ -1,0 +1,236 @@
+"""A budget in the config (`CheckpointConfig(budget=...)`, `remat.budget`): planned on the first
+training step from a profile of its batch, re-planned per token bucket from the same profile, the
+map changing only between steps, a step no plan fits refused before its forward, the receipt."""
+
+import logging
+import random
+
+import pytest
+import torch
+from conftest import add_lora, assert_same_grads, batch, step_grads, tiny_model
+from independent_memory import activation_bytes
+
+from remat import CheckpointConfig, CheckpointedModel
+from remat.budget import bucket_of
+from remat.errors import ConfigError, StateError
+from remat.model import controller_of
+
+
+def _model(seed=0):
+    return add_lora(tiny_model(num_hidden_layers=4, seed=seed, attention_dropout=0.0), dropout=0.0)
+
+
+def _budget_between(tokens_none: int, seq_none: int) -> int:
+    """A budget under which every layer "none" fits up to `tokens_none` tokens and longer steps must
+    recompute: the all-"none" plan's held bytes at that length, from an explicit profile."""
+    cm = CheckpointedModel(_model())
+    profile = cm.profile(batch(size=2, seq=seq_none), repeats=1, progress=False)
+    plans = profile.frontier(scope="activations", tokens=tokens_none)
+    cm.disable()
+    return max(p.predicted_device_bytes for p in plans)
+
+
+def _recomputed_in_backward(cm):
+    """Per step, the layers that ran inside a backward: the map that really ran (not the one shown)."""
+    from remat.model import controller_of
+
+    seen, budget = set(), controller_of(cm).budget
+
+    def hook(index):
+        def record(module, args):  # not the steps of the profile measured inside the first step
+            if torch._C._current_graph_task_id() != -1 and not budget.measuring:
+                seen.add(index)
+
+        return record
+
+    for index, layer in enumerate(cm.layers):  # a child: the recompute runs the layer's forward, not its hooks
+        next(iter(layer.children())).register_forward_pre_hook(hook(index))
+    return seen
+
+
+def test_the_map_is_pending_until_the_first_training_step_then_planned_for_its_bucket(caplog):
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    table = str(cm.checkpoint_map)
+    assert "planned on the first training step" in table and "budget 64MiB" in table
+    with torch.no_grad():  # evaluation does not plan
+        cm(**batch(size=2, seq=16))
+    assert "planned on the first training step" in str(cm.checkpoint_map)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**batch(size=2, seq=16)).loss.backward()
+    measured = [r for r in caplog.records if "measuring a profile" in r.getMessage()]
+    assert len(measured) == 1 and "32 tokens" in measured[0].getMessage()
+    assert not any("changed the checkpoint config" in r.getMessage() for r in caplog.records), (
+        "one line, not one a step"
+    )
+    assert cm.checkpoint_map.checkpointed == [], "64 MiB holds every layer's activations"
+    assert all("planned for 32 tokens" in plan.reason for plan in cm.checkpoint_map)
+    (receipt,) = cm.budget_receipts
+    assert (receipt.bucket_tokens, receipt.steps, receipt.policies) == (32, 1, ("none",) * 4)
+
+
+def test_a_long_tailed_run_replans_per_bucket_fits_every_step_and_trains_exactly():
+    """A GRPO-shaped run: lengths from a long tail. Every step's gradients equal a model without
+    checkpointing; the layers recomputed in backward are the map's of that step (the map changed
+    only between steps); every few steps the activations held after forward, as the allocator
+    counts them, are within the budget."""
+    budget = _budget_between(tokens_none=48, seq_none=24)
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    plain = _model()
+    recomputed = _recomputed_in_backward(cm)
+    rng = random.Random(0)
+    lengths = [min(64, int(rng.lognormvariate(2.5, 0.8)) + 4) for _ in range(10)] + [64, 8]
+    params, plain_params = list(cm.model.named_parameters()), list(plain.named_parameters())
+    maps, counted = set(), 0
+    for step, seq in enumerate(lengths):
+        data = batch(seed=step, size=2, seq=seq)
+        recomputed.clear()
+        _, grads = step_grads(cm, params, data)
+        _, expected = step_grads(plain, plain_params, data)
+        assert_same_grads(expected, grads)
+        assert recomputed == set(cm.checkpoint_map.checkpointed), (step, seq, recomputed)
+        maps.add(tuple(cm.checkpoint_map.checkpointed))
+        receipt = next(r for r in cm.budget_receipts if r.bucket_tokens == bucket_of(2 * seq))
+        assert receipt.policies == tuple(p.policy for p in cm.checkpoint_map), "the step ran its bucket's plan"
+        if step % 4 == 3 or seq == 64:
+            counted += 1
+            held = activation_bytes(cm, data)
+            assert held <= budget * 1.02, (seq, held, budget)  # the allocator's count; 2% for its rounding
+    assert len(maps) >= 2, "short and long steps ran different maps"
+    assert () in maps, "the short steps recompute nothing"
+    receipts = {r.bucket_tokens: r for r in cm.budget_receipts}
+    assert sum(r.steps for r in receipts.values()) == len(lengths) + counted
+    assert all(r.predicted_peak_bytes <= budget for r in receipts.values())
+
+
+def test_a_step_budget_in_a_plain_loop_counts_the_whole_step_without_an_optimizer_and_says_so():
+    """No optimizer is known to a plain loop: the plan bounds weights, gradients and activations (what
+    MemTracker counts of a step without an optimizer), and its printout says the optimizer is not in it."""
+    from remat.testing import measure_step_peak
+
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB"))
+    cm(**batch(size=2, seq=8)).loss.backward()
+    long = batch(size=2, seq=64)
+    cm(**long).loss.backward()
+    (_, receipt) = sorted(cm.budget_receipts, key=lambda r: r.bucket_tokens)
+    measured = measure_step_peak(cm, long)
+    assert abs(measured - receipt.predicted_peak_bytes) <= 0.05 * receipt.predicted_peak_bytes
+    assert "no optimizer state" in str(controller_of(cm).budget.active)
+
+
+def test_a_step_no_plan_fits_is_refused_before_its_forward_and_the_next_one_runs():
+    budget = _budget_between(tokens_none=32, seq_none=16)
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget // 3, budget_scope="activations"))
+    cm(**batch(size=2, seq=8)).loss.backward()
+    before = cm.checkpoint_map
+    ran = []
+    cm.layers[0].register_forward_pre_hook(lambda module, args: ran.append(1))
+    with pytest.raises(ConfigError, match=r"a step of 512 tokens fits no map .* the largest step that fits is \d+"):
+        cm(**batch(size=2, seq=256))
+    assert ran == [] and cm.checkpoint_map == before
+    largest = int(str(cm.budget_receipts) and _largest(cm, 512))
+    assert 16 <= largest < 512
+    cm(**batch(size=2, seq=8)).loss.backward()  # the next step runs
+
+
+def _largest(cm, tokens):
+    from remat.model import controller_of
+
+    controller = controller_of(cm)
+    return controller.budget.largest_fitting(controller.config, tokens)
+
+
+def test_the_map_is_kept_through_inference_routes_and_generation():
+    budget = _budget_between(tokens_none=32, seq_none=16)
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    cm(**batch(size=2, seq=64)).loss.backward()
+    planned = cm.checkpoint_map
+    assert planned.checkpointed, "128 tokens recompute under this budget"
+    with cm.for_inference():
+        cm.generate(input_ids=batch(size=1, seq=4)["input_ids"], max_new_tokens=2, do_sample=False)
+    assert cm.checkpoint_map == planned
+    cm.model.gradient_checkpointing_disable()
+    cm.model.gradient_checkpointing_enable()
+    assert cm.checkpoint_map == planned and cm.checkpoint_config.budget == budget
+
+
+@pytest.mark.parametrize("change", ["adapter", "dtype", "swap"])
+def test_a_stale_profile_is_measured_again_naming_what_changed(caplog, change):
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    cm(**batch(size=2, seq=8)).loss.backward()
+    if change == "adapter":
+        cm.model.add_adapter("second", cm.model.peft_config["default"])
+    elif change == "dtype":
+        cm.model.double()
+    else:
+        cm.enable(cm.checkpoint_config.replace(swap_layers=1))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**batch(size=2, seq=8)).loss.backward()
+    messages = [r.getMessage() for r in caplog.records if "measuring a profile" in r.getMessage()]
+    said = {"adapter": "adapters were", "dtype": "dtypes were", "swap": "swapped layers were"}[change]
+    assert len(messages) == 1 and said in messages[0], messages
+
+
+def _saved(tmp_path, caplog):
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    cm(**batch(size=2, seq=8)).loss.backward()
+    cm.save_pretrained(tmp_path)
+    return tmp_path / "checkpoint_config.json"
+
+
+def _first_step_after_loading(tmp_path, caplog):
+    from remat.budget import logger  # noqa: F401 (the "remat" logger)
+
+    loaded = CheckpointedModel.from_pretrained(tiny_model(num_hidden_layers=4, attention_dropout=0.0), tmp_path)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        loaded(**batch(size=2, seq=8)).loss.backward()
+    return [r.getMessage() for r in caplog.records if "budget" in r.getMessage()]
+
+
+def test_a_load_plans_from_the_saved_profile_without_measuring(tmp_path, caplog):
+    _saved(tmp_path, caplog)
+    said = _first_step_after_loading(tmp_path, caplog)
+    assert any("planning from the saved profile" in m for m in said) and not any("measuring" in m for m in said)
+
+
+@pytest.mark.parametrize("damage", ["another machine", "malformed"])
+def test_a_saved_profile_from_another_machine_or_malformed_is_measured_again(tmp_path, caplog, damage):
+    import json
+
+    file = _saved(tmp_path, caplog)
+    data = json.loads(file.read_text())
+    if damage == "another machine":
+        data["budget_profile"]["machine"]["device"] = "NVIDIA H200"
+    else:
+        data["budget_profile"]["measurements"] = {"type": "Measurements", "fields": {"layers": 3}}
+    file.write_text(json.dumps(data))
+    said = _first_step_after_loading(tmp_path, caplog)
+    reason = "measured on" if damage == "another machine" else "malformed"
+    assert any("saved profile is not used" in m and reason in m for m in said), said
+    assert sum("measuring a profile" in m for m in said) == 1
+
+
+def test_a_forward_whose_backward_is_owed_keeps_the_map_and_a_new_bucket_is_refused():
+    budget = _budget_between(tokens_none=32, seq_none=16)
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    first = cm(**batch(size=2, seq=8))
+    before = cm.checkpoint_map
+    with pytest.raises(StateError, match="an earlier forward's backward has not run"):
+        cm(**batch(size=2, seq=64))
+    assert cm.checkpoint_map == before
+    first.loss.backward()
+    cm(**batch(size=2, seq=64)).loss.backward()  # owed no more: re-planned
+    assert cm.checkpoint_map.checkpointed
+
+
+def test_budget_fields_are_checked_and_round_trip():
+    with pytest.raises(ConfigError, match="give a budget or layer_policies"):
+        CheckpointConfig(budget="1GiB", layer_policies={0: "none"})
+    with pytest.raises(ConfigError, match="budget_scope"):
+        CheckpointConfig(budget="1GiB", budget_scope="weights")
+    with pytest.raises(ConfigError, match="more than 0 bytes"):
+        CheckpointConfig(budget=0)
+    with pytest.raises(ValueError):
+        CheckpointConfig(budget="lots")
+    config = CheckpointConfig(budget="20GiB", budget_scope="activations", head="chunked")
+    assert CheckpointConfig.from_dict(config.to_dict()) == config
+    assert config.budget_bytes == 20 * 2**30

@@ -1,0 +1,98 @@
+"""A budget under the real trainers: `RematTrainer` (the optimizer counted, the receipt in the logs,
+a resume that plans from the saved profile) and TRL's `GRPOTrainer` (re-planned per bucket, the map
+kept through every generation toggle)."""
+
+import logging
+
+import datasets
+import torch
+import trl
+from test_trl import RecomputedPerStep, _common, _model
+from transformers import TrainingArguments
+
+from remat import CheckpointConfig, CheckpointedModel, RematTrainer, remat_trainer_class
+from remat.budget import bucket_of
+from remat.demo import byte_tokenizer
+from remat.model import controller_of
+
+
+def _rows(lengths):
+    return datasets.Dataset.from_list(
+        [{"input_ids": list(range(3, 3 + n)), "labels": list(range(3, 3 + n))} for n in lengths]
+    )
+
+
+def _measured(caplog):
+    return [r.getMessage() for r in caplog.records if "measuring a profile" in r.getMessage()]
+
+
+def test_remat_trainer_plans_with_its_optimizer_logs_the_receipt_and_resumes_from_the_saved_profile(tmp_path, caplog):
+    config = CheckpointConfig(budget="64MiB")  # budget_scope="step": weights, gradients, AdamW's state, activations
+    cm = CheckpointedModel(_model(), config)
+    args = TrainingArguments(**_common(tmp_path, max_steps=2, save_steps=2, per_device_train_batch_size=2))
+    trainer = RematTrainer(model=cm, args=args, train_dataset=_rows([12, 12, 40, 40]))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        trainer.train()
+    (message,) = _measured(caplog)
+    assert "no optimizer known" not in message
+    receipts = {r.bucket_tokens: r for r in cm.budget_receipts}
+    assert set(receipts) == {bucket_of(24), bucket_of(80)}
+    assert all(r.predicted_peak_bytes <= 64 * 2**20 and r.scope == "step" for r in receipts.values())
+    profile = controller_of(cm).budget.profile
+    assert profile.measurements.step is not None, "the trainer's optimizer was counted"
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["remat/budget_bucket_tokens"] for e in logged] == [bucket_of(24), bucket_of(80)]
+    assert all("remat/budget_predicted_bytes" in e for e in logged)
+
+    caplog.clear()
+    again = CheckpointedModel(_model(), config)
+    args = TrainingArguments(**_common(tmp_path, max_steps=3, save_steps=10, per_device_train_batch_size=2))
+    resumed = RematTrainer(model=again, args=args, train_dataset=_rows([12, 12, 40, 40, 12, 12]))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert _measured(caplog) == [], "planned from the saved profile, nothing measured"
+    assert any("planning from the saved profile" in r.getMessage() for r in caplog.records)
+    assert [r.bucket_tokens for r in again.budget_receipts] == [bucket_of(24)]
+
+
+def test_grpo_replans_per_bucket_and_keeps_the_map_through_every_generation_toggle(tmp_path):
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="1MiB", budget_scope="activations"))
+    ran = []  # per training forward: its tokens and the map it ran
+
+    def watch(module, args, kwargs):
+        if module.training and torch.is_grad_enabled() and not controller_of(cm).budget.measuring:
+            ran.append((kwargs["input_ids"].numel(), tuple(p.policy for p in cm.checkpoint_map)))
+
+    cm.model.register_forward_pre_hook(watch, with_kwargs=True)
+    counter = RecomputedPerStep(cm)
+    long = "The cat sat on the mat and then it sat on the other mat for a long while, "
+    prompts = ["Hi", long + "and slept", "A", long + "and woke", "Once", long + "and ran", "Oh", long + "and sat"]
+
+    def reward(completions, **kwargs):
+        return [float(sum(c.encode()) % 7) for c in completions]
+
+    args = trl.GRPOConfig(
+        num_generations=2,
+        max_completion_length=6,
+        gradient_checkpointing=True,
+        **_common(tmp_path, max_steps=4, save_strategy="no", per_device_train_batch_size=2),
+    )
+    trainer = remat_trainer_class(trl.GRPOTrainer)(
+        model=cm,
+        reward_funcs=reward,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        processing_class=byte_tokenizer(),
+        callbacks=[counter],
+    )
+    trainer.train()
+    receipts = {r.bucket_tokens: r for r in cm.budget_receipts}
+    assert len(receipts) >= 2, receipts
+    assert {r.policies.count("none") == len(r.policies) for r in receipts.values()} == {True, False}, "short: none"
+    assert len(ran) == sum(r.steps for r in receipts.values())
+    for tokens, policies in ran:  # each training forward ran its bucket's plan, whatever generation toggled
+        assert policies == receipts[bucket_of(tokens)].policies
+    for step, recomputed in zip(ran[1:], counter.steps[1:], strict=True):  # the first step's count has the profile's
+        assert recomputed == [i for i, p in enumerate(step[1]) if p != "none"]
+    logged = [e for e in trainer.state.log_history if "reward" in e]
+    assert logged and all("remat/budget_bucket_tokens" in e for e in logged)
