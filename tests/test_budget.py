@@ -166,7 +166,7 @@ def test_a_stale_profile_is_measured_again_naming_what_changed(caplog, change):
     with caplog.at_level(logging.INFO, logger="remat"):
         cm(**batch(size=2, seq=8)).loss.backward()
     messages = [r.getMessage() for r in caplog.records if "measuring a profile" in r.getMessage()]
-    said = {"adapter": "adapters were", "dtype": "dtypes were", "swap": "swapped layers were"}[change]
+    said = {"adapter": "adapters were", "dtype": "dtypes were", "swap": "swap_layers"}[change]
     assert len(messages) == 1 and said in messages[0], messages
 
 
@@ -212,14 +212,29 @@ def test_a_saved_profile_from_another_machine_or_malformed_is_measured_again(tmp
 def test_a_forward_whose_backward_is_owed_keeps_the_map_and_a_new_bucket_is_refused():
     budget = _budget_between(tokens_none=32, seq_none=16)
     cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
-    first = cm(**batch(size=2, seq=8))
+    first = cm(**batch(size=2, seq=8)).loss  # the rest of its output (the logits) is freed at once
     before = cm.checkpoint_map
     with pytest.raises(StateError, match="an earlier forward's backward has not run"):
         cm(**batch(size=2, seq=64))
     assert cm.checkpoint_map == before
-    first.loss.backward()
+    first.backward()
     cm(**batch(size=2, seq=64)).loss.backward()  # owed no more: re-planned
     assert cm.checkpoint_map.checkpointed
+
+
+def test_with_the_chunked_head_the_first_step_profiles_the_head_and_trains_exactly():
+    """The profile measures the head's options inside the first step's pre-hooks (the chunked head's
+    own hooks among them): that step still gets its loss, equal to the model's own, and so do the next."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations", head="chunked"))
+    plain = _model()
+    for seq in (16, 64, 16):
+        data = batch(seed=seq, size=2, seq=seq)
+        loss, grads = step_grads(cm, list(cm.model.named_parameters()), data)
+        expected_loss, expected = step_grads(plain, list(plain.named_parameters()), data)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=1e-7)
+        assert_same_grads(expected, grads)
+    assert controller_of(cm).budget.profile.measurements.head is not None, "the head's options were measured"
+    assert cm.checkpoint_map.head.policy in ("plain", "chunked")
 
 
 def test_budget_fields_are_checked_and_round_trip():

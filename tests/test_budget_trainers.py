@@ -32,11 +32,12 @@ def test_remat_trainer_plans_with_its_optimizer_logs_the_receipt_and_resumes_fro
     args = TrainingArguments(**_common(tmp_path, max_steps=2, save_steps=2, per_device_train_batch_size=2))
     trainer = RematTrainer(model=cm, args=args, train_dataset=_rows([12, 12, 40, 40]))
     with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**{k: torch.tensor([v]) for k, v in _rows([12])[0].items()}).loss.backward()  # a check before training
         trainer.train()
-    (message,) = _measured(caplog)
-    assert "no optimizer known" not in message
+    first, again = _measured(caplog)
+    assert "no optimizer known" in first and "the trainer's optimizer is known now" in again
     receipts = {r.bucket_tokens: r for r in cm.budget_receipts}
-    assert set(receipts) == {bucket_of(24), bucket_of(80)}
+    assert set(receipts) == {bucket_of(12), bucket_of(24), bucket_of(80)}
     assert all(r.predicted_peak_bytes <= 64 * 2**20 and r.scope == "step" for r in receipts.values())
     profile = controller_of(cm).budget.profile
     assert profile.measurements.step is not None, "the trainer's optimizer was counted"

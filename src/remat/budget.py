@@ -72,6 +72,7 @@ class Receipt:
 class BudgetState:
     """What one wrapper's budget knows: the profile, the plans per bucket, the receipts."""
 
+    config: Any = None  # the budget config the plans are for
     profile: Any = None  # remat.planner.Profile, measured on the first training step (or loaded)
     saved: Any = None  # a profile read from a save, used instead of measuring when it still describes the model
     plans: dict[int, Any] = field(default_factory=dict)  # bucket -> PlannedConfig, or None: nothing fits
@@ -79,9 +80,11 @@ class BudgetState:
     active_bucket: int | None = None
     receipts: dict[int, Receipt] = field(default_factory=dict)
     last_bucket: int | None = None
-    owed: set[int] = field(default_factory=set)  # forwards whose backward has not run (ids)
+    owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
     optimizer: Any = None  # weakref to the trainer's optimizer (scope="step" counts its state)
     measuring: bool = False
+    measured_config: Any = None  # the config its profile was measured under (None: loaded from a save)
+    without_optimizer: bool = False  # its profile's step peak has no optimizer state
     fresh_key: Any = None  # `_model_key` when the profile was last found to describe the model
     params: list[Any] = field(default_factory=list)  # the model's parameters then
     profiles_measured: int = 0
@@ -90,10 +93,13 @@ class BudgetState:
         """A copy (deepcopy, pickle) starts afresh: its profile would check and plan another wrapper's model."""
         return (BudgetState, ())
 
-    def reset_plans(self) -> None:
-        """Another budget, scope or setting: plans are chosen again (the profile stays while it describes the model)."""
-        self.plans.clear()
-        self.active = self.active_bucket = None
+    def config_changed(self, config: Any) -> None:
+        """The wrapper's config is now `config`: another budget config plans again (the profile stays while it
+        serves it); a config without a budget (a map by hand, measuring's own steps) leaves the plans as they are."""
+        if config.budget is not None and config != self.config:
+            self.config = config
+            self.plans.clear()
+            self.active = self.active_bucket = None
 
     def take_saved(self, data: dict[str, Any] | None, source: str) -> None:
         """A profile read from a save, planned from on the next training step where it still describes the model
@@ -103,13 +109,13 @@ class BudgetState:
         if data is not None and self.profile is None:
             self.saved = SavedProfile(source, data)
 
-    def save_extras(self, config: Any) -> dict[str, Any]:
+    def save_extras(self, config: Any, model: Any) -> dict[str, Any]:
         """What a save writes beside a budget config: the profile, so a resumed run need not measure."""
         from .planner.saved import profile_to_json
 
         if config.budget is None or self.profile is None:
             return {}
-        return {"budget_profile": profile_to_json(self.profile)}
+        return {"budget_profile": profile_to_json(self.profile, model, self.without_optimizer)}
 
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         self.optimizer = None if optimizer is None else weakref.ref(optimizer)
@@ -147,6 +153,8 @@ class BudgetState:
         config, bucket = controller.config, bucket_of(tokens)
         if self.profile is None:
             self._measure(controller, batch, tokens, why="the first training step")
+        elif why := self._outgrown(config):
+            self._measure(controller, batch, tokens, why=why)
         # every step: a cached plan is only as good as its profile (the full check when the quick key moves, and
         # for every bucket planned anew)
         key = _model_key(controller, self.params)
@@ -168,13 +176,19 @@ class BudgetState:
             )
         return planned
 
+    def _outgrown(self, config: Any) -> str | None:
+        """Why the profile does not serve `config` although the model is the one measured (None: it does)."""
+        measured = self.measured_config
+        if measured is not None and measured.replace(budget=None) != config.replace(budget=None):
+            return f"the config changed since its profile ({', '.join(measured.changed_fields(config))})"
+        if config.budget_scope == "step" and self.profile.measurements.step is None:
+            return 'budget_scope="step" needs the peak of a whole step, which its profile did not measure'
+        if config.budget_scope == "step" and self.without_optimizer and self.known_optimizer() is not None:
+            return "the trainer's optimizer is known now, and its profile counted no optimizer state"
+        return None
+
     def _choose(self, config: Any, tokens: int) -> Any:
         """The plan for `tokens` under `config`'s budget; None when nothing fits."""
-        from .planner.chooser import check_scope
-
-        check_scope(
-            self.profile.measurements, config.budget_scope
-        )  # a scope it cannot plan is an error, not "too long"
         try:
             return self.profile.plan(config.budget_bytes, scope=config.budget_scope, tokens=tokens)
         except StaleProfileError:
@@ -183,12 +197,11 @@ class BudgetState:
             return None  # nothing fits: refused by the caller, with the largest count that fits
 
     def largest_fitting(self, config: Any, above: int) -> int:
-        """The largest token count below `above` that some plan fits; 0 if none."""
-        low, high = 0, above
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (middle, high) if self._choose(config, middle) is not None else (low, middle)
-        return low
+        """The largest bucket below `above` some plan fits (steps of up to that many tokens run); 0 if none."""
+        fits, size = 0, 1
+        while size < above and self._choose(config, size) is not None:
+            fits, size = size, bucket_of(size + 1)
+        return fits
 
     def _measure(self, controller: Any, batch: dict[str, Any], tokens: int, why: str) -> None:
         from .planner import ProfileOptions, profile_model
@@ -196,14 +209,20 @@ class BudgetState:
         config = controller.config
         if self.saved is not None:
             saved, self.saved = self.saved, None
-            changes = saved.differences()
+            changes = saved.differences(controller.model)
             if not changes:
                 self.profile = saved.profile(controller)
+                self.without_optimizer = saved.without_optimizer
                 logger.info("budget: planning from the saved profile (%s); nothing measured", saved.source)
                 return
             logger.info("budget: the saved profile is not used (%s): measuring again", "; ".join(changes))
         from .planner.peak import WITHOUT_OPTIMIZER
 
+        if self.owed:  # its steps would run beside the graph an earlier forward still holds
+            raise StateError(
+                f"budget: this forward needs a new profile ({why}), but an earlier forward's backward has not run. "
+                "Call backward (or drop that forward's outputs) first; nothing was changed"
+            )
         optimizer = self.known_optimizer() if config.budget_scope == "step" else None
         if optimizer is None and config.budget_scope == "step":
             optimizer = WITHOUT_OPTIMIZER
@@ -226,6 +245,7 @@ class BudgetState:
             self.profile = profile_model(controller, batch, ProfileOptions(loss_fn, optimizer, True, 1))
         finally:
             self.measuring = False
+        self.measured_config, self.without_optimizer = config, optimizer is WITHOUT_OPTIMIZER
         if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
             self.profile.notes += ("step peak: weights, gradients and activations; no optimizer state (none known)",)
         self.profiles_measured += 1
@@ -239,16 +259,21 @@ class BudgetState:
             receipt.measured_peak_bytes = max(receipt.measured_peak_bytes or 0, peak)
 
     def watch_backward(self, output: Any) -> None:
-        """This forward owes a backward until one of its outputs gets a gradient, or all are freed."""
+        """This forward owes a backward until one of its outputs gets a gradient, or all of them are freed."""
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if not tensors:
             return
-        token = id(tensors[0])
+        token, alive = object(), [len(tensors)]
         self.owed.add(token)
-        done = lambda *_: self.owed.discard(token)
+
+        def freed() -> None:
+            alive[0] -= 1
+            if alive[0] == 0:
+                self.owed.discard(token)
+
         for tensor in tensors:
-            tensor.register_hook(lambda grad: done())
-            weakref.finalize(tensor, done)
+            tensor.register_hook(lambda grad: self.owed.discard(token))
+            weakref.finalize(tensor, freed)
 
 
 def _model_key(controller: Any, params: list[Any]) -> tuple[Any, ...]:
@@ -256,10 +281,10 @@ def _model_key(controller: Any, params: list[Any]) -> tuple[Any, ...]:
     flag of the parameters the model had when last checked, its adapters and active ones, the config.
     (`Profile.changes` reads the whole state, every parameter by name, when this moves, and for every bucket
     planned anew: a parameter added outside PEFT is seen there.)"""
-    model = controller.model
-    adapters = tuple(getattr(model, "peft_config", None) or ())
+    from .planner.state import adapters_of
+
     flags = tuple((p.dtype, p.device, p.requires_grad) for p in params)
-    return flags, adapters, str(getattr(model, "active_adapters", None)), id(controller.config)
+    return flags, adapters_of(controller.model), id(controller.config)
 
 
 def logits_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:

@@ -201,8 +201,7 @@ class Controller:
     ) -> None:
         """The one path of `enable` and re-planning: plan once, run every check that can refuse before
         anything changes, then swap, install (`install`) or re-apply. `said`: the caller logged it."""
-        if config != self.config and not self.budget.measuring:
-            self.budget.reset_plans()  # another config: its budget plans on the next training step
+        self.budget.config_changed(config)  # another budget config: planned on the next training step
         map_config = config
         if config.budget is not None and planned is None:
             map_config = self.budget.active or config  # the plan of the current bucket, or pending
@@ -302,7 +301,8 @@ class Controller:
         """The chunked head's hooks for `plan` (none for a plain head, or None). They act on training
         forwards only, so the mode needs no change here. Hooks that exist take a new plan in place
         (a budget re-plans inside the model's forward pre-hooks, whose list that call has already read)."""
-        if self._head is not None and plan is not None and (plan.policy == "chunked" or self.config.budget):
+        keep = self.config.budget is not None or self.budget.measuring
+        if self._head is not None and plan is not None and (plan.policy == "chunked" or keep):
             self._head.plan = plan
             return
         if self._head is not None and (plan is None or self._head.plan != plan):
@@ -389,7 +389,7 @@ class Controller:
 
     def save_extras(self) -> dict[str, Any]:
         """Keys a save writes into `checkpoint_config.json` beside the config (`remat.persistence.pair_format`)."""
-        return self.budget.save_extras(self.config)
+        return self.budget.save_extras(self.config, self.model)
 
     def adopt_saved_config(self, config: CheckpointConfig, cause: str) -> None:
         """A config loaded from a checkpoint folder; a route's "off" stays off, a disabled wrapper as it is."""

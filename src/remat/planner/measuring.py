@@ -179,6 +179,7 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     with (
         tqdm(total=total, desc="remat: profiling", disable=not options.progress, leave=False) as bar,
         _left_as_it_was(state),
+        _young_garbage_only(),
     ):
         steps = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar)
         found = _bytes(steps, names, rotation, swapped, notes)
@@ -356,6 +357,23 @@ def _head_profile(steps: _Steps, counted: int, prices: TimePrices, notes: list[s
         recompute_seconds=rate * 2 * counted * (weight.numel() if weight is not None else 0),
         chunk_seconds=rate * HEAD_CHUNK_OPS * balance.flops_per_op,
     )
+
+
+@contextlib.contextmanager
+def _young_garbage_only() -> Iterator[None]:
+    """Each memory step collects the garbage its forward left (reference cycles holding tensors) before counting
+    what is held; with everything older frozen out of the collector's sight, a collection takes milliseconds,
+    not the 0.3 s a process that imported transformers spends walking every object (2.3 s of a 3.3 s profile).
+    A process that froze objects itself keeps its own freeze (and full collections)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def shorter_batch(batch: Mapping[str, Any]) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ import platform
 from typing import Any
 
 import torch
+import transformers
 
 from ..errors import SavedFileError
 from ..policies import LayerProfile
@@ -25,12 +26,22 @@ _TYPES: dict[str, Any] = {
 
 
 def machine() -> dict[str, Any]:
-    """What a profile's figures depend on beyond the model: the accelerator (or the CPU) and torch."""
-    if torch.cuda.is_available():
-        device = torch.cuda.get_device_name()
-    else:
-        device = f"cpu {platform.machine()} {platform.processor() or ''}".strip()
-    return {"device": device, "torch": torch.__version__}
+    """What a profile's figures depend on beyond the model: the accelerator (or the CPU's model), torch and
+    transformers (whose layers hold what they hold)."""
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu {platform.machine()} {_cpu_name()}"
+    return {"device": device.strip(), "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _attention(model: Any) -> Any:
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def _encode(value: Any) -> Any:
@@ -65,11 +76,13 @@ def _decode(value: Any) -> Any:
     raise ValueError(f"unexpected {type(value).__name__}")
 
 
-def profile_to_json(profile: Any) -> dict[str, Any]:
+def profile_to_json(profile: Any, model: Any, without_optimizer: bool) -> dict[str, Any]:
     """`profile` (a `remat.planner.Profile`) as plain JSON values, with the machine it was measured on."""
     return {
         "format": FORMAT,
         "machine": machine(),
+        "attention": _attention(model),
+        "without_optimizer": without_optimizer,
         "measurements": _encode(profile.measurements),
         "state": _encode(profile.state),
         "notes": list(profile.notes),
@@ -84,17 +97,30 @@ class SavedProfile:
     source: str
     data: dict[str, Any]
 
-    def differences(self) -> list[str]:
-        """Why it cannot be used here (empty: it can): another machine or torch, or a malformed profile."""
+    @property
+    def without_optimizer(self) -> bool:
+        return self.data.get("without_optimizer") is True
+
+    def differences(self, model: Any) -> list[str]:
+        """Why it cannot be used for `model` here (empty: it can): another machine, torch or transformers, another
+        attention implementation, or a malformed profile (one the chooser cannot plan from)."""
+        from .chooser import frontier
+
         if self.data.get("format") != FORMAT:
             return [f"it has format {self.data.get('format')!r}, this remat reads {FORMAT}"]
         here, there = machine(), self.data.get("machine")
         if here != there:
             return [f"it was measured on {there}, this is {here}"]
+        if (attention := _attention(model)) != self.data.get("attention"):
+            return [f"it was measured with {self.data.get('attention')!r} attention, the model runs {attention!r}"]
         try:
-            self.profile(None)
+            measurements = self.profile(None).measurements
+            for tokens in (None, 2 * measurements.tokens):
+                frontier(measurements.scaled(tokens), "activations")
         except SavedFileError as err:
             return [str(err)]
+        except Exception as err:  # numbers the chooser cannot plan with: measured again
+            return [f"{self.source}: the saved profile is malformed ({type(err).__name__}: {err})"]
         return []
 
     def profile(self, controller: Any) -> Any:

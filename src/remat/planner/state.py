@@ -33,7 +33,7 @@ class ModelState:
     @classmethod
     def of(cls, model: nn.Module, config: Any, num_layers: int) -> ModelState:
         params = list(model.named_parameters())
-        adapters, active = _adapters(model)
+        adapters, active = adapters_of(model)
         return cls(
             dtypes=_counts(str(p.dtype).removeprefix("torch.") for _, p in params),
             devices=_counts(str(p.device) for _, p in params),
@@ -91,7 +91,7 @@ def _trainable_change(before: Shapes, now: Shapes) -> str:
     return "trainable parameters changed: " + "; ".join(parts or ["their order"])
 
 
-def _adapters(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def adapters_of(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The PEFT adapters of `model` and the active ones: a PeftModel's, or those transformers' own
     integration loaded into a plain model (duck typing: no PEFT import)."""
     if not isinstance(configs := getattr(model, "peft_config", None), dict) or not configs:
