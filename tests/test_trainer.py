@@ -198,7 +198,7 @@ def test_a_planned_map_logs_its_predicted_bytes_and_budget(tmp_path):
         CheckpointConfig(every_n_layers=2),
         choices=(),
         outside_bytes=123_456,
-        budget=1 << 30,
+        planned_budget=1 << 30,
         scope="activations",
         tokens=4,
         predicted_seconds=0.5,
