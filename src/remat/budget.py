@@ -103,11 +103,11 @@ class BudgetState:
 
     def take_saved(self, data: dict[str, Any] | None, source: str) -> None:
         """A profile read from a save, planned from on the next training step where it still describes the model
-        and the machine (one measured in this process already is kept)."""
+        and the machine (one measured in this process already is kept; a save without one drops an earlier's)."""
         from .planner.saved import SavedProfile
 
-        if data is not None and self.profile is None:
-            self.saved = SavedProfile(source, data)
+        if self.profile is None:
+            self.saved = None if data is None else SavedProfile(source, data)
 
     def save_extras(self, config: Any, model: Any) -> dict[str, Any]:
         """What a save writes beside a budget config: the profile, so a resumed run need not measure."""
@@ -126,7 +126,7 @@ class BudgetState:
     def before_step(self, controller: Any, batch: dict[str, Any]) -> None:
         """Called in the model's forward pre-hook of a training forward with gradients."""
         config = controller.config
-        tokens = step_tokens(batch)
+        tokens = agreed_tokens(step_tokens(batch), controller.model)
         self._close_receipt()
         started = time.perf_counter()
         planned = self._plan_for(controller, batch, tokens)
@@ -274,6 +274,21 @@ class BudgetState:
         for tensor in tensors:
             tensor.register_hook(lambda grad: self.owed.discard(token))
             weakref.finalize(tensor, freed)
+
+
+def agreed_tokens(tokens: int, model: Any) -> int:
+    """The largest of every rank's token count, when torch.distributed runs with more than one: every rank then
+    plans the same bucket, and a step too long for one is refused by all (none waits in an all-reduce for a rank
+    that refused)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return tokens
+    backend = dist.get_backend()
+    device = next(model.parameters()).device if backend != "gloo" else torch.device("cpu")
+    count = torch.tensor([tokens], dtype=torch.int64, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def _model_key(controller: Any, params: list[Any]) -> tuple[Any, ...]:
