@@ -249,3 +249,13 @@ def test_budget_fields_are_checked_and_round_trip():
     config = CheckpointConfig(budget="20GiB", budget_scope="activations", head="chunked")
     assert CheckpointConfig.from_dict(config.to_dict()) == config
     assert config.budget_bytes == 20 * 2**30
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the receipt's measured peak is the CUDA allocator's")
+def test_on_a_gpu_the_receipt_holds_the_allocators_peak_within_the_budget():
+    cm = CheckpointedModel(_model().cuda(), CheckpointConfig(budget="64MiB"))
+    for seq in (8, 64, 8):
+        cm(**{k: v.cuda() for k, v in batch(size=2, seq=seq).items()}).loss.backward()
+    receipts = {r.bucket_tokens: r for r in cm.budget_receipts}
+    measured = receipts[bucket_of(128)].measured_peak_bytes  # closed by the step after it
+    assert measured is not None and measured <= 64 * 2**20

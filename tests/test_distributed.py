@@ -81,6 +81,17 @@ def test_ddp_gradients_equal_one_process_on_the_full_batch(ddp_results, name):
     assert ranks[0]["counts"] == [2 if i in checkpointed else 1 for i in range(4)]
 
 
+@pytest.mark.parametrize("name", [name for name in CASES if name.startswith("fsdp2")])
+def test_fsdp2_gathers_each_layer_exactly_twice_a_step_checkpointed_or_not(ddp_results, name):
+    """`fully_shard` per layer (reshard after forward): a layer is gathered for its forward and again
+    for its backward; a checkpointed layer's recompute runs inside that backward on the same gather,
+    never a third (pytorch #175406: nested units inside a checkpointed unit gathered twice more)."""
+    for rank in ddp_results[name]:
+        layer_gathers = [n for n in rank["gathers"] if n == rank["layer_numel"]]
+        assert len(layer_gathers) == 2 * 4, rank["gathers"]
+        assert len(rank["gathers"]) - len(layer_gathers) == 1, "the root unit: gathered once, kept through backward"
+
+
 def test_block_swap_on_fsdp2_sharded_layers_is_refused_before_anything_moves(ddp_results):
     for rank in ddp_results["fsdp2-swap"]:
         assert rank["refused"] and "FSDP" in rank["refused"]

@@ -52,10 +52,14 @@ def run_case(rank: int, world: int, out_dir: str, case: str) -> None:
     mine = {k: v[rank * 2 : (rank + 1) * 2] for k, v in data.items()}
     runner(**mine).loss.backward()  # a first step: messages are said once, not once per step
     model.zero_grad()
-    runner(**mine).loss.backward()
+    with _GatherCount() as gathers:
+        runner(**mine).loss.backward()
     counter.counts = [c // 2 for c in counter.counts]
     grads = {n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
     result = {"grads": grads, "counts": counter.counts, "logs": list(LOGS)}
+    if wrap == "fsdp":  # every all-gather of the second step, by its input's size; a layer unit's size
+        result["gathers"] = gathers.numels
+        result["layer_numel"] = sum(p.to_local().numel() for p in decoder_layers(model)[0].parameters())
     torch.save(result, os.path.join(out_dir, f"{case}-rank{rank}.pt"))
     LOGS.clear()
 
@@ -77,6 +81,24 @@ def _refuse_swap_under_fsdp(rank, out_dir, case, model, config) -> None:
         message = str(err)
     unchanged = all(torch.equal(before[n], p.to_local()) for n, p in model.named_parameters())
     torch.save({"refused": message, "unchanged": unchanged}, os.path.join(out_dir, f"{case}-rank{rank}.pt"))
+
+
+class _GatherCount:
+    """Counts the all-gathers FSDP2 issues (it calls `torch.distributed.all_gather_single` through the module,
+    for each unit's flat shard), by the size of what each rank sends: the test's own instrument, undone on exit."""
+
+    def __enter__(self):
+        self.numels, self._original = [], dist.all_gather_single
+
+        def counted(output_tensor, input_tensor, *args, **kwargs):
+            self.numels.append(input_tensor.numel())
+            return self._original(output_tensor, input_tensor, *args, **kwargs)
+
+        dist.all_gather_single = counted
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_single = self._original
 
 
 def _full(grad: torch.Tensor) -> torch.Tensor:
