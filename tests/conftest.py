@@ -200,6 +200,18 @@ def _quiet_transformers():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _environment_as_it_was():
+    """Each test starts from the environment the suite started with: accelerate writes a Trainer's settings into
+    os.environ (TRL's GRPOConfig defaults to bf16: ACCELERATE_MIXED_PRECISION=bf16), and every later Trainer in
+    that worker read them, so a fp32 comparison ran under bf16 autocast, depending on which tests ran before."""
+    before = dict(os.environ)
+    yield
+    for name in set(os.environ) - set(before):
+        del os.environ[name]
+    os.environ.update(before)
+
+
 @pytest.fixture
 def remat_logs(caplog):
     caplog.set_level(logging.INFO, logger="remat")
