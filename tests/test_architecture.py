@@ -142,3 +142,17 @@ def test_import_remat_works_without_fcntl(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_no_torch_cuda_call_outside_the_cuda_transport_and_the_device_shims():
+    """Every other device call goes through `remat.compat.accelerator` (`torch.accelerator`): a CUDA-only call
+    elsewhere would make that path silently do nothing on XPU, NPU or MPS."""
+    allowed = {PACKAGE / "transport.py", *(PACKAGE / "compat").glob("*.py")}
+    found = [
+        f"{path.relative_to(PACKAGE)}:{number}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in allowed
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if "torch.cuda" in line.split("#")[0]
+    ]
+    assert found == [], found

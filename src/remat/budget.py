@@ -323,11 +323,12 @@ def _receipt(planned: Any, bucket: int) -> Receipt:
 
 
 def _device_peak() -> int | None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return torch.cuda.max_memory_allocated()
-    return None
+    from .compat.accelerator import peak_allocated
+
+    return peak_allocated()
 
 
 def _reset_peak(controller: Any) -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.reset_peak_memory_stats()
+    from .compat.accelerator import reset_peak
+
+    reset_peak()

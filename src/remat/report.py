@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from .compat.accelerator import memory_allocated, synchronize
 from .display import mib, render_table
 from .loss import LossFn, check_loss_source, own_inputs, step_loss
 from .measure import LiveStorages, storage_key, weight_storages
@@ -190,17 +191,13 @@ def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None
     swapper.reset_stats()
     hooks = _LayerHooks(layers)
     exclude = set(weight_storages(model))
-    on_cuda = device.type == "cuda"
     try:
-        if on_cuda:
-            torch.cuda.synchronize(device)
-            before = torch.cuda.memory_allocated(device)
+        synchronize(device)
+        before = memory_allocated(device)
         with LiveStorages(hooks.current) as tracker:
             loss = step_loss(model, batch, loss_fn)
-        allocator = None
-        if on_cuda:
-            torch.cuda.synchronize(device)
-            allocator = torch.cuda.memory_allocated(device) - before
+        synchronize(device)
+        allocator = None if before is None else memory_allocated(device) - before
         gc.collect()
         offloaded = offloader.live_host_bytes()  # host buffers come from the transport, not from ops
         held = tracker.held(exclude | offloader.host_storages())  # storage -> (bytes, layer, device)

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..compat.accelerator import OUT_OF_MEMORY, empty_cache, synchronize
 from ..config import CheckpointConfig
 from ..errors import ConfigError, ConfigTypeError, StateError
 from ..head import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, causal_lm, plan_head
@@ -27,13 +28,12 @@ from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, me
 from ..snapshot import model_left_as_it_was
 from .chooser import SMALLEST_CHUNK, HeadProfile, Measurements, Outside, StepMemory, TimePrices
 from .peak import WITHOUT_OPTIMIZER, StepPeak
-from .timing import BALANCES, Held, Seconds, price_time, synchronize, timed_policies
+from .timing import BALANCES, Held, Seconds, price_time, timed_policies
 
 HEAD_CHUNK_OPS = 8  # ops each chunk of the chunked head launches (slice, matmul, upcast, cross entropy), forward
 
 CANDIDATES = ("none", "selective", "recompute", "offload")
 BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
-OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 @dataclass(frozen=True)
@@ -124,8 +124,7 @@ class _Steps:
         except OUT_OF_MEMORY:
             found = None
             gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            empty_cache()
         self.model.zero_grad(set_to_none=True)
         self.bar.update(1)
         return found

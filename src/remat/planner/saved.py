@@ -8,12 +8,12 @@ crafted file can make a malformed profile (refused, and measured again), never r
 from __future__ import annotations
 
 import dataclasses
-import platform
 from typing import Any
 
 import torch
 import transformers
 
+from ..compat.accelerator import device_name
 from ..errors import SavedFileError
 from ..policies import LayerProfile
 from .chooser import HeadProfile, Measurements, Outside, StepMemory, TimePrices
@@ -28,16 +28,7 @@ _TYPES: dict[str, Any] = {
 def machine() -> dict[str, Any]:
     """What a profile's figures depend on beyond the model: the accelerator (or the CPU's model), torch and
     transformers (whose layers hold what they hold)."""
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu {platform.machine()} {_cpu_name()}"
-    return {"device": device.strip(), "torch": torch.__version__, "transformers": transformers.__version__}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "")
-    except OSError:
-        return platform.processor()
+    return {"device": device_name(), "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def _attention(model: Any) -> Any:

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ..compat.accelerator import is_accelerator, timing_event
 from ..errors import StateError
 from .chooser import TimePrices
 
@@ -279,17 +280,13 @@ class LayerClock:
     (nothing synchronizes mid-step), else the host clock. `last`: per layer, [forward, recompute] seconds or None."""
 
     def __init__(self, layers: Sequence[nn.Module], device: torch.device):
-        self.cuda = device.type == "cuda"
+        self.events = is_accelerator(device)  # the accelerator's events; a CPU's clock
         self.layers = list(layers)
         self.last: list[list[Any]] = []
         self._marks: list[list[Any]] = [[] for _ in layers]  # forward start, end; recompute start, end
 
     def _now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        return timing_event() if self.events else time.perf_counter()
 
     def _hook(self, i: int, child: bool, start: bool, *_: Any) -> None:
         marks = self._marks[i]
@@ -317,9 +314,4 @@ class LayerClock:
         if len(marks) < 2 * call + 2:
             return None
         start, end = marks[2 * call], marks[2 * call + 1]
-        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) / 1e3 if self.events else end - start
