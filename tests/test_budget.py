@@ -237,6 +237,22 @@ def test_with_the_chunked_head_the_first_step_profiles_the_head_and_trains_exact
     assert cm.checkpoint_map.head.policy in ("plain", "chunked")
 
 
+def test_a_forward_without_labels_is_profiled_through_its_logits_and_trains_exactly():
+    """GRPO-style: the caller computes the loss from the logits, so the batch has no labels; the profile
+    backpropagates through the logits instead (it would be refused without a loss), and training is exact."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    plain = _model()
+    data = {k: v for k, v in batch(size=2, seq=16).items() if k != "labels"}
+    grads = []
+    for model in (cm, plain):
+        model.zero_grad(set_to_none=True)
+        model(**data).logits.float().log_softmax(-1)[..., 5].mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert_same_grads(grads[1], {n.removeprefix("model."): g for n, g in grads[0].items()})
+    (receipt,) = cm.budget_receipts
+    assert receipt.steps == 1 and controller_of(cm).budget.profile is not None
+
+
 def test_budget_fields_are_checked_and_round_trip():
     with pytest.raises(ConfigError, match="give a budget or layer_policies"):
         CheckpointConfig(budget="1GiB", layer_policies={0: "none"})

@@ -56,6 +56,18 @@ def test_remat_trainer_plans_with_its_optimizer_logs_the_receipt_and_resumes_fro
     assert [r.bucket_tokens for r in again.budget_receipts] == [bucket_of(24)]
 
 
+def test_an_optimizer_handed_to_the_trainer_is_counted_from_the_first_step(tmp_path, caplog):
+    """`optimizers=(optimizer, None)`: Trainer never calls create_optimizer; the budget still knows it."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB"))
+    optimizer = torch.optim.AdamW([p for p in cm.parameters() if p.requires_grad], lr=1e-3)
+    args = TrainingArguments(**_common(tmp_path, max_steps=1, save_strategy="no", per_device_train_batch_size=2))
+    trainer = RematTrainer(model=cm, args=args, train_dataset=_rows([12, 12]), optimizers=(optimizer, None))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        trainer.train()
+    (message,) = _measured(caplog)
+    assert "no optimizer known" not in message and optimizer.state, "profiled with it, then it stepped"
+
+
 def test_grpo_replans_per_bucket_and_keeps_the_map_through_every_generation_toggle(tmp_path):
     cm = CheckpointedModel(_model(), CheckpointConfig(budget="1MiB", budget_scope="activations"))
     ran = []  # per training forward: its tokens and the map it ran

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .compat.accelerator import peak_allocated, reset_peak
 from .errors import ConfigError, StaleProfileError, StateError
 
 logger = logging.getLogger("remat")
@@ -30,13 +31,6 @@ def bucket_of(tokens: int) -> int:
     and one and a half times them) that is at least `tokens`: a step is planned for at most 1.5x its tokens."""
     power = 1 << max(0, (max(tokens, 1) - 1).bit_length() - 1)  # the largest power of two below tokens (or 1)
     return next(size for size in (power, power + power // 2, 2 * power) if size >= tokens)
-
-
-def step_tokens(batch: Mapping[str, Any]) -> int:
-    """Batch x sequence length of a forward's inputs (what the activations grow with)."""
-    from .planner.measuring import batch_tokens
-
-    return batch_tokens(batch)
 
 
 @dataclass
@@ -87,7 +81,6 @@ class BudgetState:
     without_optimizer: bool = False  # its profile's step peak has no optimizer state
     fresh_key: Any = None  # `_model_key` when the profile was last found to describe the model
     params: list[Any] = field(default_factory=list)  # the model's parameters then
-    profiles_measured: int = 0
 
     def __reduce__(self) -> Any:
         """A copy (deepcopy, pickle) starts afresh: its profile would check and plan another wrapper's model."""
@@ -125,8 +118,10 @@ class BudgetState:
 
     def before_step(self, controller: Any, batch: dict[str, Any]) -> None:
         """Called in the model's forward pre-hook of a training forward with gradients."""
+        from .planner.measuring import batch_tokens  # batch x sequence length: what the activations grow with
+
         config = controller.config
-        tokens = agreed_tokens(step_tokens(batch), controller.model)
+        tokens = agreed_tokens(batch_tokens(batch), controller.model)
         self._close_receipt()
         started = time.perf_counter()
         planned = self._plan_for(controller, batch, tokens)
@@ -147,7 +142,7 @@ class BudgetState:
             logger.info("budget: steps of up to %d tokens run %r", bucket, controller.checkpoint_map)
         receipt.steps += 1
         self.last_bucket = bucket
-        _reset_peak(controller)
+        reset_peak()
 
     def _plan_for(self, controller: Any, batch: dict[str, Any], tokens: int) -> Any:
         config, bucket = controller.config, bucket_of(tokens)
@@ -157,12 +152,12 @@ class BudgetState:
             self._measure(controller, batch, tokens, why=why)
         # every step: a cached plan is only as good as its profile (the full check when the quick key moves, and
         # for every bucket planned anew)
-        key = _model_key(controller, self.params)
-        if (key != self.fresh_key or bucket not in self.plans) and (changes := self.profile.changes()[1]):
-            self._measure(controller, batch, tokens, why=f"the model changed since its profile ({'; '.join(changes)})")
-        if key != self.fresh_key or bucket not in self.plans:
+        if _model_key(controller, self.params) != self.fresh_key or bucket not in self.plans:
+            if changes := self.profile.changes()[1]:
+                why = f"the model changed since its profile ({'; '.join(changes)})"
+                self._measure(controller, batch, tokens, why=why)
             self.params = list(controller.model.parameters())
-            self.fresh_key = key = _model_key(controller, self.params)
+            self.fresh_key = _model_key(controller, self.params)
         if bucket not in self.plans:
             self.plans[bucket] = self._choose(config, bucket)
         planned = self.plans[bucket]
@@ -248,14 +243,13 @@ class BudgetState:
         self.measured_config, self.without_optimizer = config, optimizer is WITHOUT_OPTIMIZER
         if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
             self.profile.notes += ("step peak: weights, gradients and activations; no optimizer state (none known)",)
-        self.profiles_measured += 1
         self.plans.clear()
         self.fresh_key = None
 
     def _close_receipt(self) -> None:
         """The step that ran last: its allocator peak into its bucket's receipt (accelerators only)."""
         receipt = self.receipts.get(self.last_bucket) if self.last_bucket is not None else None
-        if receipt is not None and (peak := _device_peak()) is not None:
+        if receipt is not None and (peak := peak_allocated()) is not None:
             receipt.measured_peak_bytes = max(receipt.measured_peak_bytes or 0, peak)
 
     def watch_backward(self, output: Any) -> None:
@@ -320,15 +314,3 @@ def _receipt(planned: Any, bucket: int) -> Receipt:
     peak = planned.predicted_peak_bytes if planned.scope == "step" else planned.predicted_device_bytes
     head = f"chunked({planned.head_chunk_tokens})" if planned.head == "chunked" else planned.head
     return Receipt(bucket, tuple(c.policy for c in planned.choices), head, peak, planned.scope)
-
-
-def _device_peak() -> int | None:
-    from .compat.accelerator import peak_allocated
-
-    return peak_allocated()
-
-
-def _reset_peak(controller: Any) -> None:
-    from .compat.accelerator import reset_peak
-
-    reset_peak()

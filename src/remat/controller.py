@@ -301,11 +301,10 @@ class Controller:
         """The chunked head's hooks for `plan` (none for a plain head, or None). They act on training
         forwards only, so the mode needs no change here. Hooks that exist take a new plan in place
         (a budget re-plans inside the model's forward pre-hooks, whose list that call has already read)."""
-        keep = self.config.budget is not None or self.budget.measuring
-        if self._head is not None and plan is not None and (plan.policy == "chunked" or keep):
-            self._head.plan = plan
+        if self._head is not None and plan is not None:
+            self._head.plan = plan  # "plain": its hooks stand down until a chunked plan comes back
             return
-        if self._head is not None and (plan is None or self._head.plan != plan):
+        if self._head is not None:
             self._head.remove()
             self._head = None
         if self._head is None and plan is not None and plan.policy == "chunked":

@@ -162,14 +162,12 @@ class ChunkedHead:
         self.aux_coef = getattr(base, "router_aux_loss_coef", getattr(base.config, "router_aux_loss_coef", None))
         self.call: _Call | None = None  # the forward in flight (a model's forward does not run inside itself)
         self.plain_because: set[str] = set()
-        self.removed = False
         self.handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
         ]
 
     def remove(self) -> None:
-        self.removed = True  # a forward whose hook list torch read before the removal still calls `_before`
         for handle in self.handles:
             handle.remove()
         self.remove_call()
@@ -182,8 +180,8 @@ class ChunkedHead:
 
     def _before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         self.remove_call()
-        if self.removed or self.plan.policy != "chunked" or not (module.training and torch.is_grad_enabled()):
-            return None  # plain: a budget's plan chose the model's own head (the hooks stay for its next plan)
+        if self.plan.policy != "chunked" or not (module.training and torch.is_grad_enabled()):
+            return None  # a plain plan (a budget's, or a config's since these hooks were made): the model's own head
         if kwargs.get("labels") is None:
             self._plain("a training forward without labels (its caller computes the loss from the logits)")
             return None

@@ -55,8 +55,6 @@ class _RematTrainerMixin:
         super().__init__(*args, **kwargs)
         if self.model is not cm.model:  # a TRL trainer given peft_config= built a PeftModel around cm.model
             controller.adopt(self.model, f"{type(self).__name__}(peft_config=...)")
-        if isinstance(getattr(self, "optimizer", None), torch.optim.Optimizer):  # given as optimizers=(optimizer, ...)
-            controller.budget.set_optimizer(self.optimizer)
         _warn_if_arguments_change_the_map(controller, own_config, own_map, self.args)
         self.add_callback(_MapInLogs(self))
         if cm.is_enabled and not trainer_asks_for_checkpointing(self.args) and cm.checkpoint_map.checkpointed:
@@ -67,7 +65,7 @@ class _RematTrainerMixin:
             )
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
-        """Trainer's optimizer, made known to a budget (`budget_scope="step"` counts its state)."""
+        """Trainer's optimizer (also one given as `optimizers=`: Trainer returns it here), made known to a budget."""
         optimizer = super().create_optimizer(*args, **kwargs)  # type: ignore[misc]
         if self.checkpointed_model is not None and isinstance(optimizer, torch.optim.Optimizer):
             controller_of_wrapper(self.checkpointed_model).budget.set_optimizer(optimizer)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-OUT_OF_MEMORY: type[BaseException] = getattr(torch, "OutOfMemoryError", RuntimeError)
+OUT_OF_MEMORY = torch.OutOfMemoryError  # any accelerator's (torch >= 2.5)
 
 
 def is_accelerator(device: torch.device) -> bool:
