@@ -14,6 +14,11 @@ PINS = peft==0.21.2 accelerate==1.15.0 trl==1.16.0 safetensors==0.8.0 pytest==9.
 # without a GPU). 0.8 needs transformers 5; 0.7.0 is the newest that takes 4.57.
 LIGER = triton==3.9.0 liger-kernel==0.8.5
 LIGER_4.57.6 = triton==3.9.0 liger-kernel==0.7.0
+# DeepSpeed (tests/test_deepspeed.py: ZeRO-2/3 on two gloo ranks, DS_ACCELERATOR=cpu). Its source build imports
+# torch, so it is built against the venv's own CPU torch (no build isolation). The newest, and on 5.17.0 the
+# 0.19.2 that pins people stay on (0.19.3 changed how ZeRO-3 releases parameters after recompute).
+DEEPSPEED = deepspeed==0.19.8
+DEEPSPEED_5.17.0 = deepspeed==0.19.2
 VENV = .venv
 
 .PHONY: demo demo-notice test compat lint clean
@@ -23,6 +28,7 @@ $(VENV)/.installed-$(NEWEST_TRANSFORMERS): pyproject.toml Makefile
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet "$(TORCH)"
 	$(VENV)/bin/pip install --quiet "transformers==$(NEWEST_TRANSFORMERS)" $(PINS) $(LIGER) ruff
+	$(VENV)/bin/pip install --quiet --no-build-isolation $(DEEPSPEED)
 	$(VENV)/bin/pip install --quiet --no-deps -e .
 	rm -f $(VENV)/.installed-* && touch $@
 
@@ -47,6 +53,7 @@ test: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
 	.venvs/tf-$*/bin/pip install --quiet --upgrade pip
 	.venvs/tf-$*/bin/pip install --quiet "$(TORCH)"
 	.venvs/tf-$*/bin/pip install --quiet "transformers==$*" $(PINS) $(or $(LIGER_$*),$(LIGER))
+	.venvs/tf-$*/bin/pip install --quiet --no-build-isolation $(or $(DEEPSPEED_$*),$(DEEPSPEED))
 	.venvs/tf-$*/bin/pip install --quiet --no-deps -e .
 	touch $@
 

@@ -107,6 +107,14 @@ class _RematTrainerMixin:
         if cm is not None:
             _apply_saved_config(cm, folder, "resuming")
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Every resume calls this once the model is loaded. Under DeepSpeed the engine loads the model from its
+        own files and Trainer never calls `_load_from_checkpoint`: the saved map is applied here instead."""
+        super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        cm = self.checkpointed_model
+        if cm is not None and checkpoint is not None and getattr(self, "is_deepspeed_enabled", False):
+            _apply_saved_config(cm, checkpoint, "resuming")
+
     def _load_best_model(self) -> None:
         cm, best = self.checkpointed_model, self.state.best_model_checkpoint  # type: ignore[attr-defined]
         if cm is not None and best is not None and _saved_whole(cm, best):

@@ -1,0 +1,206 @@
+"""One rank of RematTrainer under DeepSpeed ZeRO on two gloo processes (launched by torchrun with
+DS_ACCELERATOR=cpu), started by tests/test_deepspeed.py.
+
+argv: out_dir tests_dir stage. For each map (MAPS: non-reentrant recompute on every other layer,
+"selective" on every layer) a LoRA model (no dropout) trains two steps with a checkpoint at step 2;
+the recompute run's checkpoint is then resumed by a wrapper with no map of its own (every layer),
+which trains one more step. The
+rank writes out_dir/<policy>-rank<r>.pt with, measured by this worker's own instruments: the first
+step's inputs, loss and whole gradients (DeepSpeed's `safe_get_full_grad` just before the engine's
+step), each step's runs per layer, how many frozen parameters DeepSpeed still has gathered after
+each step (its own `ds_status`), and what this process wrote into the checkpoint (audit events).
+A block swap of the ZeRO-3 engine's partitioned layers is tried last.
+"""
+
+import os
+import sys
+
+sys.path.insert(0, sys.argv[2])
+
+import deepspeed
+import torch
+from conftest import RecomputeCounter, add_lora, batch, decoder_layers, tiny_model
+from deepspeed.utils import safe_get_full_grad
+from transformers import TrainerCallback, TrainingArguments
+
+from remat import BlockSwapError, CheckpointConfig, CheckpointedModel, RematTrainer
+from remat.testing import trainer_checkpointing_args
+
+OUT, STAGE = sys.argv[1], int(sys.argv[3])
+ROWS = [{k: v[0] for k, v in batch(seed=seed, size=1).items()} for seed in range(8)]
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}  # torch's AdamW (no compiled op)
+WRITES: list[tuple[str, str]] = []  # (event, path) of every file this process created or moved into OUT
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "os.rename" and str(args[1]).startswith(OUT):
+        WRITES.append((event, str(args[1])))
+    elif event == "open" and isinstance(args[0], str) and args[0].startswith(OUT) and _writes(args[1], args[2]):
+        WRITES.append((event, args[0]))
+
+
+def _writes(mode, flags) -> bool:
+    return any(c in (mode or "") for c in "wax+") or bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+
+
+def _arguments(output_dir: str, steps: int) -> TrainingArguments:
+    zero = {"stage": STAGE, "stage3_param_persistence_threshold": 0} if STAGE == 3 else {"stage": STAGE}
+    deepspeed_config = {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "zero_optimization": zero,
+        "optimizer": {**ADAMW, "params": {"lr": "auto", "torch_adam": True}},
+    }
+    return TrainingArguments(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=1,
+        learning_rate=1e-2,
+        save_strategy="steps",
+        save_steps=2,
+        report_to=[],
+        seed=7,
+        use_cpu=True,
+        deepspeed=deepspeed_config,
+        **trainer_checkpointing_args(True, None),
+    )
+
+
+class Instruments(TrainerCallback):
+    """The worker's own measurements of a run (nothing read from remat)."""
+
+    def __init__(self, trainer: RematTrainer, cm: CheckpointedModel):
+        self.trainer, self.cm = trainer, cm
+        self.counter = RecomputeCounter(decoder_layers(cm.model))
+        self.first: dict = {}
+        self.counts: list[list[int]] = []
+        self.gathered_frozen: list[int] = []
+        self.gathered_in_forward = 0  # the same count inside a layer's forward: the instrument sees gathers
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        engine = self.trainer.model_wrapped
+        assert isinstance(engine, deepspeed.DeepSpeedEngine), type(engine)
+        original = engine.step
+
+        def step(*a, **k):  # before DeepSpeed steps: the whole gradient of each trainable parameter
+            if not self.first.get("grads"):
+                named = engine.module.named_parameters()
+                self.first["grads"] = {n: safe_get_full_grad(p).clone() for n, p in named if p.requires_grad}
+            return original(*a, **k)
+
+        engine.step = step
+        engine.module.register_forward_hook(self._record, with_kwargs=True)
+        if STAGE == 3:  # after ZeRO-3's own pre-hook, which gathers the projection's weight
+            decoder_layers(self.cm.model)[0].mlp.gate_proj.register_forward_pre_hook(self._inside)
+
+    def _record(self, module, args, kwargs, output):
+        if "inputs" not in self.first:
+            self.first["inputs"] = {k: kwargs[k].clone() for k in ("input_ids", "attention_mask", "labels")}
+            self.first["loss"] = float(output.loss.detach())
+
+    def _inside(self, module, args):
+        self.gathered_in_forward = max(self.gathered_in_forward, _gathered_frozen(self.cm))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.counter.reset()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.counts.append(list(self.counter.counts))
+        if STAGE == 3:
+            self.gathered_frozen.append(_gathered_frozen(self.cm))
+
+
+def _gathered_frozen(cm: CheckpointedModel) -> int:
+    """Frozen parameters whose ZeRO-3 status is not "partitioned" (DeepSpeed's own bookkeeping)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    frozen = [p for p in cm.model.parameters() if not p.requires_grad]
+    return sum(p.ds_status != ZeroParamStatus.NOT_AVAILABLE for p in frozen)
+
+
+MAPS = {"recompute": CheckpointConfig(every_n_layers=2), "selective": CheckpointConfig(checkpoint_policy="selective")}
+
+
+def lora_model():
+    """The test's model (no dropout). All are built before the first TrainingArguments: once those ask for ZeRO-3,
+    transformers builds models inside `deepspeed.zero.Init`, partitioned as they are made, so the LoRA weights the
+    test sets would not be set and the weights would not be the one-process run's."""
+    return add_lora(tiny_model(seed=3, attention_dropout=0.0), dropout=0.0)
+
+
+def train(policy: str, model, resumed_model) -> dict:
+    output_dir = os.path.join(OUT, policy)
+    config = MAPS[policy]
+    cm = CheckpointedModel(model, config)
+    trainer = RematTrainer(model=cm, args=_arguments(output_dir, 2), train_dataset=ROWS)
+    instruments = Instruments(trainer, cm)
+    trainer.add_callback(instruments)
+    WRITES.clear()
+    trainer.train()
+    checkpoint = os.path.join(output_dir, "checkpoint-2")
+    writes = [(event, os.path.relpath(path, checkpoint)) for event, path in WRITES if path.startswith(checkpoint)]
+    result = {
+        **instruments.first,
+        "counts": instruments.counts,
+        "gathered_frozen": instruments.gathered_frozen,
+        "gathered_in_forward": instruments.gathered_in_forward,
+        "kept": cm.checkpoint_config == config,
+        "writes": writes,
+        "files": sorted(os.listdir(checkpoint)),
+    }
+    if policy == "recompute":
+        result["resumed"] = resume(checkpoint, os.path.join(OUT, "resumed"), resumed_model)
+    return result
+
+
+def resume(checkpoint: str, output_dir: str, model) -> dict:
+    """A wrapper with no map of its own takes the saved one, and trains on from step 2 with it."""
+    cm = CheckpointedModel(model)
+    trainer = RematTrainer(model=cm, args=_arguments(output_dir, 3), train_dataset=ROWS)
+    instruments = Instruments(trainer, cm)
+    trainer.add_callback(instruments)
+    trainer.train(resume_from_checkpoint=checkpoint)
+    return {
+        "config": cm.checkpoint_config.to_dict(),
+        "counts": instruments.counts,
+        "step": trainer.state.global_step,
+        "gathered_frozen": instruments.gathered_frozen,
+        "gathered_in_forward": instruments.gathered_in_forward,
+    }
+
+
+def refuse_swap(model) -> dict:
+    """Block swap of layers whose weights ZeRO-3 partitioned: refused before anything moves."""
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        config={"train_batch_size": 2, "zero_optimization": {"stage": 3}, "optimizer": ADAMW},
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+    )
+    before = {n: p.ds_tensor.clone() for n, p in model.named_parameters()}
+    try:
+        CheckpointedModel(model, CheckpointConfig(swap_layers=2))
+        message = None
+    except BlockSwapError as err:
+        message = str(err)
+    unchanged = all(torch.equal(before[n], p.ds_tensor) for n, p in model.named_parameters())
+    return {"refused": message, "unchanged": unchanged}
+
+
+def main() -> None:
+    sys.addaudithook(_audit)
+    rank = int(os.environ["RANK"])
+    models = {policy: (lora_model(), lora_model()) for policy in MAPS}
+    swapped = lora_model()
+    results = {policy: train(policy, *models[policy]) for policy in MAPS}
+    if STAGE == 3:
+        results["swap"] = refuse_swap(swapped)
+    results["deepspeed"] = deepspeed.__version__
+    torch.save(results, os.path.join(OUT, f"rank{rank}.pt"))
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    os._exit(0)  # the results are written; leave without gloo's teardown (see trainer_worker.py)
+
+
+if __name__ == "__main__":
+    main()

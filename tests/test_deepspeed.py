@@ -1,0 +1,121 @@
+"""RematTrainer under DeepSpeed ZeRO-2 and ZeRO-3: two gloo processes on the CPU (DS_ACCELERATOR=cpu),
+a LoRA model with non-reentrant recompute and with "selective", judged against one process on the
+batch both ranks saw. ZeRO-3 with frozen parameters is where per-layer checkpointing breaks elsewhere
+(transformers #47254, DeepSpeed #4332: "saved [1024] vs recomputed [0]"; 0.19.3 leaves frozen
+parameters gathered after recompute). The worker (tests/distributed/deepspeed_worker.py) measures;
+each stage is one torchrun launch.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import add_lora, assert_same_grads, tiny_model
+from safetensors.torch import load_file
+
+deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (a test extra; make test installs it)")
+
+WORKER = Path(__file__).parent / "distributed" / "deepspeed_worker.py"
+COUNTS = {"recompute": [2, 1, 2, 1], "selective": [2, 2, 2, 2]}  # runs per layer a step, by the worker's map
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Each stage's two ranks, launched once for the module: stage -> (folder, [rank 0's results, rank 1's])."""
+    done: dict[int, tuple] = {}
+
+    def run(stage: int) -> tuple:
+        if stage not in done:
+            done[stage] = _launch(stage, tmp_path_factory.mktemp(f"zero{stage}"))
+        return done[stage]
+
+    return run
+
+
+@pytest.fixture(params=[2, 3], ids=["zero2", "zero3"])
+def zero(request, launched):
+    return launched(request.param)
+
+
+@pytest.fixture
+def zero3(launched):
+    return launched(3)
+
+
+def _launch(stage: int, out: Path) -> tuple:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
+    command += [str(_free_port()), str(WORKER), str(out), str(Path(__file__).parent), str(stage)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return out, [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+
+
+def _one_process(inputs: list[dict]) -> tuple[float, dict]:
+    """Loss and gradients of the same LoRA model without checkpointing, on both ranks' rows at once."""
+    model = add_lora(tiny_model(seed=3, attention_dropout=0.0), dropout=0.0)
+    data = {k: torch.cat([rank[k] for rank in inputs]) for k in inputs[0]}
+    loss = model(**data).loss
+    loss.backward()
+    return float(loss), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("policy", ["recompute", "selective"])
+def test_lora_trains_with_the_map_and_its_gradients_equal_one_process(zero, policy):
+    """No CheckpointError; the first step's whole gradients (DeepSpeed's, just before its step) and the
+    loss equal one process on the rows both ranks trained on (fp32, rtol 1e-5); every step ran the map."""
+    _, ranks = zero
+    runs = [rank[policy] for rank in ranks]
+    loss, expected = _one_process([run["inputs"] for run in runs])
+    # each rank's loss is its tokens' share: Trainer divides by the tokens of both ranks' batches
+    assert sum(run["loss"] for run in runs) == pytest.approx(loss, rel=1e-5)
+    for run in runs:
+        assert set(run["grads"]) == set(expected)
+        assert_same_grads(expected, run["grads"], rtol=1e-5, atol=1e-7)
+        assert run["counts"] == [COUNTS[policy]] * 2
+        assert run["kept"], "the wrapper's map after the run is the one it started with"
+
+
+def test_zero3_leaves_no_frozen_parameter_gathered_after_any_step(zero3):
+    """DeepSpeed's own status of each frozen (LoRA base) parameter after every step, resumed run too:
+    all partitioned again. The same instrument saw them gathered inside a layer's forward."""
+    _, ranks = zero3
+    for rank in ranks:
+        for run in (rank["recompute"], rank["selective"], rank["recompute"]["resumed"]):
+            assert run["gathered_frozen"] and set(run["gathered_frozen"]) == {0}, run["gathered_frozen"]
+            assert run["gathered_in_forward"] > 0, "the count sees a gathered parameter"
+
+
+def test_rank0_alone_saves_the_adapters_with_the_map_and_resume_applies_it(zero):
+    out, ranks = zero
+    checkpoint = out / "recompute" / "checkpoint-2"
+    for name in ("adapter_model.safetensors", "checkpoint_config.json"):
+        moved_in = [path for event, path in ranks[0]["recompute"]["writes"] if event == "os.rename" and path == name]
+        assert len(moved_in) == 1, ranks[0]["recompute"]["writes"]
+    assert ranks[1]["recompute"]["writes"] == [], "rank 1 wrote into the checkpoint"
+    saved = load_file(checkpoint / "adapter_model.safetensors")
+    model = add_lora(tiny_model(seed=3))
+    lora = {n.replace(".default", ""): p.shape for n, p in model.named_parameters() if p.requires_grad}
+    assert {n: t.shape for n, t in saved.items()} == lora, "every adapter, whole (gathered from ZeRO-3's shards)"
+    for rank in ranks:
+        resumed = rank["recompute"]["resumed"]
+        assert resumed["config"]["every_n_layers"] == 2 and resumed["step"] == 3
+        assert resumed["counts"] == [COUNTS["recompute"]]
+
+
+def test_block_swap_of_zero3_partitioned_layers_is_refused_before_anything_moves(zero3):
+    _, ranks = zero3
+    for rank in ranks:
+        assert rank["swap"]["refused"] and "DeepSpeed ZeRO-3" in rank["swap"]["refused"]
+        assert rank["swap"]["unchanged"]
