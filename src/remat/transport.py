@@ -1,16 +1,21 @@
-"""The one host<->device transport per device (`transport_for`), shared by offload and block swap. CUDA has a
-side stream per copy direction (one copy engine each: an input going out overlaps a weight coming in); the compute
-stream waits on an event only where it reads what a copy wrote. Test doubles live in `remat.testing`."""
+"""The one host<->device transport per device (`transport_for`), shared by offload and block swap. An accelerator has
+a side stream per copy direction (one copy engine each: an input going out overlaps a weight coming in); the compute
+stream waits on an event only where it reads what a copy wrote. The waits are written once (`StreamTransport`), over
+the few stream and event calls a device offers (`DeviceStreams`): `torch.cuda`'s on CUDA, torch's generic
+`torch.Stream`/`torch.Event`/`torch.accelerator` on any other accelerator. Test doubles live in `remat.testing`."""
 
 from __future__ import annotations
 
 import logging
 import os
 import threading
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from .compat.accelerator import is_accelerator
 
 logger = logging.getLogger("remat")
 
@@ -26,18 +31,6 @@ class DoneEvent:
     def wait(self) -> None: ...
 
     synchronize = wait
-
-
-@dataclass
-class CudaEvent:
-    event: Any
-    device: torch.device
-
-    def wait(self) -> None:
-        torch.cuda.current_stream(self.device).wait_event(self.event)
-
-    def synchronize(self) -> None:
-        self.event.synchronize()
 
 
 @dataclass(frozen=True)
@@ -60,7 +53,8 @@ def from_bytes(buffer: torch.Tensor, meta: TensorMeta) -> torch.Tensor:
 
 class OffloadTransport(Protocol):
     """What the "offload" policy calls (`CheckpointedModel(offload_transport=...)`). Host buffers are uint8,
-    pinned where that helps; copies only start, their events say when they are done."""
+    pinned where that helps; copies only start, their events say when they are done. A transport may also have a
+    `reason`: why the tensors it does not handle stay on their device (in the map; a warning too, unless the CPU's)."""
 
     def handles(self, tensor: torch.Tensor) -> bool: ...  # on this transport's device (only those are offloaded)
     def allocate_host(self, nbytes: int) -> torch.Tensor: ...
@@ -80,26 +74,110 @@ class Transport(OffloadTransport, WeightMover, Protocol):
     """One device's host<->device transport: both features' calls, one set of streams."""
 
 
-class CudaTransport:
-    """Pinned host memory and one side stream per copy direction on one CUDA device."""
+class DeviceStreams(Protocol):
+    """Every device call a `StreamTransport` makes, so that its waits are written once for all devices. Streams
+    returned have `wait_stream(stream)` and `wait_event(event)`; events `record(stream)` and `synchronize()`."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.to_host_stream = torch.cuda.Stream(device)
-        self.to_device_stream = torch.cuda.Stream(device)
+    def new_stream(self, device: torch.device) -> Any: ...
+    def current_stream(self, device: torch.device) -> Any: ...  # the compute stream
+    def running_on(self, stream: Any) -> AbstractContextManager: ...  # work queued inside goes to `stream`
+    def new_event(self, device: torch.device) -> Any: ...
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...  # memory kept until `stream` is done
+
+
+class CudaStreams:
+    """CUDA's own stream API (`torch.cuda`): the path remat has always taken there."""
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def running_on(self, stream: Any) -> AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def new_event(self, device: torch.device) -> Any:
+        return torch.cuda.Event()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+
+class AcceleratorStreams:
+    """torch's device-generic API, for any accelerator torch knows (XPU, NPU, MPS, ...)."""
+
+    def new_stream(self, device: torch.device) -> Any:
+        stream = torch.Stream(device)
+        # Freeing a tensor a side stream still reads is only safe where the allocator can be told (record_stream):
+        # a device whose allocator cannot gets no transport rather than a race.
+        torch.empty(1, device=device).record_stream(stream)
+        return stream
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.accelerator.current_stream(device)
+
+    def running_on(self, stream: Any) -> AbstractContextManager:
+        return stream  # a torch.Stream is the context that makes it current
+
+    def new_event(self, device: torch.device) -> Any:
+        return torch.Event(device)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+
+@dataclass
+class StreamEvent:
+    """A copy's event on a side stream: the compute stream, or the host, waits for it."""
+
+    event: Any
+    streams: DeviceStreams
+    device: torch.device
+
+    def wait(self) -> None:
+        self.streams.current_stream(self.device).wait_event(self.event)
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
+
+class StreamTransport:
+    """Host memory pinned where the device can, and one side stream per copy direction on one device; every wait
+    that keeps the copies and the compute stream apart is here, and only here."""
+
+    def __init__(self, device: torch.device, streams: DeviceStreams):
+        self.device, self.streams = device, streams
+        self.to_host_stream = streams.new_stream(device)
+        self.to_device_stream = streams.new_stream(device)
+        self._pins = True  # until pinning fails once
         self._said_cache_stays = False
 
     def __reduce__(self) -> Any:  # a copy gets streams of its own
-        return (type(self), (self.device,))
+        return (type(self), (self.device, self.streams))
 
     def handles(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
 
+    def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self._pins:
+            try:
+                return torch.empty(shape, dtype=dtype, pin_memory=True)
+            except RuntimeError as err:
+                self._pins = False
+                logger.warning(
+                    "offload/swap: host memory cannot be pinned for %s (%s); using pageable host memory, so copies "
+                    "will not overlap compute",
+                    self.device,
+                    err,
+                )
+        return torch.empty(shape, dtype=dtype)
+
     def allocate_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._host_empty((nbytes,), torch.uint8)
 
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host = self._host_empty(tuple(tensor.shape), tensor.dtype)
         host.copy_(tensor.detach())
         return host
 
@@ -116,37 +194,53 @@ class CudaTransport:
             )
 
     def _recorded(self, stream: Any) -> Event:
-        event = torch.cuda.Event()
+        event = self.streams.new_event(self.device)
         event.record(stream)
-        return CudaEvent(event, self.device)
+        return StreamEvent(event, self.streams, self.device)
 
     def to_host(self, src: torch.Tensor, dst: torch.Tensor, layer: int) -> Event:
-        stream = self.to_host_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the input is fully written first
-        with torch.cuda.stream(stream):
+        stream, streams = self.to_host_stream, self.streams
+        stream.wait_stream(streams.current_stream(self.device))  # the input is fully written first
+        with streams.running_on(stream):
             dst[: src.nbytes].copy_(as_bytes(src), non_blocking=dst.is_pinned())
-            src.record_stream(stream)  # its memory is not reused until the copy is done
+            streams.record_stream(src, stream)  # its memory is not reused until the copy is done
         return self._recorded(stream)
 
     def to_device(self, src: torch.Tensor, meta: TensorMeta, layer: int) -> tuple[torch.Tensor, Event]:
-        stream = self.to_device_stream
+        stream, streams = self.to_device_stream, self.streams
         stream.wait_stream(self.to_host_stream)  # `src` was written by a copy to the host
-        with torch.cuda.stream(stream):
+        with streams.running_on(stream):
             out = torch.empty(meta.nbytes, dtype=torch.uint8, device=meta.device)
             out.copy_(src[: meta.nbytes], non_blocking=src.is_pinned())
-        out.record_stream(torch.cuda.current_stream(self.device))
+        streams.record_stream(out, streams.current_stream(self.device))
         return from_bytes(out, meta), self._recorded(stream)
 
     def fetch(self, dst: torch.Tensor, src: torch.Tensor) -> Event:
-        stream = self.to_device_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))  # the slot's previous user is done with it
-        with torch.cuda.stream(stream):
+        stream, streams = self.to_device_stream, self.streams
+        stream.wait_stream(streams.current_stream(self.device))  # the slot's previous user is done with it
+        with streams.running_on(stream):
             dst.copy_(src, non_blocking=True)
         return self._recorded(stream)
 
 
+class CudaTransport(StreamTransport):
+    """A CUDA device: `torch.cuda`'s streams and events (the fast path, and the one longest tested)."""
+
+    def __init__(self, device: torch.device, streams: DeviceStreams | None = None):
+        super().__init__(device, streams if streams is not None else CudaStreams())
+
+
+class AcceleratorTransport(StreamTransport):
+    """Any other accelerator torch knows (XPU, NPU, MPS, ...), through torch's device-generic streams and events."""
+
+    def __init__(self, device: torch.device, streams: DeviceStreams | None = None):
+        super().__init__(device, streams if streams is not None else AcceleratorStreams())
+
+
 class CpuTransport:
     """The model runs on the CPU (or a device without separate host memory): copies are synchronous."""
+
+    reason = "the model runs on the CPU: nothing to offload"
 
     def handles(self, tensor: torch.Tensor) -> bool:
         return False
@@ -171,6 +265,17 @@ class CpuTransport:
         return DoneEvent()
 
 
+class NoTransport(CpuTransport):
+    """A device remat has no streams for: offload leaves its inputs there and says `reason`; swapped weights wait in
+    host memory and come back with synchronous copies."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().to("cpu", copy=True)
+
+
 _TRANSPORTS: dict[torch.device, Transport] = {}
 _TRANSPORTS_LOCK = threading.Lock()
 
@@ -179,8 +284,26 @@ def transport_for(device: torch.device) -> Transport:
     """This process's transport for `device`, made on first use and shared by offload and swap."""
     with _TRANSPORTS_LOCK:
         if device not in _TRANSPORTS:
-            _TRANSPORTS[device] = CudaTransport(device) if device.type == "cuda" else CpuTransport()
+            _TRANSPORTS[device] = _new_transport(device)
         return _TRANSPORTS[device]
+
+
+def _new_transport(device: torch.device) -> Transport:
+    """CUDA's streams on CUDA, torch's generic ones on the machine's accelerator; where neither can be made, a
+    transport that offloads nothing and says why (offload never does nothing silently)."""
+    if device.type == "cpu":
+        return CpuTransport()
+    if device.type != "cuda" and not is_accelerator(device):
+        return NoTransport(
+            f"{device.type} is not torch's accelerator here, so remat has no streams for it: "
+            "the input stays on the device"
+        )
+    try:
+        return CudaTransport(device) if device.type == "cuda" else AcceleratorTransport(device)
+    except Exception as err:  # any failure to make the streams leaves the device without a transport, said why
+        return NoTransport(
+            f"{device.type} has no host<->device transport in remat (its streams: {err}): the input stays on the device"
+        )
 
 
 def default_host_budget() -> int:
