@@ -205,6 +205,35 @@ def test_a_device_whose_streams_cannot_be_made_has_no_transport_and_says_why(mon
     assert torch.equal(transport.host_copy(weight), weight), "swap still works, with synchronous copies"
 
 
+NO_STREAMS = "mps has no host<->device transport in remat: the input stays on the device"
+
+
+@pytest.mark.parametrize("given", ["offload_transport", "the device's"])
+def test_a_device_without_a_transport_keeps_its_inputs_says_why_in_the_map_and_warns_once(given, monkeypatch, caplog):
+    transport = NoTransport(NO_STREAMS)
+    if given == "the device's":
+        monkeypatch.setitem(transport_module._TRANSPORTS, torch.device("cpu"), transport)
+    model = tiny_model()
+    config = CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0)
+    cm = CheckpointedModel(model, config, offload_transport=transport if given == "offload_transport" else None)
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        for _ in range(2):
+            step_grads(cm, list(model.named_parameters()), batch())
+    layer_input = 2 * 12 * 32 * 4
+    assert all(cm.offload_stats[i].kept_because == {NO_STREAMS: 2 * layer_input} for i in range(4))
+    assert [r.getMessage() for r in caplog.records if r.name == "remat"] == [f"offload: {NO_STREAMS}"]
+    assert NO_STREAMS in cm.summary()
+    assert all(NO_STREAMS in row.offload for row in cm.memory_report(batch()).layers)
+
+
+def test_on_the_cpu_the_inputs_stay_without_a_warning(caplog):
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0))
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        step_grads(cm, list(model.named_parameters()), batch())
+    assert [r for r in caplog.records if r.name == "remat"] == [] and CpuTransport.reason in cm.summary()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_offload_and_swap_share_the_devices_transport_and_stay_exact():
     model = add_lora(tiny_model(attention_dropout=0.0)).cuda()

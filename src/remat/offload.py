@@ -14,14 +14,14 @@ from typing import Any
 
 import torch
 
-from .transport import Event, OffloadTransport, TensorMeta, default_host_budget, transport_for
+from .transport import CpuTransport, Event, OffloadTransport, TensorMeta, default_host_budget, transport_for
 from .transport import Transport as Transport  # where model.py has always imported it from
 
 logger = logging.getLogger("remat")
 
 KEPT_SMALL = "smaller than offload_min_bytes"
 KEPT_LAST = "last checkpointed layer of forward (backward needs it first)"
-KEPT_ON_CPU = "the model runs on the CPU: nothing to offload"
+KEPT_ON_CPU = CpuTransport.reason
 KEPT_SHARED = "not the layer's first input (masks and other inputs shared by layers stay)"
 
 _nothing_held: Callable[[], None] = lambda: None  # stands for a dead weak reference: no input is held back
@@ -150,6 +150,7 @@ class Offloader:
         self.max_host_bytes = default_host_budget() if max_host_bytes is None else max_host_bytes
         self._fixed = HostBuffers(transport, self.max_host_bytes) if transport is not None else None
         self._routes: dict[torch.device, HostBuffers | None] = {}
+        self._stays_because: dict[torch.device, str] = {}
         self.stats: dict[int, LayerOffloadStats] = defaultdict(LayerOffloadStats)
         self._held_back: Callable[[], _Packed | None] = _nothing_held
         self._live: weakref.WeakValueDictionary[int, _Packed] = weakref.WeakValueDictionary()
@@ -169,6 +170,17 @@ class Offloader:
             handled = transport.handles(tensor)
             self._routes[tensor.device] = HostBuffers(transport, self.max_host_bytes) if handled else None
         return self._routes[tensor.device]
+
+    def _why_it_stays(self, device: torch.device) -> str:
+        """Why inputs on `device` are not offloaded: its transport's `reason`. Unless that is the CPU's (nothing to
+        free there), offload was asked to free device memory and cannot: a warning says so too, once per device."""
+        if device not in self._stays_because:
+            transport = self._fixed.transport if self._fixed is not None else transport_for(device)
+            why = getattr(transport, "reason", None) or f"{type(transport).__name__} does not move {device} tensors"
+            if why != KEPT_ON_CPU:
+                logger.warning("offload: %s", why)
+            self._stays_because[device] = why
+        return self._stays_because[device]
 
     @property
     def host_buffers(self) -> list[HostBuffers]:
@@ -200,7 +212,10 @@ class Offloader:
                 stats.keep(tensor.nbytes, KEPT_SHARED)
             return tensor
         route = self._route(tensor)
-        why = KEPT_ON_CPU if route is None else KEPT_SMALL if tensor.nbytes < self.min_bytes else None
+        if route is None:
+            why: str | None = self._why_it_stays(tensor.device)
+        else:
+            why = KEPT_SMALL if tensor.nbytes < self.min_bytes else None
         if why is not None:
             stats.keep(tensor.nbytes, why)
             return tensor
