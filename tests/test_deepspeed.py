@@ -62,11 +62,14 @@ def _launch(stage: int, out: Path) -> tuple:
     return out, [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
 
 
-def _one_process(inputs: list[dict]) -> tuple[float, dict]:
-    """Loss and gradients of the same LoRA model without checkpointing, on both ranks' rows at once."""
+def _one_process(inputs: list[dict], items: float) -> tuple[float, dict]:
+    """Loss and gradients of the same LoRA model without checkpointing, on both ranks' rows at once, its
+    summed token losses divided by what Trainer divided them by (`num_items_in_batch`: transformers 4.57
+    counts the labels before the shift, one more a row than the loss sums)."""
     model = add_lora(tiny_model(seed=3, attention_dropout=0.0), dropout=0.0)
     data = {k: torch.cat([rank[k] for rank in inputs]) for k in inputs[0]}
-    loss = model(**data).loss
+    tokens = int((data["labels"][:, 1:] != -100).sum())
+    loss = model(**data).loss * tokens / items
     loss.backward()
     return float(loss), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
 
@@ -77,7 +80,8 @@ def test_lora_trains_with_the_map_and_its_gradients_equal_one_process(zero, poli
     loss equal one process on the rows both ranks trained on (fp32, rtol 1e-5); every step ran the map."""
     _, ranks = zero
     runs = [rank[policy] for rank in ranks]
-    loss, expected = _one_process([run["inputs"] for run in runs])
+    assert runs[0]["items"] == runs[1]["items"]
+    loss, expected = _one_process([run["inputs"] for run in runs], runs[0]["items"])
     # each rank's loss is its tokens' share: Trainer divides by the tokens of both ranks' batches
     assert sum(run["loss"] for run in runs) == pytest.approx(loss, rel=1e-5)
     for run in runs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
+from .compat.deepspeed import frozen_zero3_parameters_held
 from .snapshot import Watched
 
 if TYPE_CHECKING:
@@ -92,6 +94,7 @@ class LayerCheckpoint:
         self.offloader, self.offload = offloader, offload
         self.swapper = swapper  # asked at recompute time: the swapped set may change between forward and backward
         self.state = _LayerState(module)
+        self._module = weakref.ref(module)  # the shim lives on the layer
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.offloader.checkpoint_started()
@@ -105,6 +108,7 @@ class LayerCheckpoint:
         recomputes, which fetch swapped weights first and leave the layer's buffers and counters as
         the forward left them (an MoE router's token counts must not grow twice)."""
         swapper, index, state, policy, calls = self.swapper, self.index, self.state, self.policy, [0]
+        module = self._module
 
         def run(*args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
@@ -117,6 +121,7 @@ class LayerCheckpoint:
                 with _disable_current_modes():
                     around.enter_context(swapper.schedule.recomputing(index))
                     around.enter_context(state.kept())
+                    around.enter_context(frozen_zero3_parameters_held(module()))
                 return function(*args, **kwargs)
             except RuntimeError as err:
                 explained = policy.explain_recompute_error(err, index)

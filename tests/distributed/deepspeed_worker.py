@@ -44,7 +44,10 @@ def _writes(mode, flags) -> bool:
 
 
 def _arguments(output_dir: str, steps: int) -> TrainingArguments:
-    zero = {"stage": STAGE, "stage3_param_persistence_threshold": 0} if STAGE == 3 else {"stage": STAGE}
+    # ZeRO-3: every parameter partitioned, however small; adapters gathered into the Trainer's save (transformers
+    # before 5 otherwise writes an empty adapter file, with its own warning, and the weights to DeepSpeed's files)
+    zero3 = {"stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}
+    zero = {"stage": STAGE, **zero3} if STAGE == 3 else {"stage": STAGE}
     deepspeed_config = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -97,6 +100,8 @@ class Instruments(TrainerCallback):
         if "inputs" not in self.first:
             self.first["inputs"] = {k: kwargs[k].clone() for k in ("input_ids", "attention_mask", "labels")}
             self.first["loss"] = float(output.loss.detach())
+            # what Trainer divides the summed token losses by (both ranks' tokens; counted by its own rule)
+            self.first["items"] = float(kwargs.get("num_items_in_batch", float("nan")))
 
     def _inside(self, module, args):
         self.gathered_in_forward = max(self.gathered_in_forward, _gathered_frozen(self.cm))
