@@ -1,11 +1,14 @@
-"""LoRA fine-tuning with remat under DDP, launched by torchrun or accelerate.
+"""LoRA fine-tuning with remat under DDP, FSDP2 or DeepSpeed, launched by torchrun or accelerate.
 
-    torchrun --nproc-per-node 2 examples/train_distributed.py
-    accelerate launch --config_file configs/accelerate/multi_cpu.yaml examples/train_distributed.py
+    torchrun --nproc-per-node 2 examples/train_distributed.py            # DDP
+    torchrun --nproc-per-node 2 examples/train_distributed.py --fsdp2    # FSDP2 (fully_shard)
+    accelerate launch --config_file configs/accelerate/multi_gpu.yaml examples/train_distributed.py
+    torchrun --nproc-per-node 2 examples/train_distributed.py --deepspeed configs/deepspeed/zero3.json
 
 Every rank wraps its model the same way, so the map is the same everywhere; remat's recompute
-runs inside DDP's forward, with every parameter marked ready once. Each rank prints its map's
-checkpointed layers and how often each layer ran in the last step (2 = recomputed).
+runs inside the engine's forward (DDP: every parameter marked ready once; FSDP2 and ZeRO-3: with
+the layer's parameters gathered). Each rank prints the engine, its map's checkpointed layers and
+how often each layer ran in the last step (2 = recomputed).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--every-n-layers", type=int, default=2)
     parser.add_argument("--offload", action="store_true")
+    parser.add_argument("--fsdp2", action="store_true", help="shard with fully_shard (each layer, then the model)")
+    parser.add_argument("--deepspeed", metavar="CONFIG", help="train with DeepSpeed's engine, from this JSON config")
     args = parser.parse_args()
 
     accelerator = Accelerator()
@@ -39,22 +44,46 @@ def main() -> None:
     runs = [0] * len(cm.layers)
     for i, layer in enumerate(cm.layers):
         next(iter(layer.children())).register_forward_pre_hook(lambda m, a, i=i: runs.__setitem__(i, runs[i] + 1))
+    if args.fsdp2:  # wrap first, then shard: remat's shims sit on the layers FSDP2 shards
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in cm.layers:
+            fully_shard(layer)
+        fully_shard(cm.model)
     optimizer = torch.optim.AdamW([p for p in cm.parameters() if p.requires_grad], lr=3e-3)
-    model, optimizer = accelerator.prepare(cm, optimizer)
+    if args.deepspeed:  # DeepSpeed's engine around the wrapper; it steps the optimizer in its own backward
+        import deepspeed
+
+        model, optimizer, *_ = deepspeed.initialize(model=cm, optimizer=optimizer, config=args.deepspeed)
+    elif args.fsdp2:
+        model, optimizer = cm, accelerator.prepare(optimizer)
+    else:  # accelerate wraps the model in DDP
+        model, optimizer = accelerator.prepare(cm, optimizer)
     data = batches(text, seq=64, size=2, seed=accelerator.process_index)
     for _ in range(args.steps):
         runs[:] = [0] * len(runs)
         batch = {k: v.to(accelerator.device) for k, v in next(data).items()}
         loss = model(**batch).loss
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        if args.deepspeed:
+            model.backward(loss)
+            model.step()
+        else:
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
     line = (
-        f"rank {accelerator.process_index}/{accelerator.num_processes}: checkpointed {cm.checkpoint_map.checkpointed}, "
+        f"rank {accelerator.process_index}/{accelerator.num_processes}: {_engine(model)}, "
+        f"checkpointed {cm.checkpoint_map.checkpointed}, "
         f"runs per layer in the last step {runs}, loss {loss.item():.3f}\n"
     )
     sys.stdout.write(line)  # one write: the ranks share stdout, and print() writes the newline apart
     sys.stdout.flush()
+
+
+def _engine(model: torch.nn.Module) -> str:
+    if not isinstance(model, CheckpointedModel):
+        return type(model).__name__  # DistributedDataParallel, DeepSpeedEngine
+    return "FSDP2" if type(model.model).__name__.startswith("FSDP") else "one process"
 
 
 if __name__ == "__main__":

@@ -107,24 +107,52 @@ def test_reentrant_under_ddp_is_replaced_by_non_reentrant_and_said_once(ddp_resu
         assert not [m for m in later["logs"] if "use_reentrant=True is ignored" in m]
 
 
-def test_accelerate_launch_smoke_run_with_the_repository_config():
+def _readme_launch_lines() -> list[str]:
+    """The launch lines of the README's "Beyond one GPU" section, as written there."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Beyond one GPU", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
+    return [line for line in block.splitlines() if line and not line.startswith("#")]
+
+
+LAUNCH_LINES = _readme_launch_lines()
+ENGINES = {"--fsdp2": "FSDP2", "deepspeed": "DeepSpeedEngine"}  # else DDP
+
+
+@pytest.mark.parametrize("line", LAUNCH_LINES)
+def test_each_launch_line_of_the_readme_runs_two_ranks_with_the_map(line):
+    """Run as written, on two CPU processes (ACCELERATE_USE_CPU, DS_ACCELERATOR as the README says), with a free
+    port and two steps added; each rank reports the engine the line asks for and the map's runs per layer."""
+    if "deepspeed" in line:
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (a test extra; make test installs it)")
     root = Path(__file__).resolve().parents[1]
-    accelerate = Path(sys.executable).parent / "accelerate"
-    command = [str(accelerate), "launch", "--config_file", str(root / "configs" / "accelerate" / "multi_cpu.yaml")]
-    command += [
-        "--main_process_port",
-        str(_free_port()),
-        str(root / "examples" / "train_distributed.py"),
-        "--steps",
-        "2",
-    ]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=root)
+    launcher, *rest = line.split()
+    port = str(_free_port())
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--master-port", port, *rest]
+    else:
+        assert [launcher, rest[0]] == ["accelerate", "launch"], line
+        command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--main_process_port", port, *rest[1:]]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([*command, "--steps", "2"], capture_output=True, text=True, timeout=240, env=env, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     # other output of the two processes may share a line with ours: find the lines anywhere
     lines = sorted(re.findall(r"rank \d/2: [^\n]*", done.stdout))
-    assert [line.split(":")[0] for line in lines] == ["rank 0/2", "rank 1/2"]
-    assert all("checkpointed [0, 2, 4], runs per layer in the last step [2, 1, 2, 1, 2, 1]" in line for line in lines)
+    assert [line.split(":")[0] for line in lines] == ["rank 0/2", "rank 1/2"], done.stdout[-2000:]
+    engine = next((name for flag, name in ENGINES.items() if flag in line), "DistributedDataParallel")
+    expected = f"{engine}, checkpointed [0, 2, 4], runs per layer in the last step [2, 1, 2, 1, 2, 1]"
+    assert all(expected in each for each in lines), lines
+
+
+def test_the_readme_gives_a_launch_line_for_each_engine_and_launcher():
+    assert len(LAUNCH_LINES) == 5
+    assert {("--fsdp2" in line, "deepspeed" in line, line.split()[0]) for line in LAUNCH_LINES} == {
+        (False, False, "torchrun"),
+        (False, False, "accelerate"),
+        (True, False, "torchrun"),
+        (True, False, "accelerate"),
+        (False, True, "torchrun"),
+    }
 
 
 def _remat_trainer_run(tmp_path, processes, *flags):

@@ -50,6 +50,8 @@ def test_the_notebook_teaches_the_headline_and_runs_in_the_time_it_states(tmp_pa
     assert took < 2.5 * stated, f"the notebook says about {stated} s; it took {took:.0f} s"
 
     printed = "".join(_printed(cell) for cell in code)
+    # DeepSpeed, where installed, says at import (through TRL) that it found no GPU: its line, not remat's
+    printed = "\n".join(line for line in printed.splitlines() if "[real_accelerator.py:" not in line)
     assert "INFO:remat" not in printed and "WARNING" not in printed, printed
     assert "every_n_layers=2 skips it" in _printed(code[order[0]])
     frontier = _printed(code[order[1]]).splitlines()[1:]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -17,6 +16,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from .compat.deepspeed import frozen_zero3_parameters_held
+from .refs import Ref
 from .snapshot import Watched
 
 if TYPE_CHECKING:
@@ -94,7 +94,7 @@ class LayerCheckpoint:
         self.offloader, self.offload = offloader, offload
         self.swapper = swapper  # asked at recompute time: the swapped set may change between forward and backward
         self.state = _LayerState(module)
-        self._module = weakref.ref(module)  # the shim lives on the layer
+        self._module = Ref(module)  # weakly: the shim lives on the layer
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.offloader.checkpoint_started()
