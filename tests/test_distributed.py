@@ -119,7 +119,12 @@ LAUNCH_LINES = _readme_launch_lines()
 ENGINES = {"--fsdp2": "FSDP2", "deepspeed": "DeepSpeedEngine"}  # else DDP
 
 
-@pytest.mark.parametrize("line", LAUNCH_LINES)
+def _launch_id(line: str) -> str:
+    engine = next((name for flag, name in ENGINES.items() if flag in line), "DDP")
+    return f"{engine}-{line.split()[0]}"
+
+
+@pytest.mark.parametrize("line", LAUNCH_LINES, ids=[_launch_id(line) for line in LAUNCH_LINES])
 def test_each_launch_line_of_the_readme_runs_two_ranks_with_the_map(line):
     """Run as written, on two CPU processes (ACCELERATE_USE_CPU, DS_ACCELERATOR as the README says), with a free
     port and two steps added; each rank reports the engine the line asks for and the map's runs per layer."""
@@ -174,6 +179,8 @@ def test_remat_trainer_under_ddp_saves_adapters_with_the_config_and_every_rank_r
     assert {r["engine"] for r in results} == {"DistributedDataParallel"}
 
 
+# accelerate 1.15 on a CPU (checked 2026-12-02): Trainer's fsdp= without use_cpu fails ("Using fsdp only works in
+# distributed training"), with use_cpu=True accelerate runs DDP instead; FSDP2 itself on CPUs is tested above
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="accelerate runs FSDP on GPUs only (DDP on CPUs)")
 def test_cuda_remat_trainer_under_accelerates_fsdp2_saves_adapters_with_the_config_and_resumes_the_map(tmp_path):
     processes = min(torch.cuda.device_count(), 2)
