@@ -42,8 +42,9 @@ demo-notice:
 
 # Two pytest workers (pytest-xdist), one per core of the 2-core machines the suite is sized for: each
 # test runs one intra-op thread (tests/conftest.py), so two workers keep both cores busy. A plain
-# `pytest` still runs the suite in one process.
-PYTEST = python -m pytest -n 2
+# `pytest` still runs the suite in one process. `--dist loadgroup` keeps the tests of a module that share one
+# expensive launch (`xdist_group`) in one worker.
+PYTEST = python -m pytest -n 2 --dist loadgroup
 
 test: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
 	$(VENV)/bin/$(PYTEST)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 # One intra-op thread, here and in every process a test starts (they inherit the environment): the
 # tiny models' ops are too small to share among threads, and two threads spend several times the
@@ -123,6 +124,13 @@ def lora_value(cm) -> float:
     values = {round(float(p.detach().mean()), 4) for n, p in cm.model.named_parameters() if "lora_" in n}
     assert len(values) == 1, values
     return values.pop()
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def batch(seed: int = 0, size: int = BATCH, seq: int = SEQ) -> dict[str, torch.Tensor]:

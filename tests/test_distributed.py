@@ -8,14 +8,13 @@ bounds the run in time and kills what is left.
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import add_lora, assert_same_grads, batch, step_grads, tiny_model
+from conftest import add_lora, assert_same_grads, batch, free_port, step_grads, tiny_model
 
 WORKER = Path(__file__).parent / "distributed" / "ddp_worker.py"
 CASES = {
@@ -33,16 +32,10 @@ CASES = {
 REFUSED = {"fsdp2-swap": "1,0,2,fsdp"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ddp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    port, world = str(_free_port()), 2
+    port, world = str(free_port()), 2
     command = [sys.executable, str(WORKER)]
     procs = [
         subprocess.Popen(
@@ -132,7 +125,7 @@ def test_each_launch_line_of_the_readme_runs_two_ranks_with_the_map(line):
         pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (a test extra; make test installs it)")
     root = Path(__file__).resolve().parents[1]
     launcher, *rest = line.split()
-    port = str(_free_port())
+    port = str(free_port())
     if launcher == "torchrun":
         command = [sys.executable, "-m", "torch.distributed.run", "--master-port", port, *rest]
     else:
@@ -163,7 +156,7 @@ def test_the_readme_gives_a_launch_line_for_each_engine_and_launcher():
 def _remat_trainer_run(tmp_path, processes, *flags):
     worker = Path(__file__).parent / "distributed" / "trainer_worker.py"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
-    command += ["--master_port", str(_free_port()), str(worker), str(tmp_path), str(Path(__file__).parent), *flags]
+    command += ["--master_port", str(free_port()), str(worker), str(tmp_path), str(Path(__file__).parent), *flags]
     done = subprocess.run(command, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     results = sorted((json.loads(m) for m in re.findall(r"RESULT (\{[^\n]*\})", done.stdout)), key=lambda r: r["rank"])

@@ -6,14 +6,13 @@ processes do together is tested in test_distributed.py).
 """
 
 import re
-import socket
 from pathlib import Path
 
 import datasets
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import add_lora, batch, tiny_model
+from conftest import add_lora, batch, free_port, tiny_model
 from transformers import TrainingArguments
 
 from remat import CheckpointConfig, CheckpointedModel, RematTrainer, remat_trainer_class
@@ -63,12 +62,6 @@ def _given(tmp_path):
     }
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("index", range(len(EXAMPLES)), ids=[f"example-{i + 1}" for i in range(len(EXAMPLES))])
 def test_readme_example_runs(index, tmp_path, monkeypatch):
     assert len(EXAMPLES) >= 5, "the README's examples were not found"
@@ -76,7 +69,7 @@ def test_readme_example_runs(index, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     distributed = "DistributedDataParallel" in code or "fully_shard" in code
     if distributed:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         exec(compile(code, f"README.md example {index + 1}", "exec"), _given(tmp_path))
     finally:

@@ -1,14 +1,16 @@
 """One rank of RematTrainer under DeepSpeed ZeRO on two gloo processes (launched by torchrun with
 DS_ACCELERATOR=cpu), started by tests/test_deepspeed.py.
 
-argv: out_dir tests_dir stage. For each map (MAPS: non-reentrant recompute on every other layer,
+argv: out_dir tests_dir stage. ZeRO-3 runs on the repository's configs/deepspeed/zero3.json (the README's), ZeRO-2
+on a config written here. For each map (MAPS: non-reentrant recompute on every other layer,
 "selective" on every layer) a LoRA model (no dropout) trains two steps with a checkpoint at step 2;
 the recompute run's checkpoint is then resumed by a wrapper with no map of its own (every layer),
 which trains one more step. The
 rank writes out_dir/<policy>-rank<r>.pt with, measured by this worker's own instruments: the first
 step's inputs, loss and whole gradients (DeepSpeed's `safe_get_full_grad` just before the engine's
-step), each step's runs per layer, how many frozen parameters DeepSpeed still has gathered after
-each step (its own `ds_status`), and what this process wrote into the checkpoint (audit events).
+step), each step's runs per layer, how many frozen parameters DeepSpeed still has gathered when the
+backward is done (its own `ds_status`, just before the engine's step, which partitions everything),
+and what this process saved (save_pretrained calls, files moved into the checkpoint).
 A block swap of the ZeRO-3 engine's partitioned layers is tried last.
 """
 
@@ -21,7 +23,8 @@ import deepspeed
 import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, tiny_model
 from deepspeed.utils import safe_get_full_grad
-from transformers import TrainerCallback, TrainingArguments
+from peft import PeftModel
+from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
 
 from remat import BlockSwapError, CheckpointConfig, CheckpointedModel, RematTrainer
 from remat.testing import trainer_checkpointing_args
@@ -29,42 +32,44 @@ from remat.testing import trainer_checkpointing_args
 OUT, STAGE = sys.argv[1], int(sys.argv[3])
 ROWS = [{k: v[0] for k, v in batch(seed=seed, size=1).items()} for seed in range(8)]
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}}  # torch's AdamW (no compiled op)
-WRITES: list[tuple[str, str]] = []  # (event, path) of every file this process created or moved into OUT
+ZERO3_CONFIG = os.path.join(os.path.dirname(sys.argv[2]), "configs", "deepspeed", "zero3.json")
+WRITES: list[tuple[str, str]] = []  # ("save_pretrained" | "os.rename", path) of what this process saved into OUT
 
 
 def _audit(event: str, args: tuple) -> None:
     if event == "os.rename" and str(args[1]).startswith(OUT):
         WRITES.append((event, str(args[1])))
-    elif event == "open" and isinstance(args[0], str) and args[0].startswith(OUT) and _writes(args[1], args[2]):
-        WRITES.append((event, args[0]))
 
 
-def _writes(mode, flags) -> bool:
-    return any(c in (mode or "") for c in "wax+") or bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
+def _saves_recorded(cls: type) -> None:
+    """Every save_pretrained of this process, where safetensors and torch.save write past Python's audit events."""
+    original = cls.save_pretrained
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        WRITES.append(("save_pretrained", os.path.abspath(str(save_directory))))
+        return original(self, save_directory, *args, **kwargs)
+
+    cls.save_pretrained = save_pretrained
 
 
 def _arguments(output_dir: str, steps: int) -> TrainingArguments:
-    # ZeRO-3: every parameter partitioned, however small; adapters gathered into the Trainer's save (transformers
-    # before 5 otherwise writes an empty adapter file, with its own warning, and the weights to DeepSpeed's files)
-    zero3 = {"stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}
-    zero = {"stage": STAGE, **zero3} if STAGE == 3 else {"stage": STAGE}
-    deepspeed_config = {
+    zero2 = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
-        "zero_optimization": zero,
+        "zero_optimization": {"stage": 2},
         "optimizer": {**ADAMW, "params": {"lr": "auto", "torch_adam": True}},
     }
     return TrainingArguments(
         output_dir=output_dir,
         max_steps=steps,
-        per_device_train_batch_size=1,
+        per_device_train_batch_size=2,  # the README's config (ZeRO-3) says 2
         learning_rate=1e-2,
         save_strategy="steps",
         save_steps=2,
         report_to=[],
         seed=7,
         use_cpu=True,
-        deepspeed=deepspeed_config,
+        deepspeed=ZERO3_CONFIG if STAGE == 3 else zero2,
         **trainer_checkpointing_args(True, None),
     )
 
@@ -85,10 +90,12 @@ class Instruments(TrainerCallback):
         assert isinstance(engine, deepspeed.DeepSpeedEngine), type(engine)
         original = engine.step
 
-        def step(*a, **k):  # before DeepSpeed steps: the whole gradient of each trainable parameter
-            if not self.first.get("grads"):
+        def step(*a, **k):  # the backward is done; DeepSpeed's step comes next
+            if not self.first.get("grads"):  # the whole gradient of each trainable parameter
                 named = engine.module.named_parameters()
                 self.first["grads"] = {n: safe_get_full_grad(p).clone() for n, p in named if p.requires_grad}
+            if STAGE == 3:  # before the step, which partitions every parameter whatever the backward left
+                self.gathered_frozen.append(_gathered_frozen(self.cm))
             return original(*a, **k)
 
         engine.step = step
@@ -111,8 +118,6 @@ class Instruments(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self.counts.append(list(self.counter.counts))
-        if STAGE == 3:
-            self.gathered_frozen.append(_gathered_frozen(self.cm))
 
 
 def _gathered_frozen(cm: CheckpointedModel) -> int:
@@ -193,6 +198,8 @@ def refuse_swap(model) -> dict:
 
 def main() -> None:
     sys.addaudithook(_audit)
+    for cls in (PeftModel, PreTrainedModel):
+        _saves_recorded(cls)
     rank = int(os.environ["RANK"])
     models = {policy: (lora_model(), lora_model()) for policy in MAPS}
     swapped = lora_model()
