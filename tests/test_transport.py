@@ -135,6 +135,46 @@ def test_the_emulated_streams_see_a_copy_read_before_its_event():
     assert torch.equal(late, src.sum()) and fake.races == []
 
 
+@pytest.mark.parametrize("recorded", [True, False], ids=["record_stream", "no-record_stream"])
+@pytest.mark.parametrize("copy", ["to_host", "to_device"])
+def test_device_memory_a_copy_may_still_use_is_freed_only_through_record_stream(copy, recorded, monkeypatch):
+    """The emulated allocator: the copy to the host's source is freed by the compute stream while the copy may still
+    read it; the copy back's result, allocated on the side stream, is freed after the compute stream read it. The
+    block may be reused at once by the stream it was allocated on, so each free is a race unless the transport named
+    the other stream in `record_stream` (the fake is told to forget those calls to show the race)."""
+    fake = FakeStreams(seed=0, progress=0.0)
+    if not recorded:
+        monkeypatch.setattr(fake, "record_stream", lambda tensor, stream: None)
+    transport = AcceleratorTransport(torch.device("cpu"), fake)
+    with fake:
+        src = torch.randn(4, 8)  # device memory, allocated on the compute stream
+        meta = TensorMeta(src.shape, src.dtype, src.device, src.nbytes)
+        host = transport.allocate_host(src.nbytes)
+        expected = src.sum()
+        transport.to_host(src, host, 0)
+        if copy == "to_device":
+            src = None  # the compute stream freeing the source is checked by the other case
+            fake.collect_freed()
+            fake.races.clear()
+            back, event = transport.to_device(host, meta, 0)
+            event.wait()
+            got = back.sum()  # the compute stream reads what the side stream allocated
+            del back
+        else:
+            del src
+        fake.collect_freed()
+    fake.finish()
+    freed_on = {"to_host": "compute", "to_device": "side2"}[copy]
+    reader = {"to_host": "copy on side1 on side1", "to_device": "aten.sum.default on compute"}[copy]
+    if recorded:
+        assert fake.races == []
+    else:
+        assert len(fake.races) == 1 and fake.races[0].startswith(f"memory freed while {reader} may still use it")
+        assert f"{freed_on} may reuse it at once" in fake.races[0]
+    if copy == "to_device":
+        assert torch.equal(got, expected)
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("policy", ["offload", "recompute"], ids=["offload-and-swap", "swap"])
 def test_accelerator_transport_is_exact_whatever_order_its_copies_complete_in(policy, seed, monkeypatch):
@@ -149,10 +189,11 @@ def test_accelerator_transport_is_exact_whatever_order_its_copies_complete_in(po
     transport = AcceleratorTransport(torch.device("cpu"), fake)
     model = add_lora(tiny_model())
     config = CheckpointConfig(swap_layers=[0, 1, 2, 3], checkpoint_policy=policy, offload_min_bytes=0)
-    cm = CheckpointedModel(model, config, offload_transport=transport, swap_mover=transport)
-    with fake:
+    with fake:  # the emulated accelerator pins the host copies made here
+        cm = CheckpointedModel(model, config, offload_transport=transport, swap_mover=transport)
         _, got = step_grads(cm, _trainable(model), batch())
     fake.finish()
+    assert transport._pins, "the host copies are pinned"
     assert fake.races == []
     assert_same_grads(expected, got)
     offloaded = 3 if policy == "offload" else 0  # layer 3's input stays (keep-last)

@@ -85,7 +85,14 @@ class DeviceStreams(Protocol):
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None: ...  # memory kept until `stream` is done
 
 
-class CudaStreams:
+class _TorchAllocator:
+    """Both devices' caching allocators are told the same way that a side stream still uses a tensor."""
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        tensor.record_stream(stream)
+
+
+class CudaStreams(_TorchAllocator):
     """CUDA's own stream API (`torch.cuda`): the path remat has always taken there."""
 
     def new_stream(self, device: torch.device) -> Any:
@@ -100,11 +107,8 @@ class CudaStreams:
     def new_event(self, device: torch.device) -> Any:
         return torch.cuda.Event()
 
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        tensor.record_stream(stream)
 
-
-class AcceleratorStreams:
+class AcceleratorStreams(_TorchAllocator):
     """torch's device-generic API, for any accelerator torch knows (XPU, NPU, MPS, ...)."""
 
     def new_stream(self, device: torch.device) -> Any:
@@ -122,9 +126,6 @@ class AcceleratorStreams:
 
     def new_event(self, device: torch.device) -> Any:
         return torch.Event(device)
-
-    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
-        tensor.record_stream(stream)
 
 
 @dataclass
