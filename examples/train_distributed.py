@@ -14,7 +14,9 @@ how often each layer ran in the last step (2 = recomputed).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -50,15 +52,16 @@ def main() -> None:
         for layer in cm.layers:
             fully_shard(layer)
         fully_shard(cm.model)
-    optimizer = torch.optim.AdamW([p for p in cm.parameters() if p.requires_grad], lr=3e-3)
-    if args.deepspeed:  # DeepSpeed's engine around the wrapper; it steps the optimizer in its own backward
+    trainable = [p for p in cm.parameters() if p.requires_grad]
+    if args.deepspeed:  # DeepSpeed's engine and optimizer around the wrapper; it steps in its own backward
         import deepspeed
 
-        model, optimizer, *_ = deepspeed.initialize(model=cm, optimizer=optimizer, config=args.deepspeed)
+        config = _filled(json.loads(Path(args.deepspeed).read_text()), batch_size=2, lr=3e-3)
+        model, optimizer, *_ = deepspeed.initialize(model=cm, model_parameters=trainable, config=config)
     elif args.fsdp2:
-        model, optimizer = cm, accelerator.prepare(optimizer)
+        model, optimizer = cm, accelerator.prepare(torch.optim.AdamW(trainable, lr=3e-3))
     else:  # accelerate wraps the model in DDP
-        model, optimizer = accelerator.prepare(cm, optimizer)
+        model, optimizer = accelerator.prepare(cm, torch.optim.AdamW(trainable, lr=3e-3))
     data = batches(text, seq=64, size=2, seed=accelerator.process_index)
     for _ in range(args.steps):
         runs[:] = [0] * len(runs)
@@ -78,6 +81,15 @@ def main() -> None:
     )
     sys.stdout.write(line)  # one write: the ranks share stdout, and print() writes the newline apart
     sys.stdout.flush()
+
+
+def _filled(config: dict, *, batch_size: int, lr: float) -> dict:
+    """The config's "auto" values (Trainer's, which fills them from TrainingArguments) filled as this loop runs."""
+    values = {"train_micro_batch_size_per_gpu": batch_size, "gradient_accumulation_steps": 1}
+    config = {key: values.get(key, value) if value == "auto" else value for key, value in config.items()}
+    if config.get("optimizer", {}).get("params", {}).get("lr") == "auto":
+        config["optimizer"] = {**config["optimizer"], "params": {**config["optimizer"]["params"], "lr": lr}}
+    return config
 
 
 def _engine(model: torch.nn.Module) -> str:

@@ -62,7 +62,7 @@ def _arguments(output_dir: str, steps: int) -> TrainingArguments:
     return TrainingArguments(
         output_dir=output_dir,
         max_steps=steps,
-        per_device_train_batch_size=2,  # the README's config (ZeRO-3) says 2
+        per_device_train_batch_size=2,
         learning_rate=1e-2,
         save_strategy="steps",
         save_steps=2,
