@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from conftest import add_lora, assert_same_grads, free_port, tiny_model
 from safetensors.torch import load_file
 
@@ -120,6 +121,19 @@ def test_block_swap_of_zero3_partitioned_layers_is_refused_before_anything_moves
     for rank in ranks:
         assert rank["swap"]["refused"] and "DeepSpeed ZeRO-3" in rank["swap"]["refused"]
         assert rank["swap"]["unchanged"]
+
+
+def test_a_zero3_save_without_the_adapters_says_where_they_are(zero3):
+    """Without `stage3_gather_16bit_weights_on_model_save`, transformers 4.57 saves an empty state dict under
+    ZeRO-3 (the adapters only in DeepSpeed's files): rank 0 warns once, naming the setting. transformers 5
+    gathers the trainable parameters into the save itself: every adapter there, no warning."""
+    _, ranks = zero3
+    saving, other = ranks[0]["ungathered"], ranks[1]["ungathered"]
+    assert other["warnings"] == [], "only the rank that saves says it"
+    if int(transformers.__version__.split(".")[0]) < 5:
+        assert saving["tensors"] == 0 and len(saving["warnings"]) == 1, saving
+    else:
+        assert saving["tensors"] == 24 and saving["warnings"] == [], saving
 
 
 def test_the_accelerate_deepspeed_config_names_the_readmes_zero3_file():

@@ -96,6 +96,13 @@ class _RematTrainerMixin:
         if cm is None or not getattr(self.args, "should_save", True):
             return base_save(output_dir, state_dict=state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if state_dict is not None and not state_dict and getattr(self, "is_deepspeed_enabled", False):
+            logger.warning(
+                "%s: DeepSpeed ZeRO-3 kept the weights partitioned, so Trainer saves none here (the adapter file is "
+                "empty) and the trained ones only in DeepSpeed's files (global_step*/, zero_to_fp32.py); set "
+                '"stage3_gather_16bit_weights_on_model_save": true in the DeepSpeed config to save them here',
+                output_dir,
+            )
         save_model_pair(controller_of_wrapper(cm), output_dir, lambda to: base_save(to, state_dict=state_dict))
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:

@@ -14,6 +14,8 @@ and what this process saved (save_pretrained calls, files moved into the checkpo
 A block swap of the ZeRO-3 engine's partitioned layers is tried last.
 """
 
+import json
+import logging
 import os
 import sys
 
@@ -24,6 +26,7 @@ import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, tiny_model
 from deepspeed.utils import safe_get_full_grad
 from peft import PeftModel
+from safetensors.torch import load_file
 from transformers import PreTrainedModel, TrainerCallback, TrainingArguments
 
 from remat import BlockSwapError, CheckpointConfig, CheckpointedModel, RematTrainer
@@ -52,7 +55,7 @@ def _saves_recorded(cls: type) -> None:
     cls.save_pretrained = save_pretrained
 
 
-def _arguments(output_dir: str, steps: int) -> TrainingArguments:
+def _arguments(output_dir: str, steps: int, zero3: str | dict = ZERO3_CONFIG) -> TrainingArguments:
     zero2 = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -69,7 +72,7 @@ def _arguments(output_dir: str, steps: int) -> TrainingArguments:
         report_to=[],
         seed=7,
         use_cpu=True,
-        deepspeed=ZERO3_CONFIG if STAGE == 3 else zero2,
+        deepspeed=zero3 if STAGE == 3 else zero2,
         **trainer_checkpointing_args(True, None),
     )
 
@@ -179,6 +182,34 @@ def resume(checkpoint: str, output_dir: str, model) -> dict:
     }
 
 
+def save_ungathered(model) -> dict:
+    """ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`: what the checkpoint's adapter file holds, and what
+    remat warned (transformers 4.57 saves an empty state dict there; 5 gathers the trainable parameters itself)."""
+    with open(ZERO3_CONFIG) as file:
+        config = json.load(file)
+    config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = False
+    output_dir = os.path.join(OUT, "ungathered")
+    trainer = RematTrainer(model=CheckpointedModel(model), args=_arguments(output_dir, 2, config), train_dataset=ROWS)
+    warnings = _Warnings()
+    logging.getLogger("remat").addHandler(warnings)
+    try:
+        trainer.train()
+    finally:
+        logging.getLogger("remat").removeHandler(warnings)
+    saved = os.path.join(output_dir, "checkpoint-2", "adapter_model.safetensors")
+    tensors = len(load_file(saved)) if int(os.environ["RANK"]) == 0 else None
+    return {"tensors": tensors, "warnings": [m for m in warnings.messages if "stage3_gather_16bit" in m]}
+
+
+class _Warnings(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def refuse_swap(model) -> dict:
     """Block swap of layers whose weights ZeRO-3 partitioned: refused before anything moves."""
     engine, *_ = deepspeed.initialize(
@@ -202,9 +233,10 @@ def main() -> None:
         _saves_recorded(cls)
     rank = int(os.environ["RANK"])
     models = {policy: (lora_model(), lora_model()) for policy in MAPS}
-    swapped = lora_model()
+    swapped, ungathered = lora_model(), lora_model()
     results = {policy: train(policy, *models[policy]) for policy in MAPS}
     if STAGE == 3:
+        results["ungathered"] = save_ungathered(ungathered)
         results["swap"] = refuse_swap(swapped)
     results["deepspeed"] = deepspeed.__version__
     torch.save(results, os.path.join(OUT, f"rank{rank}.pt"))
