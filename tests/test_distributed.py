@@ -143,13 +143,14 @@ def test_each_launch_line_of_the_readme_runs_two_ranks_with_the_map(line):
 
 
 def test_the_readme_gives_a_launch_line_for_each_engine_and_launcher():
-    assert len(LAUNCH_LINES) == 5
+    assert len(LAUNCH_LINES) == 6
     assert {("--fsdp2" in line, "deepspeed" in line, line.split()[0]) for line in LAUNCH_LINES} == {
         (False, False, "torchrun"),
         (False, False, "accelerate"),
         (True, False, "torchrun"),
         (True, False, "accelerate"),
         (False, True, "torchrun"),
+        (False, True, "accelerate"),
     }
 
 
