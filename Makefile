@@ -42,9 +42,10 @@ demo-notice:
 
 # Two pytest workers (pytest-xdist), one per core of the 2-core machines the suite is sized for: each
 # test runs one intra-op thread (tests/conftest.py), so two workers keep both cores busy. A plain
-# `pytest` still runs the suite in one process. `--dist loadgroup` keeps the tests of a module that share one
-# expensive launch (`xdist_group`) in one worker.
-PYTEST = python -m pytest -n 2 --dist loadgroup
+# `pytest` still runs the suite in one process. `--dist loadscope` sends a module's tests to one worker, so a
+# module-scoped fixture that launches processes (DDP, FSDP2, DeepSpeed) runs once, not once per worker
+# (`--dist loadgroup` would group by mark, but its marks are not applied under pytest 9.2 with xdist 3.8).
+PYTEST = python -m pytest -n 2 --dist loadscope
 
 test: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
 	$(VENV)/bin/$(PYTEST)

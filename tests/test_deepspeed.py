@@ -19,8 +19,6 @@ from safetensors.torch import load_file
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (a test extra; make test installs it)")
 
-# both stages' launches in one pytest worker (make test: --dist loadgroup): each worker would launch its own
-pytestmark = pytest.mark.xdist_group("deepspeed")
 WORKER = Path(__file__).parent / "distributed" / "deepspeed_worker.py"
 COUNTS = {"recompute": [2, 1, 2, 1], "selective": [2, 2, 2, 2]}  # runs per layer a step, by the worker's map
 
