@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -25,8 +26,12 @@ _holds = itertools.count(-1, -1)
 
 @contextlib.contextmanager
 def frozen_zero3_parameters_held(layer: nn.Module | None) -> Iterator[None]:
-    """Keep ZeRO-3 from freeing `layer`'s frozen parameters while its recompute runs (no-op without ZeRO-3)."""
-    held = [] if layer is None else [p for p in layer.parameters() if not p.requires_grad and _zero3(p)]
+    """Keep ZeRO-3 from freeing `layer`'s frozen parameters while its recompute runs (no-op without ZeRO-3: without
+    DeepSpeed imported no parameter can be partitioned, and the layer's parameters are not even listed)."""
+    if layer is None or "deepspeed" not in sys.modules:
+        yield
+        return
+    held = [p for p in layer.parameters() if not p.requires_grad and _zero3(p)]
     if not held:
         yield
         return
