@@ -15,6 +15,7 @@ from emulated_streams import FakeStreams
 import remat.transport as transport_module
 from remat import CheckpointConfig, CheckpointedModel
 from remat.model import controller_of
+from remat.offload import HostBuffers
 from remat.testing import SimulatedTransport
 from remat.transport import (
     AcceleratorTransport,
@@ -94,7 +95,8 @@ def test_each_copy_waits_for_what_it_reads_and_keeps_what_it_frees():
     fake = FakeStreams(seed=0)
     transport = AcceleratorTransport(torch.device("cpu"), fake)
     src = torch.randn(4, 8)
-    host = transport.allocate_host(src.nbytes)
+    with fake:  # the emulated device pins
+        host = transport.allocate_host(src.nbytes)
     meta = TensorMeta(src.shape, src.dtype, src.device, src.nbytes)
 
     def calls(copy):
@@ -201,7 +203,9 @@ def test_accelerator_transport_is_exact_whatever_order_its_copies_complete_in(po
     assert fake.log.count("side2 wait_stream compute") == 2 * 4 * len(controller_of(cm).swapper.layers[0].params)
 
 
-def test_where_pinning_fails_host_buffers_are_pageable_with_one_warning(monkeypatch, caplog):
+def test_where_pinning_fails_swap_copies_are_pageable_with_one_warning_and_offload_counts_its_own(monkeypatch, caplog):
+    """Swap's host copies fall back in the transport; offload's buffers in HostBuffers, which counts them and keeps
+    them out of the pinned budget (the transport raises for those)."""
     tried = []
     empty = torch.empty
 
@@ -213,12 +217,16 @@ def test_where_pinning_fails_host_buffers_are_pageable_with_one_warning(monkeypa
 
     transport = AcceleratorTransport(torch.device("cpu"), FakeStreams(seed=0))
     monkeypatch.setattr(torch, "empty", unpinnable)
+    host_buffers = HostBuffers(transport, max_bytes=1 << 20)
     with caplog.at_level(logging.WARNING, logger="remat"):
-        buffers = [transport.allocate_host(64), transport.allocate_host(64), transport.host_copy(torch.ones(3))]
-    assert [b.is_pinned() for b in buffers] == [False] * 3 and torch.equal(buffers[2], torch.ones(3))
-    assert len(tried) == 1, "a device that cannot pin is not asked again"
+        copies = [transport.host_copy(torch.ones(3)), transport.host_copy(torch.ones(2))]
+        buffers = [host_buffers.take(64), host_buffers.take(64)]
+    assert [b.is_pinned() for b in copies + buffers] == [False] * 4 and torch.equal(copies[0], torch.ones(3))
+    assert host_buffers.pageable_fallbacks == 2 and host_buffers.pinned_bytes == 0
+    assert len(tried) == 3, "swap does not ask again; each offload buffer does"
     warnings = [r.getMessage() for r in caplog.records if r.name == "remat"]
-    assert len(warnings) == 1 and "cannot be pinned" in warnings[0] and "pageable" in warnings[0]
+    assert len(warnings) == 2, warnings
+    assert "swap" in warnings[0] and "cannot be pinned" in warnings[0] and "pageable" in warnings[1]
 
 
 def test_transport_for_picks_the_devices_transport(monkeypatch):

@@ -160,27 +160,25 @@ class StreamTransport:
     def handles(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
 
-    def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def allocate_host(self, nbytes: int) -> torch.Tensor:
+        # Where pinning fails this raises: offload's HostBuffers then takes pageable memory, counted and said once,
+        # and never counts it against the pinned host budget.
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A swapped weight's host copy: pinned, or pageable where the device cannot pin (said once)."""
         if self._pins:
             try:
-                return torch.empty(shape, dtype=dtype, pin_memory=True)
+                return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor.detach())
             except RuntimeError as err:
                 self._pins = False
                 logger.warning(
-                    "offload/swap: host memory cannot be pinned for %s (%s); using pageable host memory, so copies "
+                    "swap: host memory cannot be pinned for %s (%s); using pageable host memory, so weight copies "
                     "will not overlap compute",
                     self.device,
                     err,
                 )
-        return torch.empty(shape, dtype=dtype)
-
-    def allocate_host(self, nbytes: int) -> torch.Tensor:
-        return self._host_empty((nbytes,), torch.uint8)
-
-    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        host = self._host_empty(tuple(tensor.shape), tensor.dtype)
-        host.copy_(tensor.detach())
-        return host
+        return tensor.detach().to("cpu", copy=True)
 
     def return_freed_host_memory(self) -> None:
         # Dropped pinned tensors only go back to torch's caching host allocator; emptying it frees
