@@ -1,15 +1,20 @@
 """Plans that hold on a busy machine: one model and batch profiled several times, the same plan?
 
     python benchmarks/plan_stability.py --preset small --busy 2       # the RESULTS.md run
+    python benchmarks/plan_stability.py --preset small --busy 0 --profiles 1 --rounds 3 --repeats 5
 
 1. Busy: `--busy N` processes `python -c "while True: pass"` (nice 0) run while the model is
    profiled `--profiles` times (the same wrapper, the same batch); they are killed afterwards.
    Compared: each profile's frontier (every undominated map), and its plan at `--budgets`
    budgets spread evenly from the smallest map to the largest (the plan at any budget is the
    last frontier map that fits it, so equal frontiers give equal plans at every budget).
-2. Quieter: one more profile with the busy processes gone; each distinct plan of the grid is
-   enabled and its step (forward and backward, as the profile times it) measured, alternated
-   over `--repeats`, medians, against that profile's prediction and spread.
+2. Quieter: with the busy processes gone, `--rounds` rounds of one more profile and then each
+   distinct plan of the grid (the first quiet profile's) enabled and its step (forward and
+   backward, as the profile times it) measured, alternated over `--repeats`. A plan's prediction
+   is the median of the rounds' profiles' predictions for its map, its measurement the median of
+   every round's steps: profiles and steps sample the same minutes, so a machine that drifts
+   (this VM: up to a fifth in two minutes) moves both alike. Each round's own ratio (its profile
+   against its steps, the protocol of `--rounds 1`) is kept beside it.
 
 The load average (1 minute, from /proc/loadavg) is recorded before, during and after: other
 processes may be running too. Profiling's cost is recorded in wall and process-CPU seconds and
@@ -97,6 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plan-repeats", type=int, default=3, help="repeats of each profile's timed steps")
     parser.add_argument("--budgets", type=int, default=50)
     parser.add_argument("--repeats", type=int, default=5, help="alternated timed steps per plan (quieter part)")
+    parser.add_argument("--rounds", type=int, default=1, help="quiet profiles, each followed by the timed steps")
     parser.add_argument("--skip-measure", action="store_true", help="only the busy profiles")
     parser.add_argument("--out", type=Path, default=HERE / "out")
     args = parser.parse_args(argv)
@@ -144,48 +150,66 @@ def main(argv: list[str] | None = None) -> dict:
     path.write_text(json.dumps(results, indent=2) + "\n")  # the busy part, should the rest be stopped
     print(markdown(results), flush=True)
     if not args.skip_measure:
-        results["quieter"] = measure_plans(run, cm, batch, budgets, args.plan_repeats, args.repeats)
+        results["quieter"] = measure_plans(run, cm, batch, budgets, args.plan_repeats, args.repeats, args.rounds)
         path.write_text(json.dumps(results, indent=2) + "\n")
         print(markdown(results).split("\nquieter:")[1].join(["\nquieter:", ""]))
     return results
 
 
-def measure_plans(run, cm, batch, budgets: list[int], plan_repeats: int, repeats: int) -> dict:
-    """A profile on the quieter machine; each distinct plan of the budgets measured against it."""
+def measure_plans(run, cm, batch, budgets: list[int], plan_repeats: int, repeats: int, rounds: int) -> dict:
+    """Rounds of a profile on the quieter machine and then each distinct plan of the budgets timed; each
+    map's prediction (the rounds' median) against its measurement (every round's steps, median)."""
     from remat import CheckpointConfig
+    from remat.planner.chooser import predicted
 
-    loads = [load()]
-    quiet = profiled(cm, batch, plan_repeats)
-    profile = quiet["profile"]
-    chosen = {}
-    for budget in budgets:
-        try:
-            planned = profile.plan(budget)
-        except ValueError:
-            continue
-        chosen.setdefault("".join(c.policy[0] for c in planned.choices), planned)
-    times: dict[str, list[float]] = {name: [] for name in chosen}
-    for _ in range(repeats):
-        for name, planned in chosen.items():
-            cm.enable(planned)
-            times[name].append(run.step(cm, batch))
-    loads.append(load())
+    loads, profiles, chosen = [load()], [], {}
+    times: dict[str, list[list[float]]] = {}
+    for _ in range(rounds):
+        cm.enable(CheckpointConfig())
+        quiet = profiled(cm, batch, plan_repeats)
+        profiles.append(quiet)
+        for budget in budgets if not chosen else ():
+            try:
+                planned = quiet["profile"].plan(budget)
+            except ValueError:
+                continue
+            chosen.setdefault("".join(c.policy[0] for c in planned.choices), planned)
+        steps: dict[str, list[float]] = {name: [] for name in chosen}
+        for _ in range(repeats):
+            for name, planned in chosen.items():
+                cm.enable(planned)
+                steps[name].append(run.step(cm, batch))
+        for name in chosen:
+            times.setdefault(name, []).append(steps[name])
+        loads.append(load())
     cm.enable(CheckpointConfig())
     rows = []
     for name, planned in chosen.items():
-        measured = statistics.median(times[name])
-        low, high = planned.predicted_seconds_range
+        policies = [c.policy for c in planned.choices]
+        each = [predicted(p["profile"].measurements, policies) for p in profiles]
+        every = [t for round_times in times[name] for t in round_times]
+        predicted_s, measured = statistics.median(e.seconds for e in each), statistics.median(every)
+        ranges = [e.seconds_range for e in each if e.seconds_range is not None]
+        low, high = (statistics.median(r[k] for r in ranges) for k in (0, 1)) if ranges else (predicted_s, predicted_s)
         rows.append(
             {
                 "map": name,
-                "predicted_ms": planned.predicted_seconds * 1e3,
-                "predicted_quartiles_ms": [low * 1e3, high * 1e3],
+                "predicted_ms": predicted_s * 1e3,
+                "predicted_quartiles_ms": [low * 1e3, high * 1e3],  # medians over the rounds
+                "predicted_by_round_ms": [e.seconds * 1e3 for e in each],
                 "measured_ms": measured * 1e3,
-                "measured_quartiles_ms": [q * 1e3 for q in statistics.quantiles(times[name], n=4)],
-                "predicted_over_measured": planned.predicted_seconds / measured,
+                "measured_by_round_ms": [statistics.median(t) * 1e3 for t in times[name]],
+                "measured_quartiles_ms": [q * 1e3 for q in statistics.quantiles(every, n=4)],
+                "predicted_over_measured": predicted_s / measured,
+                "by_round": [e.seconds / statistics.median(t) for e, t in zip(each, times[name], strict=True)],
             }
         )
-    return {"profile": {k: v for k, v in quiet.items() if k != "profile"}, "loads": loads, "plans": rows}
+    return {
+        "profile": {k: v for k, v in profiles[0].items() if k != "profile"},
+        "profiles": [{k: v for k, v in p.items() if k != "profile"} for p in profiles],
+        "loads": loads,
+        "plans": rows,
+    }
 
 
 def markdown(results: dict) -> str:
@@ -215,19 +239,23 @@ def markdown(results: dict) -> str:
         p = quiet["profile"]
         lines += [
             "",
-            f"quieter: load average {quiet['loads'][0]:.2f} before, {quiet['loads'][1]:.2f} after; profile "
-            f"{p['wall_s']:.1f} s wall, {p['cpu_s']:.1f} s CPU",
+            f"quieter: load average {quiet['loads'][0]:.2f} before, {quiet['loads'][-1]:.2f} after; "
+            f"{len(quiet['profiles'])} round(s), profile {p['wall_s']:.1f} s wall, {p['cpu_s']:.1f} s CPU",
             "",
-            "| map | predicted ms (quartiles) | measured ms (quartiles) | predicted / measured |",
-            "| --- | --- | --- | --- |",
+            "| map | predicted ms (quartiles) | measured ms (quartiles) | predicted / measured | each round's |",
+            "| --- | --- | --- | --- | --- |",
         ]
         for row in quiet["plans"]:
             lo, hi = row["predicted_quartiles_ms"]
             mlo, _, mhi = row["measured_quartiles_ms"]
+            rounds = ", ".join(f"{r:.3f}" for r in row["by_round"])
             lines.append(
                 f"| {row['map']} | {row['predicted_ms']:.1f} ({lo:.0f}-{hi:.0f}) | {row['measured_ms']:.1f} "
-                f"({mlo:.0f}-{mhi:.0f}) | {row['predicted_over_measured']:.3f} |"
+                f"({mlo:.0f}-{mhi:.0f}) | {row['predicted_over_measured']:.3f} | {rounds} |"
             )
+        ratios = [row["predicted_over_measured"] for row in quiet["plans"]]
+        within = sum(abs(r - 1) <= 0.1 for r in ratios)
+        lines += ["", f"within 10%: {within} of {len(ratios)} ({min(ratios):.3f}-{max(ratios):.3f})"]
     return "\n".join(lines)
 
 

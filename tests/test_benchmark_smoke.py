@@ -95,3 +95,26 @@ def test_the_gpu_check_script_runs_its_cpu_fallback_and_writes_the_tables(tmp_pa
     assert [r["setting"] for r in pareto["native"]] == ["native every_n_layers=1", "native none"]
     assert all(r["planned_held_bytes"] <= r["budget_bytes"] for r in pareto["budgets"])
     assert (tmp_path / "pareto-tiny-cpu.png").stat().st_size > 10_000
+
+
+def test_plan_stability_interleaves_profiles_with_the_timed_steps_and_takes_medians(tmp_path, monkeypatch):
+    """benchmarks/plan_stability.py with two quiet rounds: each plan has one prediction and one measurement
+    per round, and the reported figures are their medians (the rounds sample the same minutes)."""
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script puts benchmarks/ first
+    for name in ("pareto", "remat_benchmark_run"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    spec = importlib.util.spec_from_file_location("remat_plan_stability", RUN.parent / "plan_stability.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = ["--preset", "tiny", "--busy", "0", "--profiles", "1", "--plan-repeats", "1", "--budgets", "3"]
+    results = module.main([*args, "--rounds", "2", "--repeats", "1", "--out", str(tmp_path)])
+    for name in ("pareto", "remat_benchmark_run"):
+        sys.modules.pop(name, None)
+    quiet = results["quieter"]
+    assert len(quiet["profiles"]) == 2 and len(quiet["loads"]) == 3 and quiet["plans"]
+    for row in quiet["plans"]:
+        assert len(row["predicted_by_round_ms"]) == len(row["measured_by_round_ms"]) == len(row["by_round"]) == 2
+        assert row["predicted_ms"] == pytest.approx(sum(row["predicted_by_round_ms"]) / 2)
+        assert row["predicted_over_measured"] == pytest.approx(row["predicted_ms"] / row["measured_ms"])
+    written = json.loads((tmp_path / "plan-stability-tiny-cpu.json").read_text())
+    assert [r["map"] for r in written["quieter"]["plans"]] == [r["map"] for r in quiet["plans"]]
