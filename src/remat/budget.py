@@ -22,6 +22,7 @@ import torch
 
 from .compat.accelerator import peak_allocated, reset_peak
 from .errors import ConfigError, StaleProfileError, StateError
+from .plan import head_label
 
 logger = logging.getLogger("remat")
 
@@ -312,5 +313,5 @@ def _tensors(output: Any) -> list[torch.Tensor]:
 
 def _receipt(planned: Any, bucket: int) -> Receipt:
     peak = planned.predicted_peak_bytes if planned.scope == "step" else planned.predicted_device_bytes
-    head = f"chunked({planned.head_chunk_tokens})" if planned.head == "chunked" else planned.head
+    head = head_label(planned.head, planned.head_chunk_tokens)
     return Receipt(bucket, tuple(c.policy for c in planned.choices), head, peak, planned.scope)

@@ -46,7 +46,12 @@ class HeadPlan:
 
     @property
     def label(self) -> str:
-        return f"chunked({self.chunk_tokens})" if self.policy == "chunked" else "plain"
+        return head_label(self.policy, self.chunk_tokens)
+
+
+def head_label(policy: str, chunk_tokens: int | None) -> str:
+    """How a head is written in maps, plans and receipts: "plain" or "chunked(N)"."""
+    return f"chunked({chunk_tokens})" if policy == "chunked" else policy
 
 
 @dataclass(frozen=True, repr=False)

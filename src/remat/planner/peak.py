@@ -35,9 +35,7 @@ class StepPeak:
             yield None
             return
         if optimizer is WITHOUT_OPTIMIZER:  # the step's peak all the same: weights, gradients, activations
-            known = [*self.model.parameters(), *self.model.buffers(), *(v for v in self.batch.values())]
-            known += [p.grad for p in self.model.parameters() if p.grad is not None]
-            self.tracker = LiveStorages(peak_on=self.device, known=[t for t in known if isinstance(t, torch.Tensor)])
+            self.tracker = LiveStorages(peak_on=self.device, known=self._known([]))
             with self.tracker:
                 yield None
             return
@@ -46,11 +44,8 @@ class StepPeak:
         saved = [p.detach().to("cpu", copy=True) for p in params]
         if any(p not in optimizer.state for p in params if p.requires_grad):
             _make_state(optimizer, params)
-        known = [*self.model.parameters(), *self.model.buffers()]
-        known += [p.grad for p in self.model.parameters() if p.grad is not None]
-        known += [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
-        known += [v for v in self.batch.values() if isinstance(v, torch.Tensor)]
-        self.tracker = LiveStorages(peak_on=self.device, known=known)
+        state = [t for values in optimizer.state.values() for t in values.values() if isinstance(t, torch.Tensor)]
+        self.tracker = LiveStorages(peak_on=self.device, known=self._known(state))
         try:
             with self.tracker:
                 yield optimizer
@@ -59,6 +54,12 @@ class StepPeak:
                 for param, value in zip(params, saved, strict=True):
                     param.copy_(value)
             optimizer.load_state_dict(saved_state)
+
+    def _known(self, state: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What exists before the step: weights, buffers, gradients, the optimizer's `state`, the batch."""
+        known = [*self.model.parameters(), *self.model.buffers(), *state, *self.batch.values()]
+        known += [p.grad for p in self.model.parameters() if p.grad is not None]
+        return [t for t in known if isinstance(t, torch.Tensor)]
 
     def extra(self, report: Any) -> int | None:
         if self.tracker is None:

@@ -10,6 +10,7 @@ from ..arguments import parse_bytes
 from ..config import CheckpointConfig
 from ..display import mib, render_table
 from ..errors import ConfigError, StaleProfileError
+from ..plan import head_label
 from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, native_points, smallest
 from .state import ModelState
 
@@ -52,7 +53,7 @@ class PlannedConfig(CheckpointConfig):
             (str(c.index), c.name, c.policy, mib(c.device_bytes), mib(c.host_bytes), f"{c.seconds * 1e3:+.1f}")
             for c in self.choices
         ]
-        head = f"chunked({self.head_chunk_tokens})" if self.head == "chunked" else self.head
+        head = head_label(self.head, self.head_chunk_tokens)
         rows.append(("", f"outside layers (head {head})", "", mib(self.outside_bytes), "0.00", ""))
         totals = (mib(self.predicted_device_bytes), mib(self.predicted_host_bytes))
         step = f"{self.predicted_seconds * 1e3:.1f} per step"
