@@ -177,7 +177,7 @@ class Offloader:
         if device not in self._stays_because:
             transport = self._fixed.transport if self._fixed is not None else transport_for(device)
             why = getattr(transport, "reason", None) or f"{type(transport).__name__} does not move {device} tensors"
-            if not isinstance(transport, CpuTransport):
+            if why != KEPT_ON_CPU:
                 logger.warning("offload: %s", why)
             self._stays_because[device] = why
         return self._stays_because[device]
