@@ -69,6 +69,29 @@ def test_another_checkpoint_implementation_since_the_profile_is_refused():
         profile.plan("1GiB")
 
 
+def test_a_head_changed_since_the_profile_is_refused_both_ways_unless_the_profile_chooses_the_head():
+    """The bytes outside the layers are the head's: a plain head's profile planned for a chunked head (or the other
+    way) mispredicted the step's peak by 2.3x in a user's trial, silently."""
+    cm, data, profile = _profiled(head="chunked", head_chunk_tokens=8)
+    cm.enable(head="plain", head_chunk_tokens=None)
+    with pytest.raises(StaleProfileError, match=r"the head was chunked\(8\), now plain"):
+        profile.plan("1GiB")
+    cm.enable(head="chunked", head_chunk_tokens=8)
+    assert profile.plan("1GiB") is not None  # back in the state measured
+    cm, data, profile = _profiled()  # the plain head
+    cm.enable(head="chunked", head_chunk_tokens=16)
+    with pytest.raises(StaleProfileError, match=r"the head was plain, now chunked\(16\)"):
+        profile.frontier()
+    fresh = cm.profile(data, repeats=1, progress=False)  # what the refusal asks for works
+    planned = fresh.plan("1GiB")
+    cm.enable(planned)
+    measured = activation_bytes(cm, data)
+    assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
+    cm, _, profile = _profiled(head="chunked")  # no chunk given: the profile prices the heads, its plans name one
+    cm.enable(head="plain")
+    assert profile.plan("1GiB").head in ("plain", "chunked")
+
+
 def test_a_plan_is_built_on_the_current_config_and_keeps_its_settings():
     cm, _, profile = _profiled()
     cm.enable(CheckpointConfig(offload_min_bytes=12345, preserve_rng_state=False, every_n_layers=3))

@@ -188,7 +188,8 @@ class Profile:
         names = tuple(plan.name for plan in controller.checkpoint_map)
         now = ModelState.of(model, controller.config, len(names))
         measured_offload = any("offload" in options for options in self.measurements.options)
-        changes = self.state.changes(now, measured_offload=measured_offload)
+        plans_head = self.measurements.head is not None
+        changes = self.state.changes(now, measured_offload=measured_offload, plans_head=plans_head)
         if names != self.measurements.names:
             changes.insert(0, f"the layers were {list(self.measurements.names)}, now {list(names)}")
         return controller, changes

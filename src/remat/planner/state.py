@@ -1,7 +1,8 @@
 """`ModelState`: what a profile's bytes and seconds per layer depend on, recorded when measured. A plan for a model
-changed since (cast, moved, another trainable parameter, adapter, swap set or checkpoint implementation) is refused,
-naming the change (`StaleProfileError`): a float32 profile planned a float64 model at half its bytes, and swapped
-weights hold device slots across a step."""
+changed since (cast, moved, another trainable parameter, adapter, swap set, head or checkpoint implementation) is
+refused, naming the change (`StaleProfileError`): a float32 profile planned a float64 model at half its bytes,
+swapped weights hold device slots across a step, and a head changed after profiling moves the bytes outside the
+layers (a plan for a plain head's profile, run with a chunked head, was 2.3x off)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ..plan import swapped_indices
+from ..plan import head_label, swapped_indices
 
 Counts = tuple[tuple[str, int], ...]
 Shapes = tuple[tuple[str, tuple[int, ...]], ...]
@@ -29,6 +30,7 @@ class ModelState:
     swapped: tuple[int, ...]  # the layers whose frozen weights rest in host memory
     offload_min_bytes: int  # the config's: an offloaded input under it stays on the device
     use_reentrant: bool
+    head: tuple[str, int | None] | None = None  # the config's (head, head_chunk_tokens); None: not recorded
 
     @classmethod
     def of(cls, model: nn.Module, config: Any, num_layers: int) -> ModelState:
@@ -43,11 +45,13 @@ class ModelState:
             swapped=tuple(swapped_indices(config, num_layers)),
             offload_min_bytes=config.offload_min_bytes,
             use_reentrant=config.use_reentrant,
+            head=(config.head, config.head_chunk_tokens),
         )
 
-    def changes(self, now: ModelState, *, measured_offload: bool) -> list[str]:
+    def changes(self, now: ModelState, *, measured_offload: bool, plans_head: bool = False) -> list[str]:
         """What differs in `now`, in words (empty: the same state). `offload_min_bytes` counts only
-        when the profile measured offload (on a CPU nothing is offloaded, whatever the threshold)."""
+        when the profile measured offload (on a CPU nothing is offloaded, whatever the threshold); the head
+        only when the profile does not choose it (`plans_head`: its plans name their head whatever the config's)."""
         found = []
         before_count, now_count = sum(n for _, n in self.dtypes), sum(n for _, n in now.dtypes)
         if before_count != now_count:  # parameters added or removed: compare which dtypes and devices, not counts
@@ -65,6 +69,9 @@ class ModelState:
             found.append(f"the swapped layers were {list(self.swapped)}, now {list(now.swapped)}")
         if self.use_reentrant != now.use_reentrant:
             found.append(f"use_reentrant was {self.use_reentrant}, now {now.use_reentrant}")
+        if not plans_head and None not in (self.head, now.head) and self.head != now.head:
+            was, is_ = (head_label(*head) for head in (self.head, now.head))  # type: ignore[misc]
+            found.append(f"the head was {was}, now {is_} (the bytes outside the layers were measured with the first)")
         if measured_offload and self.offload_min_bytes != now.offload_min_bytes:
             found.append(f"offload_min_bytes was {self.offload_min_bytes}, now {now.offload_min_bytes}")
         return found
