@@ -253,6 +253,19 @@ def test_a_forward_without_labels_is_profiled_through_its_logits_and_trains_exac
     assert receipt.steps == 1 and controller_of(cm).budget.profile is not None
 
 
+def test_the_receipt_names_the_head_that_runs_as_the_map_does():
+    """A chunked head with no chunk given, on a forward without labels: the head's options cannot be measured, so the
+    plan keeps the config's head, and the plain head runs (the caller computes the loss). The receipt said
+    "chunked(None)" where the map's head row said what ran."""
+    config = CheckpointConfig(budget="64MiB", budget_scope="activations", head="chunked")
+    cm = CheckpointedModel(_model(), config)
+    data = {k: v for k, v in batch(size=2, seq=16).items() if k != "labels"}
+    cm(**data).logits.float().mean().backward()
+    (receipt,) = cm.budget_receipts
+    assert receipt.head == cm.checkpoint_map.head.label == "plain"
+    assert "chunked(1024) planned" in cm.checkpoint_map.head.reason
+
+
 def test_budget_fields_are_checked_and_round_trip():
     with pytest.raises(ConfigError, match="give a budget or layer_policies"):
         CheckpointConfig(budget="1GiB", layer_policies={0: "none"})

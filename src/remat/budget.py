@@ -138,7 +138,7 @@ class BudgetState:
             controller.replan(config, controller.off_by, f"budget: a step of {tokens} tokens", said=True)
         receipt = self.receipts.get(bucket)
         if receipt is None:  # said once per bucket; later changes between known buckets are not news
-            receipt = self.receipts[bucket] = _receipt(planned, bucket)
+            receipt = self.receipts[bucket] = _receipt(planned, bucket, controller.checkpoint_map.head)
             receipt.planning_seconds = time.perf_counter() - started
             logger.info("budget: steps of up to %d tokens run %r", bucket, controller.checkpoint_map)
         receipt.steps += 1
@@ -311,7 +311,8 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
-def _receipt(planned: Any, bucket: int) -> Receipt:
+def _receipt(planned: Any, bucket: int, running: Any) -> Receipt:
+    """`running`: the map's head row, which names the chunk the head runs (a config may leave it to the head)."""
     peak = planned.predicted_peak_bytes if planned.scope == "step" else planned.predicted_device_bytes
-    head = head_label(planned.head, planned.head_chunk_tokens)
+    head = running.label if running is not None else head_label(planned.head, planned.head_chunk_tokens)
     return Receipt(bucket, tuple(c.policy for c in planned.choices), head, peak, planned.scope)
