@@ -37,9 +37,10 @@ def _loss_and_grads(model, head: str, data, **config):
 def _same_as_plain(build, data, **config):
     plain_loss, plain = _loss_and_grads(build(), "plain", data, **config)
     loss, grads = _loss_and_grads(build(), "chunked", data, head_chunk_tokens=CHUNK, **config)
-    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-7, equal_nan=True)  # nan only as the plain
     assert_same_grads(plain, grads)
     assert grads, "some parameter got a gradient"
+    return plain_loss, plain
 
 
 @pytest.mark.parametrize("arch", [*ARCHS, "gemma2", "cohere", "qwen2"])
@@ -63,6 +64,28 @@ def test_a_lora_head_and_tied_embeddings_train_exactly():
 
     _same_as_plain(lora_head, _half_ignored())
     _same_as_plain(lambda: tiny_model(tie_word_embeddings=True), _half_ignored(1))
+
+
+@pytest.mark.parametrize("items", [None, torch.tensor(10), torch.tensor(0)], ids=["counted", "items", "no-items"])
+@pytest.mark.parametrize("arch", ["llama-lora", "qwen2_moe"])
+def test_a_batch_with_no_counted_token_has_the_models_own_loss_and_gradients(arch, items):
+    """Every label ignored (a fully masked micro-batch): the model's own loss is nan over its counted
+    tokens, 0 over `num_items_in_batch` (nan over 0), still in the graph: every trainable parameter
+    gets a gradient, zeros (a MoE model: its auxiliary loss's). The chunked loss and gradients too."""
+    if arch == "qwen2_moe":
+        build = lambda: tiny_model(arch, output_router_logits=True)
+    else:
+        build = lambda: add_lora(tiny_model(), dropout=0.0)
+    data = batch()
+    data["labels"][:] = -100
+    if items is not None:
+        data["num_items_in_batch"] = items
+    plain_loss, plain = _same_as_plain(build, data)
+    assert plain_loss.dtype == torch.float32
+    assert plain_loss.isnan() if items is None or items == 0 else plain_loss.isfinite()
+    assert len(plain) == sum(p.requires_grad for p in build().parameters()), "every trainable parameter"
+    if arch != "qwen2_moe":
+        assert all(not g.any() for g in plain.values()), "the plain head's gradients: zeros"
 
 
 def test_the_output_has_the_loss_and_no_logits_and_the_map_shows_the_head_row():
@@ -141,22 +164,22 @@ def test_num_items_in_batch_divides_as_the_models_own_loss():
         torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-7)
 
 
-def test_gradient_accumulation_through_a_real_trainer_trains_as_the_plain_head(tmp_path):
+def _trained_as_the_plain_head(tmp_path, records, batch_size):
+    """One optimizer step of two micro-batches through a real `RematTrainer`, plain head and chunked:
+    the adapters move, and equally."""
     from datasets import Dataset
     from transformers import TrainingArguments
 
     from remat import RematTrainer
 
-    rows = [_half_ignored(seed) for seed in range(2)]
-    records = [{k: v[i].tolist() for k, v in row.items()} for row in rows for i in range(2)]
-    records[1]["labels"][:6] = [-100] * 6  # unequal counts: the sum over num_items_in_batch matters
     weights = {}
     for head in ("plain", "chunked"):
         cm = CheckpointedModel(add_lora(tiny_model(), dropout=0.0), CheckpointConfig(head=head))
+        before = {n: p.detach().clone() for n, p in cm.model.named_parameters() if p.requires_grad}
         args = TrainingArguments(
             output_dir=str(tmp_path / head),
             max_steps=1,
-            per_device_train_batch_size=2,
+            per_device_train_batch_size=batch_size,
             gradient_accumulation_steps=2,
             learning_rate=1e-2,
             optim="sgd",  # linear in the gradients: Adam would magnify the last bit of tiny ones
@@ -168,7 +191,24 @@ def test_gradient_accumulation_through_a_real_trainer_trains_as_the_plain_head(t
         trainer = RematTrainer(model=cm, args=args, train_dataset=Dataset.from_list(records))
         trainer.train()
         weights[head] = {n: p.detach().clone() for n, p in cm.model.named_parameters() if p.requires_grad}
+        assert any(not torch.equal(before[n], w) for n, w in weights[head].items()), "the adapters trained"
+        assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
     assert_same_grads(weights["plain"], weights["chunked"])
+
+
+def test_gradient_accumulation_through_a_real_trainer_trains_as_the_plain_head(tmp_path):
+    rows = [_half_ignored(seed) for seed in range(2)]
+    records = [{k: v[i].tolist() for k, v in row.items()} for row in rows for i in range(2)]
+    records[1]["labels"][:6] = [-100] * 6  # unequal counts: the sum over num_items_in_batch matters
+    _trained_as_the_plain_head(tmp_path, records, batch_size=2)
+
+
+def test_a_fully_masked_micro_batch_in_gradient_accumulation_trains_as_the_plain_head(tmp_path):
+    """A micro-batch with no counted token (a prompt-only example): its loss, 0 over the step's
+    `num_items_in_batch`, still goes through backward, and the step equals the plain head's."""
+    rows = [{k: v[0].tolist() for k, v in _half_ignored(seed).items()} for seed in range(2)]
+    rows[1]["labels"] = [-100] * len(rows[1]["labels"])
+    _trained_as_the_plain_head(tmp_path, rows, batch_size=1)  # one row a micro-batch: one of the two is masked
 
 
 def test_a_family_remat_cannot_reproduce_keeps_its_own_head_and_says_why():

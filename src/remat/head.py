@@ -128,7 +128,10 @@ def chunked_loss(
         return F.cross_entropy(logits, targets, reduction="sum")
 
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, targets.numel(), chunk_tokens):
+    # No counted token (a fully masked micro-batch): one chunk on no tokens, so the loss (0/0 = nan,
+    # or 0 over num_items_in_batch, as the model's own) stays in the graph and every parameter the
+    # head and the model reach gets the model's own gradient, zeros; otherwise the same chunks.
+    for start in range(0, max(targets.numel(), 1), chunk_tokens):
         part = slice(start, start + chunk_tokens)
         total = total + checkpoint(
             chunk_sum, states[part], targets[part], use_reentrant=False, preserve_rng_state=False
