@@ -140,3 +140,32 @@ def test_the_refusal_speaks_of_peft_config_only_when_one_was_passed(tmp_path):
 def test_a_misspelt_field_in_replace_names_the_field_meant():
     with pytest.raises(TypeError, match=r"\['every_n_layer'\] \(did you mean every_n_layers\?\); its fields are"):
         CheckpointConfig().replace(every_n_layer=3)
+
+
+def test_a_misspelt_field_in_the_config_itself_is_a_remat_type_error_naming_the_field_meant():
+    from remat import RematError
+
+    with pytest.raises(TypeError, match=r"'every_n_layer' \(did you mean every_n_layers=\?\); its fields are") as info:
+        CheckpointConfig(every_n_layer=2)
+    assert isinstance(info.value, RematError)
+
+
+def test_a_misspelt_wrapper_option_is_matched_against_the_wrapper_options_too():
+    model = tiny_model()
+    with pytest.raises(TypeError, match=r"'offload_host_budgt' \(did you mean offload_host_budget=\?\)"):
+        CheckpointedModel(model, offload_host_budgt="1GiB")
+
+
+def test_switching_the_head_to_plain_needs_no_second_field():
+    cm = CheckpointedModel(add_lora(tiny_model()), head="chunked", head_chunk_tokens=16)
+    cm.enable(head="plain")
+    assert (cm.checkpoint_config.head, cm.checkpoint_config.head_chunk_tokens) == ("plain", None)
+    assert cm.checkpoint_map.head.label == "plain"
+    with pytest.raises(ValueError, match='add head="chunked"'):  # a chunk given with the plain head is still refused
+        cm.enable(head="plain", head_chunk_tokens=8)
+
+
+def test_a_batch_that_is_not_a_dict_is_refused_naming_the_form_profile_takes():
+    cm = CheckpointedModel(add_lora(tiny_model()))
+    with pytest.raises(TypeError, match=r"profile\(batch\) takes the model's inputs as a dict.*got list"):
+        cm.profile([1, 2, 3], progress=False)

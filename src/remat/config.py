@@ -178,6 +178,7 @@ class CheckpointConfig:
     def __new__(cls, *args: Any, **fields: Any) -> CheckpointConfig:
         if "offload" in fields:
             raise ConfigTypeError(f"CheckpointConfig(offload=...) is gone: {OFFLOAD_IS_A_POLICY}")
+        _refuse_unknown(fields, "CheckpointConfig() got an unexpected keyword argument {first!r}{hint}", "=")
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
@@ -236,16 +237,13 @@ class CheckpointConfig:
         return f"CheckpointConfig({', '.join(f'{name}={getattr(self, name)!r}' for name in _FIELDS)})"
 
     def replace(self, **changes: Any) -> CheckpointConfig:
-        """A new config with `changes` applied, validated like any other."""
-        unknown = set(changes) - set(_FIELDS)
-        if "offload" in unknown:
+        """A new config with `changes` applied, validated like any other. `head="plain"` alone drops the
+        chunk size too (it sizes only the chunked head's chunks)."""
+        if "offload" in changes:
             raise ConfigTypeError(f"CheckpointConfig has no field offload: {OFFLOAD_IS_A_POLICY}")
-        if unknown:
-            close = difflib.get_close_matches(sorted(unknown)[0], _FIELDS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigTypeError(
-                f"CheckpointConfig has no field(s) {sorted(unknown)}{hint}; its fields are {', '.join(_FIELDS)}"
-            )
+        _refuse_unknown(changes, "CheckpointConfig has no field(s) {unknown}{hint}", "")
+        if changes.get("head") == "plain" and "head_chunk_tokens" not in changes:
+            changes["head_chunk_tokens"] = None
         return CheckpointConfig(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
 
     def changed_fields(self, other: CheckpointConfig) -> dict[str, tuple[Any, Any]]:
@@ -308,6 +306,15 @@ class CheckpointConfig:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
+
+
+def _refuse_unknown(fields: Mapping[str, Any], message: str, equals: str) -> None:
+    """A ConfigTypeError (a TypeError) naming the unknown fields, the known one nearest the first, and every field."""
+    if unknown := sorted(set(fields) - set(_FIELDS)):
+        close = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
+        hint = f" (did you mean {close[0]}{equals}?)" if close else ""
+        said = message.format(first=unknown[0], unknown=unknown, hint=hint)
+        raise ConfigTypeError(f"{said}; its fields are {', '.join(_FIELDS)}")
 
 
 def _validated_swap_layers(value: Any) -> int | tuple[int, ...]:

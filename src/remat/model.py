@@ -78,7 +78,8 @@ def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointCo
         raise ConfigTypeError(f"{call}(offload=...) is gone: {OFFLOAD_IS_A_POLICY}")
     names = [f.name for f in dataclasses.fields(CheckpointConfig)]
     if unknown := [name for name in fields if name not in names]:
-        close = difflib.get_close_matches(unknown[0], names, n=1)
+        known = [*names, *WrapperOptions.names()] if call == "CheckpointedModel" else names
+        close = difflib.get_close_matches(unknown[0], known, n=1)
         hint = f" (did you mean {close[0]}=?)" if close else ""
         extra = "".join(f", {name}" for name in WrapperOptions.names()) if call == "CheckpointedModel" else ""
         raise ConfigTypeError(
