@@ -66,6 +66,42 @@ def test_extra_adapters_get_their_subfolder_as_peft_writes_them(tmp_path):
     assert (tmp_path / "save" / "second" / "adapter_config.json").exists()
 
 
+def _adapters_trainable(model):
+    return {a: {p.requires_grad for n, p in model.named_parameters() if f".{a}." in n} for a in model.peft_config}
+
+
+def test_an_adapter_saved_frozen_loads_frozen_and_the_active_adapter_is_active_again(tmp_path):
+    """DPO's reference adapter is frozen beside the trained one: a trainable load made it trainable too; and a save
+    made with another adapter active loaded with "default" active (other logits, 0.78 apart in a user's trial)."""
+    from peft import LoraConfig
+
+    cm = _trained_lora()
+    cm.model.add_adapter("ref", LoraConfig(r=2, target_modules=["k_proj"]))
+    with torch.no_grad():
+        for name, param in cm.model.named_parameters():
+            if "lora_B.ref" in name:
+                param.normal_()
+    assert _adapters_trainable(cm.model) == {"default": {True}, "ref": {False}}
+    cm.save_pretrained(tmp_path / "dpo")
+    loaded = CheckpointedModel.from_pretrained(tiny_model(seed=0), tmp_path / "dpo")
+    assert _adapters_trainable(loaded.model) == {"default": {True}, "ref": {False}}
+    assert loaded.model.active_adapters == ["default"]
+    frozen = CheckpointedModel.from_pretrained(tiny_model(seed=0), tmp_path / "dpo", is_trainable=False)
+    assert _adapters_trainable(frozen.model) == {"default": {False}, "ref": {False}}
+
+    cm.model.set_adapter("ref")  # PEFT: "ref" active and trainable, "default" frozen
+    cm.save_pretrained(tmp_path / "ref")
+    cm.model.eval()
+    with torch.no_grad():
+        expected = cm.model(**batch()).logits
+    loaded = CheckpointedModel.from_pretrained(tiny_model(seed=0), tmp_path / "ref")
+    assert loaded.model.active_adapters == ["ref"]
+    assert _adapters_trainable(loaded.model) == {"default": {False}, "ref": {True}}
+    loaded.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(**batch()).logits, expected, rtol=0, atol=0)
+
+
 def test_inference_load_and_plain_base_model(tmp_path):
     cm = _trained_lora()
     cm.save_pretrained(tmp_path / "lora")
@@ -89,7 +125,9 @@ def test_a_model_of_another_depth_is_refused_before_anything_changes(tmp_path):
     assert [n for n, _ in other.named_modules()] == names, "no adapter was injected"
 
 
-@pytest.mark.parametrize("content", ["", '{"every_n_layers": 2', "[]", '{"every_n_layers": "2"}', '{"layers": 3}'])
+@pytest.mark.parametrize(
+    "content", ["", '{"every_n_layers": 2', "[]", '{"every_n_layers": "2"}', '{"layers": 3}', '{"active_adapters": 3}']
+)
 def test_corrupt_truncated_and_empty_files_are_clear_errors(tmp_path, content):
     (tmp_path / "checkpoint_config.json").write_text(content)
     with pytest.raises(ValueError, match=r"checkpoint_config\.json"):

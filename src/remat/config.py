@@ -41,6 +41,7 @@ META_KEYS = (
     "adapters",
     "architecture",
     "budget_profile",
+    "active_adapters",
 )  # about the save, not the config
 OFFLOAD_IS_A_POLICY = (
     'offload is a policy: checkpoint_policy="offload" for every checkpointed layer, or layer_policies={i: "offload"}'

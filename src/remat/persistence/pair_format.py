@@ -62,6 +62,7 @@ class SavedAdapter:
     weights: str  # file name inside `folder`
     sha256: str | None  # None for saves from before fingerprints
     config_sha256: str | None  # of its adapter_config.json; None for saves before format 3
+    trainable: bool | None = None  # whether its weights required grad when saved; None: not said (older saves)
 
     def file(self, name: str | None = None) -> str:  # relative to the save
         return os.path.join(self.folder, name or self.weights)
@@ -75,6 +76,7 @@ class Saved:
     adapters: tuple[SavedAdapter, ...] | None  # None: the config does not say (an older save)
     architecture: dict[str, Any] | None  # None: an older save
     budget_profile: dict[str, Any] | None = None  # a budget's profile (`remat.planner.saved`), checked when used
+    active_adapters: tuple[str, ...] | None = None  # the PeftModel's active adapters when saved; None: not said
 
 
 def parse_saved(snapshot: Snapshot) -> Saved:
@@ -99,10 +101,16 @@ def parse_saved(snapshot: Snapshot) -> Saved:
             raise SavedFileError(
                 f"{file}: adapter {name!r} must name a folder, a weights file and their sha256{_AGAIN}"
             )
-        found.append(SavedAdapter(name, entry["folder"], entry["weights"], entry["sha256"], entry.get("config_sha256")))
+        trainable = entry["trainable"] if isinstance(entry.get("trainable"), bool) else None
+        files = (entry["folder"], entry["weights"], entry["sha256"], entry.get("config_sha256"))
+        found.append(SavedAdapter(name, *files, trainable))
     profile = data.get("budget_profile")
     profile = profile if isinstance(profile, dict) else None  # not one: measured again, nothing refused
-    return Saved(file, config, layers, None if adapters is None else tuple(found), architecture, profile)
+    active = data.get("active_adapters")
+    if active is not None and not (isinstance(active, list) and all(isinstance(n, str) for n in active)):
+        raise SavedFileError(f"{file}: 'active_adapters' must be a list of adapter names{_AGAIN}")
+    adapters_found = None if adapters is None else tuple(found)
+    return Saved(file, config, layers, adapters_found, architecture, profile, None if active is None else tuple(active))
 
 
 def pair_files(config: dict[str, Any] | None) -> list[str]:
@@ -253,7 +261,8 @@ def fingerprints(model: Any, folder: str, selected: list[str] | None = None) -> 
         config = os.path.join(here, ADAPTER_CONFIG)
         if weights is not None and os.path.isfile(config):
             sums = {"sha256": sha256_file(os.path.join(here, weights)), "config_sha256": sha256_file(config)}
-            out[name] = {"folder": adapter_folder(name), "weights": weights, **sums}
+            trainable = any(p.requires_grad for n, p in model.named_parameters() if f".{name}." in n)
+            out[name] = {"folder": adapter_folder(name), "weights": weights, **sums, "trainable": trainable}
     return out
 
 
@@ -269,6 +278,9 @@ def save_model_pair(
         payload["layers"] = relative_names(model, names)
         payload["architecture"] = architecture_of(model, len(names))
         payload["adapters"] = fingerprints(model, staging, selected)
+        if is_peft_model(model):
+            active = [name for name in model.active_adapters if name in payload["adapters"]]
+            payload["active_adapters"] = active
         payload.update(getattr(owner, "save_extras", dict)())  # a budget's profile
         return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 

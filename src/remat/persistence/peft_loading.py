@@ -56,17 +56,29 @@ def undone_on_failure(model: Any) -> Iterator[None]:
 
 
 def load_adapters(model: nn.Module, loaded: Loaded, is_trainable: bool, kwargs: dict[str, Any]) -> nn.Module:
-    """Every saved adapter into `model` (a base model becomes a PeftModel); returns the model."""
+    """Every saved adapter into `model` (a base model becomes a PeftModel); returns the model. With `is_trainable`,
+    an adapter saved frozen (DPO's reference adapter) stays frozen; the adapters active when saved are active again
+    (PEFT would make "default" active, and a save made with another gave other logits)."""
     adapters = list(loaded.adapters)
+    trainable = lambda adapter: is_trainable and adapter.trainable is not False
     if not is_peft_model(model):
         first = next((a for a in adapters if a.name == "default"), adapters[0])
         adapters.remove(first)
         path = loaded.snapshot.path(first.folder)
-        model = PeftModel.from_pretrained(model, path, adapter_name=first.name, is_trainable=is_trainable, **kwargs)
+        model = PeftModel.from_pretrained(model, path, adapter_name=first.name, is_trainable=trainable(first), **kwargs)
     for adapter in adapters:
         original_method(model, "load_adapter")(
-            loaded.snapshot.path(adapter.folder), adapter_name=adapter.name, is_trainable=is_trainable, **kwargs
+            loaded.snapshot.path(adapter.folder), adapter_name=adapter.name, is_trainable=trainable(adapter), **kwargs
         )
+    active = loaded.saved.active_adapters
+    if active and set(active) <= set(model.peft_config) and list(model.active_adapters) != list(active):
+        flags = [(p, p.requires_grad) for p in model.parameters()]  # PEFT's set_adapter freezes the others
+        if len(active) == 1:
+            model.set_adapter(active[0])
+        else:
+            model.base_model.set_adapter(list(active))
+        for param, flag in flags:
+            param.requires_grad_(flag)
     return model
 
 
@@ -92,7 +104,7 @@ def check_peft_load(model: Any, loaded: Loaded, is_trainable: bool) -> None:
                 f"the saved weights of adapter {adapter.name!r} ({loaded.snapshot.path(adapter.file())}) do not fit "
                 f"the model's adapter (names or shapes differ, e.g. {diff}); load into the base model. Nothing loaded"
             )
-    for adapter in (a for a in loaded.adapters if is_trainable and a.name not in existing):
+    for adapter in (a for a in loaded.adapters if is_trainable and a.trainable is not False and a.name not in existing):
         peft_type = read_json_object(loaded.snapshot.path(adapter.file(ADAPTER_CONFIG))).get("peft_type")
         config_class = PEFT_TYPE_TO_CONFIG_MAPPING.get(peft_type) if isinstance(peft_type, str) else None
         if config_class is not None and issubclass(config_class, PromptLearningConfig):
