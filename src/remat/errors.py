@@ -18,7 +18,13 @@ class StateError(RematError, RuntimeError):
 
 
 class PolicyError(RematError, RuntimeError):
-    """A layer does what its checkpoint policy cannot run ("selective": an in-place change of a kept output)."""
+    """A layer does what its checkpoint policy cannot run ("selective": an in-place change of a kept output).
+    `layer` and `op`: the layer refused and the op that changed a kept output (when known), for the profile,
+    which leaves "selective" out for that layer instead of failing."""
+
+    def __init__(self, message: str, *, layer: int | None = None, op: str = ""):
+        super().__init__(message)
+        self.layer, self.op = layer, op
 
 
 class SavedFileError(RematError, ValueError):

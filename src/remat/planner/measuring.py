@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 
 from ..compat.accelerator import OUT_OF_MEMORY, empty_cache, synchronize
 from ..config import CheckpointConfig
-from ..errors import ConfigError, ConfigTypeError, StateError
+from ..errors import ConfigError, ConfigTypeError, PolicyError, StateError
 from ..head import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, causal_lm, plan_head
 from ..loss import LossFn, check_loss_source, own_inputs, step_loss
 from ..policies import LayerProfile, policy
@@ -34,6 +35,8 @@ HEAD_CHUNK_OPS = 8  # ops each chunk of the chunked head launches (slice, matmul
 
 CANDIDATES = ("none", "selective", "recompute", "offload")
 BUSY_SPREAD = 0.25  # the rate's interquartile range, as a share of it, beyond which a profile says so
+
+logger = logging.getLogger("remat")
 
 
 @dataclass(frozen=True)
@@ -104,10 +107,20 @@ def candidates(state: Controlled) -> tuple[list[str], list[str]]:
 
 
 class _Steps:
-    """Runs the measuring steps on the controller's model, counting them on a progress bar."""
+    """Runs the measuring steps on the controller's model, counting them on a progress bar. A layer "selective"
+    refuses (`refused`: layer -> the op it changes in place, or "") recomputes instead, in this step and every later
+    one: the step runs again without it."""
 
-    def __init__(self, state: Controlled, batch: dict[str, Any], loss_fn: LossFn | None, optimizer: Any, bar: Any):
-        self.state, self.batch, self.loss_fn, self.bar = state, batch, loss_fn, bar
+    def __init__(
+        self,
+        state: Controlled,
+        batch: dict[str, Any],
+        loss_fn: LossFn | None,
+        optimizer: Any,
+        bar: Any,
+        refused: dict[int, str],
+    ):
+        self.state, self.batch, self.loss_fn, self.bar, self.refused = state, batch, loss_fn, bar, refused
         self.model = state.model
         self.device = next(self.model.parameters()).device
         self.peak = StepPeak(self.model, batch, optimizer, self.device)
@@ -118,13 +131,26 @@ class _Steps:
     def _run(self, policies: Mapping[int, str], step: Callable[[], Any], head: dict[str, Any] | None = None) -> Any:
         """`step()` under `policies` (the other layers recomputing; `head`: config fields of another head); None if
         it ran out of memory."""
-        self.state.enable(self.base.replace(layer_policies={**self.base.layer_policies, **policies}, **(head or {})))
-        try:
-            found = step()
-        except OUT_OF_MEMORY:
-            found = None
-            gc.collect()
-            empty_cache()
+        while True:
+            policies = {i: p for i, p in policies.items() if not self.refuses(i, p)}
+            self.state.enable(
+                self.base.replace(layer_policies={**self.base.layer_policies, **policies}, **(head or {}))
+            )
+            try:
+                found = step()
+            except OUT_OF_MEMORY:
+                found = None
+                gc.collect()
+                empty_cache()
+            except PolicyError as error:
+                # "selective" refusing a layer it was measured on (an in-place change of a kept output): that
+                # layer recomputes from now on; any other PolicyError is the user's to see
+                if error.layer is None or policies.get(error.layer) != "selective":
+                    raise
+                self.model.zero_grad(set_to_none=True)
+                self.refused[error.layer] = error.op
+                continue
+            break
         self.model.zero_grad(set_to_none=True)
         self.bar.update(1)
         return found
@@ -158,6 +184,27 @@ class _Steps:
 
         return self._run(policies, step)
 
+    def refuses(self, layer: int, name: str) -> bool:
+        return name == "selective" and layer in self.refused
+
+
+def _rotation(names: list[str]) -> list[str]:
+    """The policies the mixed memory maps rotate through (at least two)."""
+    rotation = [name for name in names if name not in ("recompute", "offload")] or ["none"]
+    return rotation if len(rotation) > 1 else [*rotation, "recompute"]
+
+
+def _refused_note(refused: Mapping[int, str]) -> str:
+    layers = sorted(refused)
+    ops = sorted({op for op in refused.values() if op})
+    which = f"layer {layers[0]}" if len(layers) == 1 else f"layers {', '.join(map(str, layers))}"
+    changes = f" ({', '.join(ops)})" if ops else ""
+    return (
+        f"selective not considered on {which}: {'it changes' if len(layers) == 1 else 'each changes'} in place an "
+        f"output that selective keeps for backward{changes}, which selective refuses; "
+        f"{'that layer takes' if len(layers) == 1 else 'those layers take'} one of the other policies"
+    )
+
 
 def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions) -> tuple[Measurements, list[str]]:
     """The measurements, and notes on what was left out or done differently."""
@@ -167,8 +214,7 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     names, notes = candidates(state)
     n = len(state.checkpoint_map)
     swapped = {p.index for p in state.checkpoint_map if p.swapped}
-    rotation = [name for name in names if name not in ("recompute", "offload")] or ["none"]
-    rotation = rotation if len(rotation) > 1 else [*rotation, "recompute"]
+    rotation = _rotation(names)
     short = shorter_batch(batch)
     memory_steps = (1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)) * (1 if short is None else 2)
     timing = repeats * (len(timed_policies(names)) + ("offload" in names))
@@ -180,8 +226,12 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
         _left_as_it_was(state),
         _young_garbage_only(),
     ):
-        steps = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar)
+        refused: dict[int, str] = {}  # the layers "selective" refuses, found by any step
+        steps = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar, refused)
         found = _bytes(steps, names, rotation, swapped, notes)
+        if refused and not found.held.get("selective"):  # no layer takes it: neither counted nor offered
+            names = [name for name in names if name != "selective"]
+            rotation = _rotation(names)
         seconds, base, prices, timing_notes = price_time(steps, names, found.held, repeats)
         notes += [*timing_notes, prices.summary()]
         if prices.spread() > BUSY_SPREAD:
@@ -194,7 +244,7 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
             measured = dataclasses.replace(measured, head=_head_profile(steps, counted, prices, notes))
         if short is not None:
             # bytes at a second length, so that `tokens` can model what grows with the square of it
-            steps = _Steps(state, own_inputs(short), loss_fn, optimizer, bar)
+            steps = _Steps(state, own_inputs(short), loss_fn, optimizer, bar, refused)
             ratio = batch_tokens(short) / measured.tokens
             scaled = {name: {i: t * ratio for i, t in per_layer.items()} for name, per_layer in seconds.items()}
             found_short = _bytes(steps, names, rotation, swapped, [])
@@ -202,6 +252,9 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
             measured = dataclasses.replace(measured, shorter=shorter)
         else:
             notes.append("tokens: bytes scale in proportion (the batch is not plain text: measured at one length)")
+    if refused:
+        notes.append(note := _refused_note(refused))
+        logger.info("profile: %s", note)
     return measured, notes
 
 
@@ -227,7 +280,8 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
         checkpointing = any(plan.checkpointed for plan in steps.state.checkpoint_map)
         outside[checkpointing] = max(outside[checkpointing], report.outside_device_bytes)
         for i, name in policies.items():
-            held[name][i] = (report.layers[i].device_bytes, report.layers[i].host_bytes)
+            if not steps.refuses(i, name):
+                held[name][i] = (report.layers[i].device_bytes, report.layers[i].host_bytes)
 
     if (report := steps.held({})) is None:
         raise StateError(
@@ -244,7 +298,8 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
         pending.append(dict.fromkeys(everything, "offload"))
     split = False
     while pending:
-        if not (policies := {i: name for i, name in pending.pop(0).items() if name != "recompute"}):
+        taken = pending.pop(0).items()
+        if not (policies := {i: name for i, name in taken if name != "recompute" and not steps.refuses(i, name)}):
             continue
         if (report := steps.held(policies)) is not None:
             record(report, policies)
@@ -279,15 +334,16 @@ def _measurements(
 ) -> Measurements:
     everything = range(steps.n)
     held = found.held
+    measured = lambda name, i: i in held[name] and not steps.refuses(i, name)
     options = tuple(
-        tuple(name for name in names if i in held[name] and not (name == "none" and i in swapped)) for i in everything
+        tuple(name for name in names if measured(name, i) and not (name == "none" and i in swapped)) for i in everything
     )
     profiles = tuple(
         LayerProfile(
             index=i,
             input_bytes=found.inputs[i],
-            held={name: held[name][i] for name in names if i in held[name]},
-            seconds={name: seconds[name][i] for name in names if i in held[name]},
+            held={name: held[name][i] for name in names if measured(name, i)},
+            seconds={name: seconds[name][i] for name in names if measured(name, i)},
         )
         for i in everything
     )

@@ -77,7 +77,8 @@ class SelectivePolicy(Policy):
         return PolicyError(
             f"layer {index} changes, in place, the output of an op that the 'selective' policy keeps "
             f"(torch: {error}). The kept value is no longer the one backward needs; give this layer "
-            f"another policy (layer_policies={{{index}: 'recompute'}})"
+            f"another policy (layer_policies={{{index}: 'recompute'}})",
+            layer=index,
         )
 
 

@@ -63,7 +63,9 @@ class _KeptOutputs:
             raise PolicyError(
                 f"layer {self.index} changes in place ({op}) the output of an op that the 'selective' policy keeps "
                 "for backward; backward would get the changed value. Give this layer another policy "
-                f"(layer_policies={{{self.index}: 'recompute'}})"
+                f"(layer_policies={{{self.index}: 'recompute'}})",
+                layer=self.index,
+                op=str(op),
             )
 
 
