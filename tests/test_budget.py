@@ -177,10 +177,11 @@ def _saved(tmp_path, caplog):
     return tmp_path / "checkpoint_config.json"
 
 
-def _first_step_after_loading(tmp_path, caplog):
+def _first_step_after_loading(tmp_path, caplog, dtype=torch.float32):
     from remat.budget import logger  # noqa: F401 (the "remat" logger)
 
-    loaded = CheckpointedModel.from_pretrained(tiny_model(num_hidden_layers=4, attention_dropout=0.0), tmp_path)
+    model = tiny_model(num_hidden_layers=4, attention_dropout=0.0).to(dtype)
+    loaded = CheckpointedModel.from_pretrained(model, tmp_path)
     with caplog.at_level(logging.INFO, logger="remat"):
         loaded(**batch(size=2, seq=8)).loss.backward()
     return [r.getMessage() for r in caplog.records if "budget" in r.getMessage()]
@@ -192,21 +193,24 @@ def test_a_load_plans_from_the_saved_profile_without_measuring(tmp_path, caplog)
     assert any("planning from the saved profile" in m for m in said) and not any("measuring" in m for m in said)
 
 
-@pytest.mark.parametrize("damage", ["another machine", "malformed"])
-def test_a_saved_profile_from_another_machine_or_malformed_is_measured_again(tmp_path, caplog, damage):
+@pytest.mark.parametrize("damage", ["another machine", "malformed", "another model dtype"])
+def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_again(tmp_path, caplog, damage):
+    """Said once, why: a saved profile of another model state was announced as planned from, then measured again."""
     import json
 
     file = _saved(tmp_path, caplog)
     data = json.loads(file.read_text())
     if damage == "another machine":
         data["budget_profile"]["machine"]["device"] = "NVIDIA H200"
-    else:
+    elif damage == "malformed":
         data["budget_profile"]["measurements"] = {"type": "Measurements", "fields": {"layers": 3}}
     file.write_text(json.dumps(data))
-    said = _first_step_after_loading(tmp_path, caplog)
-    reason = "measured on" if damage == "another machine" else "malformed"
+    dtype = torch.float64 if damage == "another model dtype" else torch.float32
+    said = _first_step_after_loading(tmp_path, caplog, dtype)
+    reason = {"another machine": "measured on", "malformed": "malformed", "another model dtype": "dtypes were"}[damage]
     assert any("saved profile is not used" in m and reason in m for m in said), said
     assert sum("measuring a profile" in m for m in said) == 1
+    assert not any("planning from the saved profile" in m for m in said), said
 
 
 def test_a_forward_whose_backward_is_owed_keeps_the_map_and_a_new_bucket_is_refused():

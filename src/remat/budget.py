@@ -206,9 +206,11 @@ class BudgetState:
         if self.saved is not None:
             saved, self.saved = self.saved, None
             changes = saved.differences(controller.model)
+            if not changes:  # the machine's and the format's; then the model's, as for any profile
+                profile = saved.profile(controller)
+                changes = [f"the model changed since ({change})" for change in profile.changes()[1]]
             if not changes:
-                self.profile = saved.profile(controller)
-                self.without_optimizer = saved.without_optimizer
+                self.profile, self.without_optimizer = profile, saved.without_optimizer
                 logger.info("budget: planning from the saved profile (%s); nothing measured", saved.source)
                 return
             logger.info("budget: the saved profile is not used (%s): measuring again", "; ".join(changes))
