@@ -41,6 +41,8 @@ def test_remat_trainer_plans_with_its_optimizer_logs_the_receipt_and_resumes_fro
     assert all(r.predicted_peak_bytes <= 64 * 2**20 and r.scope == "step" for r in receipts.values())
     profile = controller_of(cm).budget.profile
     assert profile.measurements.step is not None, "the trainer's optimizer was counted"
+    (begin,) = [e for e in trainer.state.log_history if "remat/layers" in e]  # the map is per step: not a count
+    assert begin["remat/budget_bytes"] == 64 * 2**20 and not any(k.startswith("remat/layers_") for k in begin)
     logged = [e for e in trainer.state.log_history if "loss" in e]
     assert [e["remat/budget_bucket_tokens"] for e in logged] == [bucket_of(24), bucket_of(80)]
     assert all("remat/budget_predicted_bytes" in e for e in logged)

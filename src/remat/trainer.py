@@ -183,12 +183,16 @@ class _MapInLogs(TrainerCallback):
 
 
 def map_summary(controller: Any) -> dict[str, int | float]:
-    """The map that runs as numbers: layers per policy, swapped, and a planned config's prediction."""
+    """The map that runs as numbers: layers per policy, swapped, and a planned config's prediction. Under a budget
+    the map is planned per step (each step's is logged with its loss, `Receipt.log_values`): the budget instead."""
     plans = list(controller.checkpoint_map)
     policies = [plan.policy if controller.is_enabled and not controller.inference else "none" for plan in plans]
     summary: dict[str, int | float] = {"remat/enabled": int(controller.is_enabled), "remat/layers": len(plans)}
-    summary["remat/checkpointed_layers"] = sum(policy in CHECKPOINTED for policy in policies)
-    summary.update({f"remat/layers_{name}": policies.count(name) for name in POLICY_NAMES})
+    if (budget := controller.config.budget_bytes) is not None:
+        summary["remat/budget_bytes"] = budget
+    else:
+        summary["remat/checkpointed_layers"] = sum(policy in CHECKPOINTED for policy in policies)
+        summary.update({f"remat/layers_{name}": policies.count(name) for name in POLICY_NAMES})
     summary["remat/swapped_layers"] = sum(plan.swapped for plan in plans) if controller.is_enabled else 0
     for key, field in (
         ("remat/planned_activation_bytes", "predicted_device_bytes"),
