@@ -67,7 +67,7 @@ def test_extra_adapters_get_their_subfolder_as_peft_writes_them(tmp_path):
 
 
 def _adapters_trainable(model):
-    return {a: {p.requires_grad for n, p in model.named_parameters() if f".{a}." in n} for a in model.peft_config}
+    return {a: {p.requires_grad for n, p in model.named_parameters() if a in n.split(".")} for a in model.peft_config}
 
 
 def test_an_adapter_saved_frozen_loads_frozen_and_the_active_adapter_is_active_again(tmp_path):

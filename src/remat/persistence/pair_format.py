@@ -261,8 +261,11 @@ def fingerprints(model: Any, folder: str, selected: list[str] | None = None) -> 
         config = os.path.join(here, ADAPTER_CONFIG)
         if weights is not None and os.path.isfile(config):
             sums = {"sha256": sha256_file(os.path.join(here, weights)), "config_sha256": sha256_file(config)}
-            trainable = any(p.requires_grad for n, p in model.named_parameters() if f".{name}." in n)
-            out[name] = {"folder": adapter_folder(name), "weights": weights, **sums, "trainable": trainable}
+            out[name] = {"folder": adapter_folder(name), "weights": weights, **sums}
+            # an adapter's weights carry its name as one part of theirs (lora_A.default.weight, delora_A.default);
+            # none found: not said, and a load makes it what it asks for
+            if own := [p for n, p in model.named_parameters() if name in n.split(".")]:
+                out[name]["trainable"] = any(p.requires_grad for p in own)
     return out
 
 
