@@ -102,6 +102,51 @@ def test_an_adapter_saved_frozen_loads_frozen_and_the_active_adapter_is_active_a
         torch.testing.assert_close(loaded.model(**batch()).logits, expected, rtol=0, atol=0)
 
 
+def test_a_load_into_a_peft_model_that_has_the_adapters_gives_them_as_saved_and_a_failed_one_changes_nothing(
+    tmp_path, monkeypatch
+):
+    """Into a PeftModel whose "b" is frozen and "default" active: "b" (saved active and trainable) comes back active
+    and trainable, so the next step trains it (it stayed frozen: backward raised). A load that fails after PEFT's
+    leaves the active adapters and every flag as they were."""
+    from peft import LoraConfig
+
+    from remat.saving.folder import Snapshot
+
+    def with_b(seed):
+        model = add_lora(tiny_model(seed=seed))
+        model.add_adapter("b", LoraConfig(r=2, target_modules=["k_proj"], init_lora_weights=False))
+        return model
+
+    source = with_b(0)
+    source.set_adapter("b")
+    CheckpointedModel(source).save_pretrained(tmp_path / "b")
+    target = with_b(1)
+    before = (list(target.active_adapters), _adapters_trainable(target))
+    assert before == (["default"], {"default": {True}, "b": {False}})
+
+    monkeypatch.setattr(Snapshot, "unchanged", lambda self: (_ for _ in ()).throw(RuntimeError("injected")))
+    with pytest.raises(RuntimeError, match="injected"):
+        CheckpointedModel.from_pretrained(target, tmp_path / "b")
+    assert (list(target.active_adapters), _adapters_trainable(target)) == before
+    monkeypatch.undo()
+
+    loaded = CheckpointedModel.from_pretrained(target, tmp_path / "b")
+    assert loaded.model.active_adapters == ["b"]
+    assert _adapters_trainable(loaded.model) == {"default": {False}, "b": {True}}
+    loss, grads = step_grads(loaded, [(n, p) for n, p in loaded.model.named_parameters() if p.requires_grad], batch())
+    assert grads and all(".b." in name for name in grads)
+
+
+def test_an_adapter_named_as_a_base_module_is_recorded_by_its_own_weights(tmp_path):
+    from peft import LoraConfig
+
+    model = add_lora(tiny_model())
+    model.add_adapter("layers", LoraConfig(r=2, target_modules=["k_proj"]))  # frozen: not the active one
+    CheckpointedModel(model).save_pretrained(tmp_path / "save")
+    adapters = json.loads((tmp_path / "save" / "checkpoint_config.json").read_text())["adapters"]
+    assert (adapters["default"]["trainable"], adapters["layers"]["trainable"]) == (True, False)
+
+
 def test_inference_load_and_plain_base_model(tmp_path):
     cm = _trained_lora()
     cm.save_pretrained(tmp_path / "lora")

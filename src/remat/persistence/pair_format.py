@@ -40,6 +40,20 @@ def is_peft_model(model: Any) -> bool:
     return isinstance(model, PeftModel)
 
 
+def adapter_parameters(model: Any, name: str) -> list[Any]:
+    """The weights of adapter `name`: what PEFT keeps under that key in its tuner layers' dicts (`lora_A[name]`,
+    `delora_A[name]`), its wrappers' (`modules_to_save[name]`) and a prompt encoder's; never a module of the base
+    model that shares the name."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        for attr in (*getattr(module, "adapter_layer_names", ()), "modules_to_save", "prompt_encoder"):
+            container = module._modules.get(attr)
+            if container is not None and hasattr(container, "keys") and name in container.keys():  # noqa: SIM118
+                item = container[name]
+                found.update((id(p), p) for p in (item.parameters() if hasattr(item, "parameters") else [item]))
+    return list(found.values())
+
+
 def original_method(model: Any, name: str) -> Any:
     """The method as the class defines it, even while remat's override sits on the instance."""
     return getattr(type(model), name).__get__(model)
@@ -262,9 +276,7 @@ def fingerprints(model: Any, folder: str, selected: list[str] | None = None) -> 
         if weights is not None and os.path.isfile(config):
             sums = {"sha256": sha256_file(os.path.join(here, weights)), "config_sha256": sha256_file(config)}
             out[name] = {"folder": adapter_folder(name), "weights": weights, **sums}
-            # an adapter's weights carry its name as one part of theirs (lora_A.default.weight, delora_A.default);
-            # none found: not said, and a load makes it what it asks for
-            if own := [p for n, p in model.named_parameters() if name in n.split(".")]:
+            if own := adapter_parameters(model, name):  # none found: not said, a load makes it what it asks
                 out[name]["trainable"] = any(p.requires_grad for p in own)
     return out
 

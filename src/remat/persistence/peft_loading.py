@@ -17,7 +17,7 @@ from torch import nn
 
 from ..errors import ConfigError, SavedFileError
 from ..saving.files import read_json_object
-from .pair_format import ADAPTER_CONFIG, Loaded, is_peft_model, original_method
+from .pair_format import ADAPTER_CONFIG, Loaded, adapter_parameters, is_peft_model, original_method
 
 _PEFT_BOOKKEEPING = {"base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version"}
 
@@ -30,11 +30,14 @@ def undone_on_failure(model: Any) -> Iterator[None]:
     requires_grad = [(p, p.requires_grad) for p in model.parameters()]
     attributes = set(model.__dict__)
     adapters = list(model.peft_config) if is_peft_model(model) else None
-    marks = [f".{name}." for name in adapters or ()]
-    values = [(p, p.detach().clone()) for n, p in model.named_parameters() if any(m in n for m in marks)]
+    active = list(model.active_adapters) if adapters is not None else None
+    values = [(p, p.detach().clone()) for name in adapters or () for p in adapter_parameters(model, name)]
     try:
         yield
     except BaseException:
+        if active is not None and list(model.active_adapters) != active:
+            with contextlib.suppress(Exception):  # requires_grad, which set_adapter changes, is put back below
+                _activate(model, active)
         added = [n for n in model.peft_config if n not in adapters] if adapters is not None else []
         for name in added:
             with contextlib.suppress(Exception):  # a half-added adapter: the steps below finish the job
@@ -73,13 +76,21 @@ def load_adapters(model: nn.Module, loaded: Loaded, is_trainable: bool, kwargs: 
     active = loaded.saved.active_adapters
     if active and set(active) <= set(model.peft_config) and list(model.active_adapters) != list(active):
         flags = [(p, p.requires_grad) for p in model.parameters()]  # PEFT's set_adapter freezes the others
-        if len(active) == 1:
-            model.set_adapter(active[0])
-        else:
-            model.base_model.set_adapter(list(active))
+        _activate(model, list(active))
         for param, flag in flags:
             param.requires_grad_(flag)
+    for adapter in loaded.adapters:  # also those the model had: as saved (PEFT leaves theirs as they were)
+        if adapter.trainable is not None:
+            for param in adapter_parameters(model, adapter.name):
+                param.requires_grad_(trainable(adapter))
     return model
+
+
+def _activate(model: Any, names: list[str]) -> None:
+    if len(names) == 1:
+        model.set_adapter(names[0])
+    else:
+        model.base_model.set_adapter(names)
 
 
 def check_peft_load(model: Any, loaded: Loaded, is_trainable: bool) -> None:
