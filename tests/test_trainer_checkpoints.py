@@ -230,3 +230,57 @@ def test_a_model_init_that_returns_a_wrapper_is_unwrapped_like_a_model_argument(
     assert trainer.checkpointed_model is cm and trainer.model is cm.model
     files = {p.name for p in (tmp_path / "checkpoint-2").iterdir()}
     assert {"adapter_model.safetensors", "checkpoint_config.json"} <= files and "model.safetensors" not in files
+
+
+_KILLED_IN_THE_SECOND_SAVE = """
+import sys, time
+sys.path.insert(0, {tests!r})
+import peft.peft_model
+from conftest import add_lora, tiny_model
+from test_trainer import _dataset
+from test_trainer_checkpoints import SAVED, _args
+from remat import CheckpointedModel, RematTrainer
+
+calls, save = [0], peft.peft_model.safe_save_file
+def slow_second(*args, **kwargs):
+    save(*args, **kwargs)
+    calls[0] += 1
+    if calls[0] == 2:  # checkpoint-4's adapters are written into its staging folder: die here
+        print("in the second save", flush=True)
+        time.sleep(120)
+peft.peft_model.safe_save_file = slow_second
+cm = CheckpointedModel(add_lora(tiny_model()), SAVED)
+RematTrainer(model=cm, args=_args({out!r}, 4), train_dataset=_dataset()).train()  # saves at steps 2 and 4
+"""
+
+
+def test_resume_true_after_a_save_killed_midway_resumes_from_the_last_whole_checkpoint(tmp_path, caplog):
+    """SIGKILL while checkpoint-4 is being saved: Trainer's own choice (the highest number) is checkpoint-4, which
+    holds only remat's unfinished staging folder; PEFT then took that folder for an adapter and raised. Resuming
+    with True now starts from checkpoint-2, saying why, and trains on."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests, out = str(Path(__file__).parent), str(tmp_path / "out")
+    script = _KILLED_IN_THE_SECOND_SAVE.format(tests=tests, out=out)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:  # other libraries print too (DeepSpeed's accelerator line): read up to the mark or the end
+        assert "in the second save\n" in iter(child.stdout.readline, "")
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    assert not (tmp_path / "out" / "checkpoint-4" / "trainer_state.json").exists()
+    assert (tmp_path / "out" / "checkpoint-2" / "trainer_state.json").exists()
+
+    cm = CheckpointedModel(add_lora(tiny_model()))
+    trainer = RematTrainer(model=cm, args=_args(out, 3), train_dataset=_dataset())
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 3
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "interrupted" in r.getMessage()]
+    assert len(warned) == 1 and "checkpoint-4" in warned[0] and warned[0].endswith("checkpoint-2"), warned
+    assert cm.checkpoint_config == SAVED, "the map of checkpoint-2"
+    assert not [n for n in os.listdir(tmp_path / "out" / "checkpoint-4") if n.startswith(".remat-staging")]

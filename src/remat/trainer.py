@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import weakref
 from typing import Any
 
@@ -14,11 +15,13 @@ import safetensors
 import torch
 from accelerate.utils import is_compiled_module
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from .compat.transformers_compat import trainer_asks_for_checkpointing, trainer_checkpointing_kwargs
 from .controller import controller_of_wrapper
-from .errors import ConfigTypeError
+from .errors import ConfigError, ConfigTypeError
 from .persistence import apply_saved_config
 from .persistence.pair_format import save_model_pair
 from .plan import plan_layers
@@ -105,8 +108,17 @@ class _RematTrainerMixin:
             )
         save_model_pair(controller_of_wrapper(cm), output_dir, lambda to: base_save(to, state_dict=state_dict))
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """`resume_from_checkpoint=True` resumes from the newest checkpoint that Trainer finished writing: a save
+        killed midway leaves a newer one without `trainer_state.json` (Trainer's last file), which Trainer would pick
+        and fail on (or worse, start again from step 0 on its weights); a WARNING names both."""
+        if resume_from_checkpoint is True and self.checkpointed_model is not None:
+            resume_from_checkpoint = _last_complete_checkpoint(self.args.output_dir)
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         cm, folder = self.checkpointed_model, resume_from_checkpoint
+        recover(folder)  # a save killed mid-commit: finished, or its staging removed, before Trainer looks inside
         if cm is not None and model is None and _saved_whole(cm, folder):
             logger.info("%s holds the whole wrapper (a plain Trainer(model=cm) wrote it): loading it as is", folder)
             model = cm
@@ -204,6 +216,35 @@ def map_summary(controller: Any) -> dict[str, int | float]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             summary[key] = value
     return summary
+
+
+def _last_complete_checkpoint(output_dir: str) -> str:
+    """The newest `checkpoint-N` in `output_dir` holding `trainer_state.json`, each newer one's own save of the model
+    recovered first (`remat.saving.folder.recover`) and said in a WARNING; Trainer's error when there is none."""
+    numbered = [(int(m.group(1)), m.group(0)) for n in os.listdir(output_dir) if (m := _CHECKPOINT.fullmatch(n))]
+    skipped = []
+    for _, name in sorted(numbered, reverse=True):
+        folder = os.path.join(output_dir, name)
+        recover(folder)
+        if os.path.isfile(os.path.join(folder, TRAINER_STATE_NAME)):
+            if skipped:
+                logger.warning(
+                    "resume_from_checkpoint=True: %s %s no %s (a save was interrupted): resuming from %s",
+                    ", ".join(skipped),
+                    "holds" if len(skipped) == 1 else "hold",
+                    TRAINER_STATE_NAME,
+                    folder,
+                )
+            return folder
+        skipped.append(folder)
+    raise ConfigError(
+        f"resume_from_checkpoint=True: no checkpoint in {output_dir} holds {TRAINER_STATE_NAME}"
+        + (f" ({', '.join(skipped)}: saves that were interrupted)" if skipped else "")
+        + ": train without resuming, or name a checkpoint folder"
+    )
+
+
+_CHECKPOINT = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 
 
 def _saved_whole(cm: Any, folder: str) -> bool:
