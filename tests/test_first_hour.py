@@ -99,6 +99,24 @@ def test_merge_and_unload_returns_a_plain_model_and_leaves_the_wrapper_disabled_
         assert counter.counts == [1, 1, 1, 1]
 
 
+@pytest.mark.parametrize("method", ["merge_and_unload", "unload"])
+def test_after_merge_and_unload_the_wrapper_refuses_to_save_or_enable_and_touches_nothing(method, tmp_path):
+    """The adapters left cm.model with the merge: a save wrote an empty adapter file (fingerprinted, loadable as the
+    untrained base: the training lost) and enable() put the routes back on the returned plain model."""
+    from remat import StateError
+
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    step_grads(cm, _trainable(cm.model), batch())
+    (tmp_path / "save").mkdir()
+    model = getattr(cm, method)()
+    with pytest.raises(StateError, match=rf"cm\.{method}\(\) took the adapters out.*merged\.save_pretrained"):
+        cm.save_pretrained(tmp_path / "save")
+    assert list((tmp_path / "save").iterdir()) == []
+    with pytest.raises(StateError, match=rf"enable\(\): cm\.{method}\(\) took the adapters out"):
+        cm.enable()
+    assert not cm.is_enabled and not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
+
 def test_unloading_a_wrapper_without_peft_says_what_to_do():
     cm = CheckpointedModel(tiny_model())
     with pytest.raises(AttributeError, match=r"not a PeftModel.*cm.disable\(\)"):

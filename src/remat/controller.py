@@ -78,6 +78,7 @@ class Controller:
         self.offloader, self.swapper = offloader, swapper
         self.off_by: str | None = None
         self.inference, self.disabled_by = False, "cm.disable()"  # what turned remat off, while it is off
+        self.unloaded_by: str | None = None  # PEFT's merge_and_unload()/unload(): the adapters left cm.model for good
         self._installs: list[FlagInstall | ForwardInstall] = []
         self._routes, self._model_patches, self._save_load = InstancePatches(), InstancePatches(), SaveLoadOverrides()
         self._hook: Any = None  # the model's forward pre-hook, while enabled
@@ -121,7 +122,18 @@ class Controller:
         """Install with `config` (re-plan, if installed already)."""
         if not self.is_enabled:
             self.check_not_replaced("enable()")
+            self.check_not_unloaded("enable()")
         self.replan(config, off_by, cause, install=True)
+
+    def check_not_unloaded(self, action: str) -> None:
+        """Refuse `action` once PEFT took the adapters out: cm.model holds none, and the model returned is plain."""
+        if self.unloaded_by is not None:
+            raise StateError(
+                f"{action}: {self.unloaded_by} took the adapters out of this wrapper's model, so there is nothing of "
+                "the trained model left in it to checkpoint or save (a save would write an empty adapter). Use the "
+                f"model {self.unloaded_by} returned: merged.save_pretrained(folder), or CheckpointedModel(merged, "
+                "cm.checkpoint_config) to train it on. Nothing was changed"
+            )
 
     def disable(self, cause: str = "cm.disable()", *, say: bool = True) -> None:
         if not self.is_enabled:

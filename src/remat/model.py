@@ -304,6 +304,7 @@ class CheckpointedModel(nn.Module):
             if was_enabled:  # PEFT refused: the wrapper is back as it was
                 controller.enable(controller.config)
             raise
+        controller.unloaded_by = f"cm.{name}()"
         if was_enabled:
             logger.warning(
                 "cm.%s(): remat is now disabled on this wrapper (the adapters it was planned with are gone): the model "

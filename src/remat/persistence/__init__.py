@@ -30,6 +30,7 @@ __all__ = ["SaveLoadOverrides", "apply_saved_config", "load_checkpointed_model",
 def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike, **kwargs: Any) -> None:
     if os.fspath(save_directory) == "":
         raise ConfigError("save_pretrained needs a folder, got an empty path; pass '.' for the current directory")
+    owner.check_not_unloaded("save_pretrained")
     if not kwargs.get("is_main_process", True):
         return  # the main process writes the save; the others write nothing
     model = owner.model

@@ -68,6 +68,8 @@ class PairOwner(Protocol):
     config: CheckpointConfig
     checkpoint_map: Sequence[Any]
 
+    def check_not_unloaded(self, action: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class SavedAdapter:
