@@ -502,3 +502,15 @@ def test_pre_shifted_labels_and_tuple_outputs_are_reproduced_as_the_model_gives_
     for a, b in zip(plain, chunked, strict=True):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
     assert not torch.allclose(plain[0], plain[1]), "the shifted labels changed the loss: the test can tell"
+
+
+def test_the_shorter_batch_of_a_head_choosing_profile_is_measured_with_the_chunked_head():
+    """Measuring the head's options left the wrapper at the plain head, and the shorter batch was then measured with
+    it: the smallest map at half the tokens was predicted 10x larger than at the full length, and a budget refused
+    shorter steps that fit."""
+    cm = CheckpointedModel(add_lora(tiny_model(vocab_size=4096, attention_dropout=0.0)), head="chunked")
+    profile = cm.profile(batch(size=2, seq=16), repeats=1, progress=False)
+    m = profile.measurements
+    assert m.shorter.outside.checkpointing <= m.outside.checkpointing
+    smallest = [profile.frontier(tokens=tokens)[0].predicted_device_bytes for tokens in (8, 16, 32)]
+    assert smallest == sorted(smallest), smallest

@@ -187,3 +187,21 @@ def test_torchs_own_refusal_explained_in_backward_names_the_layer():
 
     explained = policy("selective").explain_recompute_error(RuntimeError(TORCH_SAC_MUTATED), 3)
     assert isinstance(explained, PolicyError) and explained.layer == 3
+
+
+def test_a_layer_refused_only_at_the_shorter_length_is_offered_selective_at_no_length():
+    """The profile measures a second, shorter batch (for `tokens=`): a refusal found there holds at every length."""
+    model = tiny_model(attention_dropout=0.0)
+
+    def changes_a_kept_output_when_short(module, args, out):
+        if out.shape[1] < 16:
+            out.add_(1.0)
+
+    decoder_layers(model)[2].mlp.down_proj.register_forward_hook(changes_a_kept_output_when_short)
+    profile = CheckpointedModel(model).profile(batch(seq=16), repeats=1, progress=False)
+    m = profile.measurements
+    assert "selective" not in m.options[2] and "selective" not in m.shorter.options[2]
+    assert all("selective" in m.options[i] for i in (0, 1, 3))
+    for tokens in (None, 16, 64):
+        with pytest.raises(ValueError, match="one of each layer's options"):
+            predicted(m.scaled(tokens), ["recompute", "recompute", "selective", "recompute"])

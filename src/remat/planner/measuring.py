@@ -119,14 +119,16 @@ class _Steps:
         optimizer: Any,
         bar: Any,
         refused: dict[int, str],
+        config: CheckpointConfig,
     ):
+        """`config`: the wrapper's when the profile began (a head measured since leaves the wrapper at another)."""
         self.state, self.batch, self.loss_fn, self.bar, self.refused = state, batch, loss_fn, bar, refused
         self.model = state.model
         self.device = next(self.model.parameters()).device
         self.peak = StepPeak(self.model, batch, optimizer, self.device)
         self.extras: dict[tuple[str, bool], int] = {}  # (last layer's policy, checkpointing) -> peak - held
         self.n = len(state.checkpoint_map)
-        self.base = state.config.replace(budget=None, layer_policies=dict.fromkeys(range(self.n), "recompute"))
+        self.base = config.replace(budget=None, layer_policies=dict.fromkeys(range(self.n), "recompute"))
 
     def _run(self, policies: Mapping[int, str], step: Callable[[], Any], head: dict[str, Any] | None = None) -> Any:
         """`step()` under `policies` (the other layers recomputing; `head`: config fields of another head); None if
@@ -227,7 +229,8 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
         _young_garbage_only(),
     ):
         refused: dict[int, str] = {}  # the layers "selective" refuses, found by any step
-        steps = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar, refused)
+        config = state.config
+        steps = first = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar, refused, config)
         found = _bytes(steps, names, rotation, swapped, notes)
         if refused and not found.held.get("selective"):  # no layer takes it: neither counted nor offered
             names = [name for name in names if name != "selective"]
@@ -244,11 +247,14 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
             measured = dataclasses.replace(measured, head=_head_profile(steps, counted, prices, notes))
         if short is not None:
             # bytes at a second length, so that `tokens` can model what grows with the square of it
-            steps = _Steps(state, own_inputs(short), loss_fn, optimizer, bar, refused)
+            steps, known = _Steps(state, own_inputs(short), loss_fn, optimizer, bar, refused, config), len(refused)
             ratio = batch_tokens(short) / measured.tokens
             scaled = {name: {i: t * ratio for i, t in per_layer.items()} for name, per_layer in seconds.items()}
             found_short = _bytes(steps, names, rotation, swapped, [])
             shorter = _measurements(steps, names, found_short, swapped, scaled, base * ratio, prices.scaled(ratio))
+            if len(refused) > known:  # refused at this length only: not offered at any length
+                remade = _measurements(first, names, found, swapped, seconds, base, prices)
+                measured = dataclasses.replace(remade, head=measured.head)
             measured = dataclasses.replace(measured, shorter=shorter)
         else:
             notes.append("tokens: bytes scale in proportion (the batch is not plain text: measured at one length)")
