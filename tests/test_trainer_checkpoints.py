@@ -175,8 +175,13 @@ def test_the_config_is_written_even_while_remat_is_disabled(tmp_path, caplog):
     other.disable()
     with caplog.at_level(logging.WARNING, logger="remat"):
         _train(RematTrainer, other, tmp_path, steps=2, resume=str(tmp_path / "checkpoint-2"))
-    assert other.checkpoint_config == CheckpointConfig() and not other.is_enabled
-    assert "checkpointing is disabled" in caplog.text
+    assert other.checkpoint_config == SAVED and not other.is_enabled  # off, with the saved config for enable()
+    assert "checkpointing is disabled and stays off" in caplog.text
+    assert not any(getattr(m, "gradient_checkpointing", False) for m in other.model.modules())
+    other.enable()
+    counter = RecomputeCounter(decoder_layers(other.model))
+    _train(RematTrainer, other, tmp_path / "again", steps=1)
+    assert counter.recomputed() == other.checkpoint_map.checkpointed == [0, 2, 3]
 
 
 @pytest.mark.parametrize("weights_file", ["model.safetensors", "pytorch_model.bin"])

@@ -403,11 +403,19 @@ class Controller:
         return self.budget.save_extras(self.config, self.model)
 
     def adopt_saved_config(self, config: CheckpointConfig, cause: str) -> None:
-        """A config loaded from a checkpoint folder; a route's "off" stays off, a disabled wrapper as it is."""
+        """A config loaded from a checkpoint folder; a route's "off" stays off, a disabled wrapper off, each with the
+        saved config, which applies when checkpointing is turned on again."""
         if config == self.config:
             return
         if not self.is_enabled:
-            logger.warning("%s: checkpointing is disabled, the saved checkpoint config is not applied", cause)
+            changes = describe_changes(self.config, config)
+            self.replan(config, off_by=self.off_by, cause=cause, said=True)  # not installed: planned for enable()
+            logger.warning(
+                "%s: checkpointing is disabled and stays off; the saved checkpoint config (%s) applies when "
+                "cm.enable() turns it on",
+                cause,
+                changes,
+            )
             return
         own_config, own_map = self.config, self.checkpoint_map
         self.replan(config, off_by=self.off_by, cause=cause, said=True)
