@@ -147,6 +147,16 @@ def test_an_adapter_named_as_a_base_module_is_recorded_by_its_own_weights(tmp_pa
     assert (adapters["default"]["trainable"], adapters["layers"]["trainable"]) == (True, False)
 
 
+def test_a_malformed_trainable_flag_is_refused_like_any_malformed_adapter_entry(tmp_path):
+    _trained_lora().save_pretrained(tmp_path / "save")
+    file = tmp_path / "save" / "checkpoint_config.json"
+    data = json.loads(file.read_text())
+    data["adapters"]["default"]["trainable"] = "yes"
+    file.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"adapter 'default' must name .*trainable: true or false"):
+        CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "save")
+
+
 def test_inference_load_and_plain_base_model(tmp_path):
     cm = _trained_lora()
     cm.save_pretrained(tmp_path / "lora")

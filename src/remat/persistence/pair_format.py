@@ -113,13 +113,14 @@ def parse_saved(snapshot: Snapshot) -> Saved:
     for name, entry in (adapters or {}).items():
         ok = isinstance(entry, dict) and all(isinstance(entry.get(k), str) for k in ("folder", "weights", "sha256"))
         ok = ok and isinstance(entry.get("config_sha256"), (str, type(None))) and entry["weights"] in ADAPTER_WEIGHTS
+        ok = ok and isinstance(entry.get("trainable"), (bool, type(None)))
         if not ok or os.path.isabs(entry["folder"]) or ".." in entry["folder"].split("/"):
             raise SavedFileError(
-                f"{file}: adapter {name!r} must name a folder, a weights file and their sha256{_AGAIN}"
+                f"{file}: adapter {name!r} must name a folder, a weights file and their sha256 (and whether it "
+                f"was trainable: true or false){_AGAIN}"
             )
-        trainable = entry["trainable"] if isinstance(entry.get("trainable"), bool) else None
         files = (entry["folder"], entry["weights"], entry["sha256"], entry.get("config_sha256"))
-        found.append(SavedAdapter(name, *files, trainable))
+        found.append(SavedAdapter(name, *files, entry.get("trainable")))
     profile = data.get("budget_profile")
     profile = profile if isinstance(profile, dict) else None  # not one: measured again, nothing refused
     active = data.get("active_adapters")
