@@ -125,6 +125,24 @@ def test_resuming_into_a_model_of_another_depth_is_refused(tmp_path):
         _train(RematTrainer, deeper, tmp_path, steps=3, resume=str(tmp_path / "checkpoint-2"))
 
 
+def test_resuming_into_an_adapter_of_another_structure_is_refused_and_changes_nothing(tmp_path):
+    """PEFT loads no tensor into an adapter of other target modules and says so only in the keys it returns: Trainer's
+    resume then took the saved map and trained the untrained adapter on (and its optimizer state crashed)."""
+    from peft import LoraConfig, get_peft_model
+
+    from remat import SavedFileError
+
+    _train(RematTrainer, CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED), tmp_path, steps=2)
+    other = get_peft_model(tiny_model(seed=3), LoraConfig(r=4, target_modules=["k_proj"], init_lora_weights=False))
+    cm = CheckpointedModel(other)
+    before, map_before = {n: p.detach().clone() for n, p in other.named_parameters()}, cm.checkpoint_map
+    trainer = RematTrainer(model=cm, args=_args(tmp_path, steps=3))
+    with pytest.raises(SavedFileError, match=r"target_modules: \['k_proj'\] here"):
+        trainer._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
+    assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
+    assert cm.checkpoint_map == map_before and cm.checkpoint_config == CheckpointConfig()
+
+
 def test_load_best_model_at_end_loads_the_best_adapters_and_the_config(tmp_path):
     cm = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
     extra = {

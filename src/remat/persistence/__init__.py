@@ -5,6 +5,7 @@ the same way."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -135,6 +136,12 @@ class _LoadAdapterWithConfig:
                     f"{loaded.saved.file} names no adapter in {os.path.join(folder, wanted)}; load one of "
                     f"{sorted(a.name for a in loaded.adapters)} from the folder they were saved in. Nothing was loaded"
                 )
+            name = args[0] if args else kwargs.get("adapter_name")
+            if isinstance(name, str) and (chosen := [a for a in loaded.adapters if a.folder == wanted]):
+                # as from_pretrained: into an adapter of another structure PEFT would load nothing, and say so only
+                # in the keys it returns (Trainer's resume then trained the untrained adapter)
+                one = dataclasses.replace(loaded, adapters=[dataclasses.replace(chosen[0], name=name)])
+                check_peft_load(model, one, bool(kwargs.get("is_trainable", False)))
             with undone_on_failure(model):
                 result = load(loaded.snapshot.folder, *args, **kwargs)
                 loaded.snapshot.unchanged()  # PEFT read the files checked (a `FolderChangedError` is undone)
