@@ -334,16 +334,20 @@ def test_a_mismatched_pair_is_a_clear_error_and_changes_nothing(tmp_path):
     assert _model_state(model) == before
 
 
-def test_a_bin_save_beside_an_older_safetensors_one_is_refused_not_loaded_stale(tmp_path):
+def test_a_bin_save_beside_an_older_safetensors_one_is_refused_not_loaded_stale(tmp_path, caplog):
     cm = _lora_cm()
     _set_lora(cm.model, 1.0)
     cm.save_pretrained(tmp_path / "out")
     _set_lora(cm.model, 2.0)
-    cm.save_pretrained(tmp_path / "out", safe_serialization=False)  # PEFT would load the older .safetensors
+    with caplog.at_level("WARNING", logger="remat"):  # said when saving, too: plain PEFT would load it
+        cm.save_pretrained(tmp_path / "out", safe_serialization=False)  # PEFT would load the older .safetensors
+    warned = [r.getMessage() for r in caplog.records if "earlier save's" in r.getMessage()]
+    assert len(warned) == 1 and "adapter_model.safetensors" in warned[0], warned
+    assert (tmp_path / "out" / "adapter_model.safetensors").exists(), "a save never touches files it did not write"
     model = tiny_model()
     before = _model_state(model)
     with pytest.raises(
-        ValueError, match=r"adapter_model\.bin, but .*adapter_model\.safetensors .* loads that one first"
+        ValueError, match=r"adapter_model\.bin, but .*adapter_model\.safetensors .* loads that one first.*safe_serial"
     ):
         CheckpointedModel.from_pretrained(model, tmp_path / "out")
     assert _model_state(model) == before

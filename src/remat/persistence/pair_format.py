@@ -248,8 +248,8 @@ def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
         if adapter.weights != ADAPTER_WEIGHTS[0] and snapshot.has(preferred):
             raise SavedFileError(
                 f"{saved.file} was saved with {snapshot.path(adapter.file())}, but {snapshot.path(preferred)} (from "
-                f"another save) is beside it and PEFT loads that one first; remove {os.path.basename(preferred)} or "
-                "save again. Nothing was loaded"
+                f"another save) is beside it and PEFT loads that one first; remove {os.path.basename(preferred)}, or "
+                "save again with safe_serialization=True. Nothing was loaded"
             )
         checks = ((adapter.file(), adapter.sha256), (adapter.file(ADAPTER_CONFIG), adapter.config_sha256))
         for relative, _ in checks:
@@ -288,7 +288,7 @@ def save_model_pair(
     owner: PairOwner, target: str | os.PathLike, write: Callable[[str], object], *, selected: list[str] | None = None
 ) -> list[str]:
     """Save `owner`'s pair into `target`; `write(staging)` writes the model's own files."""
-    model = owner.model
+    model, written = owner.model, {}
 
     def config_text(staging: str) -> str:
         payload = json.loads(owner.config.to_json_string())
@@ -300,9 +300,21 @@ def save_model_pair(
             active = [name for name in model.active_adapters if name in payload["adapters"]]
             payload["active_adapters"] = active
         payload.update(getattr(owner, "save_extras", dict)())  # a budget's profile
+        written.update(payload["adapters"])
         return json.dumps(payload, indent=2, sort_keys=True) + "\n"
 
-    return save_pair(target, config_text, write, keep=("README.md",), stale_shards=not is_peft_model(model))
+    files = save_pair(target, config_text, write, keep=("README.md",), stale_shards=not is_peft_model(model))
+    for entry in written.values():  # a .bin save beside an earlier save's .safetensors, which PEFT loads first
+        if entry["weights"] != ADAPTER_WEIGHTS[0] and os.path.isfile(
+            stale := os.path.join(target, entry["folder"], ADAPTER_WEIGHTS[0])
+        ):
+            logger.warning(
+                "%s is an earlier save's, and PEFT loads it before the %s written now (remat's load refuses the "
+                "pair): remove it, or save with safe_serialization=True",
+                stale,
+                entry["weights"],
+            )
+    return files
 
 
 @dataclass(frozen=True)
