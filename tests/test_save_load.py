@@ -218,3 +218,17 @@ def test_wrapping_and_saving_leave_use_cache_and_parameter_names_alone(tmp_path)
     assert model.config.use_cache is True and [n for n, _ in model.named_parameters()] == names
     model.get_base_model().save_pretrained(tmp_path / "base")
     assert json.loads((tmp_path / "base" / "config.json").read_text())["use_cache"] is True
+
+
+def test_a_save_made_by_peft_alone_is_refused_naming_how_to_load_and_wrap_it(tmp_path):
+    from peft import PeftModel
+
+    from remat import NotSavedError
+
+    add_lora(tiny_model()).save_pretrained(tmp_path / "peft")
+    model = tiny_model()
+    with pytest.raises(NotSavedError, match=r"PEFT adapter saved without remat.*PeftModel\.from_pretrained"):
+        CheckpointedModel.from_pretrained(model, tmp_path / "peft")
+    assert not hasattr(model, "peft_config")
+    cm = CheckpointedModel(PeftModel.from_pretrained(model, tmp_path / "peft", is_trainable=True))  # as it says
+    assert cm.checkpoint_map.checkpointed == [0, 1, 2, 3]

@@ -98,6 +98,12 @@ class Saved:
 def parse_saved(snapshot: Snapshot) -> Saved:
     file, data = snapshot.path(CONFIG_NAME), snapshot.config
     if data is None:
+        if snapshot.has(ADAPTER_CONFIG):  # PEFT's own save
+            raise NotSavedError(
+                f"{snapshot.path(ADAPTER_CONFIG)} is a PEFT adapter saved without remat (no {CONFIG_NAME}): load it "
+                "with PEFT and wrap that: CheckpointedModel(PeftModel.from_pretrained(model, folder, "
+                "is_trainable=True), config)"
+            )
         raise NotSavedError(f"no checkpoint config at {file}; save one with save_pretrained")
     config = CheckpointConfig.from_dict(data, source=file)
     layers, architecture, adapters = data.get("layers"), data.get("architecture"), data.get("adapters")
