@@ -117,6 +117,20 @@ def test_after_merge_and_unload_the_wrapper_refuses_to_save_or_enable_and_touche
     assert not cm.is_enabled and not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
+def test_a_trainer_save_after_merge_and_unload_is_refused_too(tmp_path):
+    """RematTrainer saves through its own path (Trainer's `_save`), which wrote the empty adapter all the same."""
+    from test_trainer import _dataset, _plain_args
+
+    from remat import RematTrainer, StateError
+
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    trainer = RematTrainer(model=cm, args=_plain_args(tmp_path / "run"), train_dataset=_dataset())
+    cm.merge_and_unload()
+    with pytest.raises(StateError, match=r"took the adapters out"):
+        trainer.save_model(str(tmp_path / "final"))
+    assert not (tmp_path / "final").exists() or not any((tmp_path / "final").iterdir())
+
+
 def test_unloading_a_wrapper_without_peft_says_what_to_do():
     cm = CheckpointedModel(tiny_model())
     with pytest.raises(AttributeError, match=r"not a PeftModel.*cm.disable\(\)"):

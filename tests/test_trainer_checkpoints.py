@@ -137,10 +137,37 @@ def test_resuming_into_an_adapter_of_another_structure_is_refused_and_changes_no
     cm = CheckpointedModel(other)
     before, map_before = {n: p.detach().clone() for n, p in other.named_parameters()}, cm.checkpoint_map
     trainer = RematTrainer(model=cm, args=_args(tmp_path, steps=3))
-    with pytest.raises(SavedFileError, match=r"target_modules: \['k_proj'\] here"):
+    with pytest.raises(SavedFileError, match=r"do not fit the model's adapter .*k_proj"):
         trainer._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
     assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
     assert cm.checkpoint_map == map_before and cm.checkpoint_config == CheckpointConfig()
+
+
+def test_resuming_a_second_adapter_checks_it_and_other_settings_of_the_same_structure_still_resume(tmp_path):
+    """Trainer resumes each extra adapter from its folder inside the checkpoint (`load_adapter(ckpt/"b", "b")`),
+    which holds no checkpoint_config.json: it is checked as the save's adapter. Another dropout (the same weights)
+    resumes, as with PEFT alone."""
+    from peft import LoraConfig
+
+    from remat import SavedFileError
+
+    def with_b(target, dropout=0.1):
+        model = add_lora(tiny_model(seed=3), dropout=dropout)
+        model.add_adapter("b", LoraConfig(r=2, target_modules=[target]))
+        return model
+
+    _train(RematTrainer, CheckpointedModel(with_b("k_proj"), SAVED), tmp_path, steps=2)
+    assert (tmp_path / "checkpoint-2" / "b" / "adapter_model.safetensors").exists()
+    other = with_b("o_proj")
+    before = {n: p.detach().clone() for n, p in other.named_parameters()}
+    trainer = RematTrainer(model=CheckpointedModel(other), args=_args(tmp_path, steps=3))
+    with pytest.raises(SavedFileError, match=r"adapter 'b' .*do not fit the model's adapter"):
+        trainer._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
+    assert all(torch.equal(p, before[n]) for n, p in other.named_parameters() if ".b." in n), "b as it was"
+
+    cm = CheckpointedModel(with_b("k_proj", dropout=0.0))
+    RematTrainer(model=cm, args=_args(tmp_path, steps=3))._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
+    assert cm.checkpoint_config == SAVED
 
 
 def test_load_best_model_at_end_loads_the_best_adapters_and_the_config(tmp_path):
@@ -307,3 +334,9 @@ def test_resume_true_after_a_save_killed_midway_resumes_from_the_last_whole_chec
     assert len(warned) == 1 and "checkpoint-4" in warned[0] and warned[0].endswith("checkpoint-2"), warned
     assert cm.checkpoint_config == SAVED, "the map of checkpoint-2"
     assert not [n for n in os.listdir(tmp_path / "out" / "checkpoint-4") if n.startswith(".remat-staging")]
+
+    (tmp_path / "out" / "checkpoint-9").write_text("a file, not a checkpoint")  # as Trainer, folders only
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        RematTrainer(model=cm, args=_args(out, 3), train_dataset=_dataset()).train(resume_from_checkpoint=True)
+    assert not any("checkpoint-9" in r.getMessage() for r in caplog.records)

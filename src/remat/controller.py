@@ -407,6 +407,11 @@ class Controller:
         saved config, which applies when checkpointing is turned on again."""
         if config == self.config:
             return
+        if self.unloaded_by is not None:
+            logger.warning(
+                "%s: %s took the adapters out of this wrapper; the saved config is not applied", cause, self.unloaded_by
+            )
+            return
         if not self.is_enabled:
             changes = describe_changes(self.config, config)
             self.replan(config, off_by=self.off_by, cause=cause, said=True)  # not installed: planned for enable()

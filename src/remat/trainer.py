@@ -221,7 +221,11 @@ def map_summary(controller: Any) -> dict[str, int | float]:
 def _last_complete_checkpoint(output_dir: str) -> str:
     """The newest `checkpoint-N` in `output_dir` holding `trainer_state.json`, each newer one's own save of the model
     recovered first (`remat.saving.folder.recover`) and said in a WARNING; Trainer's error when there is none."""
-    numbered = [(int(m.group(1)), m.group(0)) for n in os.listdir(output_dir) if (m := _CHECKPOINT.fullmatch(n))]
+    numbered = [
+        (int(m.group(1)), n)
+        for n in os.listdir(output_dir)
+        if (m := _CHECKPOINT.fullmatch(n)) and os.path.isdir(os.path.join(output_dir, n))
+    ]
     skipped = []
     for _, name in sorted(numbered, reverse=True):
         folder = os.path.join(output_dir, name)

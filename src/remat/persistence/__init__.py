@@ -31,7 +31,6 @@ __all__ = ["SaveLoadOverrides", "apply_saved_config", "load_checkpointed_model",
 def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike, **kwargs: Any) -> None:
     if os.fspath(save_directory) == "":
         raise ConfigError("save_pretrained needs a folder, got an empty path; pass '.' for the current directory")
-    owner.check_not_unloaded("save_pretrained")
     if not kwargs.get("is_main_process", True):
         return  # the main process writes the save; the others write nothing
     model = owner.model
@@ -124,6 +123,11 @@ class _LoadAdapterWithConfig:
         folder, model = os.fspath(model_id), self.owner.model
         load = original_method(model, "load_adapter")
         self.loaded_from = None
+        parent, name = os.path.split(os.path.normpath(folder))
+        beside = not kwargs.get("subfolder") and not os.path.isfile(os.path.join(folder, CONFIG_NAME))
+        if beside and name and os.path.isfile(os.path.join(parent, CONFIG_NAME)):
+            # Trainer's resume loads a second adapter from its folder inside the save: loaded as the save's, checked
+            folder, model_id, kwargs = parent, parent, {**kwargs, "subfolder": name}
         recover(folder)  # a first save that crashed mid-commit may not have its config in place yet
         if not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
             with undone_on_failure(model):  # not a remat save; PEFT failing halfway is undone all the same
@@ -136,12 +140,14 @@ class _LoadAdapterWithConfig:
                     f"{loaded.saved.file} names no adapter in {os.path.join(folder, wanted)}; load one of "
                     f"{sorted(a.name for a in loaded.adapters)} from the folder they were saved in. Nothing was loaded"
                 )
-            name = args[0] if args else kwargs.get("adapter_name")
-            if isinstance(name, str) and (chosen := [a for a in loaded.adapters if a.folder == wanted]):
-                # as from_pretrained: into an adapter of another structure PEFT would load nothing, and say so only
-                # in the keys it returns (Trainer's resume then trained the untrained adapter)
-                one = dataclasses.replace(loaded, adapters=[dataclasses.replace(chosen[0], name=name)])
-                check_peft_load(model, one, bool(kwargs.get("is_trainable", False)))
+            adapter = args[0] if args else kwargs.get("adapter_name")
+            trainable = args[1] if len(args) > 1 else kwargs.get("is_trainable", False)
+            if isinstance(adapter, str) and (chosen := [a for a in loaded.adapters if a.folder == wanted]):
+                # into an adapter whose weights have other names or shapes PEFT would load nothing, and say so only
+                # in the keys it returns (Trainer's resume then trained the untrained adapter); its other settings
+                # (dropout) may differ, as PEFT allows
+                one = dataclasses.replace(loaded, adapters=[dataclasses.replace(chosen[0], name=adapter)])
+                check_peft_load(model, one, bool(trainable), settings=False)
             with undone_on_failure(model):
                 result = load(loaded.snapshot.folder, *args, **kwargs)
                 loaded.snapshot.unchanged()  # PEFT read the files checked (a `FolderChangedError` is undone)

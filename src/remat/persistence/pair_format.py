@@ -294,6 +294,7 @@ def save_model_pair(
     owner: PairOwner, target: str | os.PathLike, write: Callable[[str], object], *, selected: list[str] | None = None
 ) -> list[str]:
     """Save `owner`'s pair into `target`; `write(staging)` writes the model's own files."""
+    owner.check_not_unloaded("save_pretrained")  # cm's and Trainer's saves alike
     model, written = owner.model, {}
 
     def config_text(staging: str) -> str:

@@ -93,13 +93,16 @@ def _activate(model: Any, names: list[str]) -> None:
         model.base_model.set_adapter(names)
 
 
-def check_peft_load(model: Any, loaded: Loaded, is_trainable: bool) -> None:
+def check_peft_load(model: Any, loaded: Loaded, is_trainable: bool, *, settings: bool = True) -> None:
     """The checks that need PEFT, before it changes anything: a PeftModel's adapter is replaced only by one
-    of the same structure, and a new prompt-learning adapter is refused as trainable (PEFT would, halfway)."""
+    of the same structure (`settings`: its config too, else its weights' names and shapes), and a new
+    prompt-learning adapter is refused as trainable (PEFT would, halfway)."""
     existing = model.peft_config if is_peft_model(model) else {}
     for adapter in (a for a in loaded.adapters if a.name in existing):
-        mine = _comparable(existing[adapter.name].to_dict())
-        theirs = _comparable(PeftConfig.from_pretrained(loaded.snapshot.path(adapter.folder)).to_dict())
+        mine = _comparable(existing[adapter.name].to_dict()) if settings else {}
+        theirs = (
+            _comparable(PeftConfig.from_pretrained(loaded.snapshot.path(adapter.folder)).to_dict()) if settings else {}
+        )
         if keys := sorted(k for k in {*mine, *theirs} - _PEFT_BOOKKEEPING if mine.get(k) != theirs.get(k)):
             differs = ", ".join(f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} saved" for k in keys)
             raise SavedFileError(
