@@ -92,10 +92,13 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> transformers.
     return model
 
 
-def add_lora(model: nn.Module, dropout: float = 0.1):
+LORA_TARGETS = ("q_proj", "v_proj", "down_proj")
+
+
+def add_lora(model: nn.Module, dropout: float = 0.1, target_modules: tuple[str, ...] = LORA_TARGETS):
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj", "down_proj"])
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=list(target_modules))
     peft_model = get_peft_model(model, config)
     # Non-zero B so LoRA contributes to the output and its gradients exercise every path.
     torch.manual_seed(1)

@@ -117,6 +117,20 @@ def test_after_merge_and_unload_the_wrapper_refuses_to_save_or_enable_and_touche
     assert not cm.is_enabled and not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
 
 
+def test_a_save_after_pefts_own_merge_and_unload_on_cm_model_is_refused(tmp_path):
+    """`cm.model.merge_and_unload()` (PEFT's idiom, unseen by the wrapper) leaves a PeftModel with no adapter weight:
+    its save would be an empty adapter, loaded later as the untrained base."""
+    from remat import StateError
+
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    step_grads(cm, _trainable(cm.model), batch())
+    cm.model.merge_and_unload()
+    (tmp_path / "save").mkdir()
+    with pytest.raises(StateError, match=r"holds no adapter layers any more.*merged\.save_pretrained"):
+        cm.save_pretrained(tmp_path / "save")
+    assert list((tmp_path / "save").iterdir()) == []
+
+
 def test_a_trainer_save_after_merge_and_unload_is_refused_too(tmp_path):
     """RematTrainer saves through its own path (Trainer's `_save`), which wrote the empty adapter all the same."""
     from test_trainer import _dataset, _plain_args

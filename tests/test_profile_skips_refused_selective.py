@@ -8,7 +8,7 @@ import logging
 import pytest
 import torch
 import transformers
-from conftest import VOCAB, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
+from conftest import VOCAB, add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
 from torch import nn
 
 from remat import CheckpointConfig, CheckpointedModel, PolicyError
@@ -20,8 +20,6 @@ NOTE = "selective not considered on"
 
 def _falcon(seed: int = 0) -> nn.Module:
     """A tiny Falcon of the new decoder architecture, LoRA on its fused projection (B non-zero, dropout on)."""
-    from peft import LoraConfig, get_peft_model
-
     torch.manual_seed(seed)
     config = transformers.FalconConfig(
         hidden_size=32,
@@ -32,14 +30,7 @@ def _falcon(seed: int = 0) -> nn.Module:
         vocab_size=VOCAB,
     )
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["query_key_value"])
-    model = get_peft_model(model, lora)
-    torch.manual_seed(1)
-    for name, param in model.named_parameters():
-        if "lora_B" in name:
-            nn.init.normal_(param, std=0.02)
-    model.train()
-    return model
+    return add_lora(model, target_modules=("query_key_value",))
 
 
 def _trainable(model: nn.Module) -> list:

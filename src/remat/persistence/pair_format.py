@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 from peft import PeftModel
 from peft.utils import CONFIG_NAME as ADAPTER_CONFIG
-from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME
+from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME, get_peft_model_state_dict
 
 from ..config import CheckpointConfig
-from ..errors import FolderChangedError, NotSavedError, SavedFileError
+from ..errors import FolderChangedError, NotSavedError, SavedFileError, StateError
 from ..saving.files import sha256_file
 from ..saving.folder import CONFIG_NAME, Snapshot, read_pair, save_pair
 
@@ -52,6 +52,11 @@ def adapter_parameters(model: Any, name: str) -> list[Any]:
                 item = container[name]
                 found.update((id(p), p) for p in (item.parameters() if hasattr(item, "parameters") else [item]))
     return list(found.values())
+
+
+def _unloaded_by_peft(model: Any) -> bool:
+    """A PeftModel none of whose adapters has a weight left to save (what PEFT's merge_and_unload leaves)."""
+    return not any(get_peft_model_state_dict(model, adapter_name=name) for name in model.peft_config)
 
 
 def original_method(model: Any, name: str) -> Any:
@@ -296,6 +301,12 @@ def save_model_pair(
     """Save `owner`'s pair into `target`; `write(staging)` writes the model's own files."""
     owner.check_not_unloaded("save_pretrained")  # cm's and Trainer's saves alike
     model, written = owner.model, {}
+    if is_peft_model(model) and _unloaded_by_peft(model):
+        raise StateError(
+            "save_pretrained: cm.model is a PeftModel that holds no adapter layers any more (PEFT's own "
+            "merge_and_unload() or unload() took them out), so the save would write an empty adapter. Save the model "
+            "that call returned: merged.save_pretrained(folder). Nothing was saved"
+        )
 
     def config_text(staging: str) -> str:
         payload = json.loads(owner.config.to_json_string())
