@@ -138,14 +138,14 @@ def test_the_refusal_speaks_of_peft_config_only_when_one_was_passed(tmp_path):
 
 
 def test_a_misspelt_field_in_replace_names_the_field_meant():
-    with pytest.raises(TypeError, match=r"\['every_n_layer'\] \(did you mean every_n_layers\?\); its fields are"):
+    with pytest.raises(TypeError, match=r"\['every_n_layer'\] \(did you mean every_n_layers\?\); it takes the fields"):
         CheckpointConfig().replace(every_n_layer=3)
 
 
 def test_a_misspelt_field_in_the_config_itself_is_a_remat_type_error_naming_the_field_meant():
     from remat import RematError
 
-    with pytest.raises(TypeError, match=r"'every_n_layer' \(did you mean every_n_layers=\?\); its fields are") as info:
+    with pytest.raises(TypeError, match=r"'every_n_layer' \(did you mean every_n_layers=\?\); it takes") as info:
         CheckpointConfig(every_n_layer=2)
     assert isinstance(info.value, RematError)
 

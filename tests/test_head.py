@@ -514,3 +514,10 @@ def test_the_shorter_batch_of_a_head_choosing_profile_is_measured_with_the_chunk
     assert m.shorter.outside.checkpointing <= m.outside.checkpointing
     smallest = [profile.frontier(tokens=tokens)[0].predicted_device_bytes for tokens in (8, 16, 32)]
     assert smallest == sorted(smallest), smallest
+    from independent_memory import activation_bytes
+
+    shorter = batch(size=2, seq=8)  # the profile's own shorter batch: what a plan for 16 tokens holds, counted apart
+    planned = profile.frontier(tokens=16)[0]
+    cm.enable(planned)
+    measured = activation_bytes(cm, shorter)
+    assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes

@@ -179,7 +179,7 @@ class CheckpointConfig:
     def __new__(cls, *args: Any, **fields: Any) -> CheckpointConfig:
         if "offload" in fields:
             raise ConfigTypeError(f"CheckpointConfig(offload=...) is gone: {OFFLOAD_IS_A_POLICY}")
-        _refuse_unknown(fields, "CheckpointConfig() got an unexpected keyword argument {first!r}{hint}", "=")
+        refuse_unknown_fields(fields, "CheckpointConfig() got an unexpected keyword argument {first!r}{hint}", "=")
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
@@ -242,7 +242,7 @@ class CheckpointConfig:
         chunk size too (it sizes only the chunked head's chunks)."""
         if "offload" in changes:
             raise ConfigTypeError(f"CheckpointConfig has no field offload: {OFFLOAD_IS_A_POLICY}")
-        _refuse_unknown(changes, "CheckpointConfig has no field(s) {unknown}{hint}", "")
+        refuse_unknown_fields(changes, "CheckpointConfig has no field(s) {unknown}{hint}", "")
         if changes.get("head") == "plain" and "head_chunk_tokens" not in changes:
             changes["head_chunk_tokens"] = None
         return CheckpointConfig(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
@@ -309,13 +309,14 @@ class CheckpointConfig:
 _FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
 
 
-def _refuse_unknown(fields: Mapping[str, Any], message: str, equals: str) -> None:
-    """A ConfigTypeError (a TypeError) naming the unknown fields, the known one nearest the first, and every field."""
-    if unknown := sorted(set(fields) - set(_FIELDS)):
-        close = difflib.get_close_matches(unknown[0], _FIELDS, n=1)
+def refuse_unknown_fields(fields: Mapping[str, Any], message: str, equals: str, options: tuple[str, ...] = ()) -> None:
+    """A ConfigTypeError (a TypeError) naming the unknown fields, the known one nearest the first (a field, or one
+    of a caller's own `options`), and every one."""
+    if unknown := sorted(set(fields) - {*_FIELDS, *options}):
+        close = difflib.get_close_matches(unknown[0], (*_FIELDS, *options), n=1)
         hint = f" (did you mean {close[0]}{equals}?)" if close else ""
         said = message.format(first=unknown[0], unknown=unknown, hint=hint)
-        raise ConfigTypeError(f"{said}; its fields are {', '.join(_FIELDS)}")
+        raise ConfigTypeError(f"{said}; it takes the fields of CheckpointConfig ({', '.join(_FIELDS + options)})")
 
 
 def _validated_swap_layers(value: Any) -> int | tuple[int, ...]:

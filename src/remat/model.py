@@ -4,7 +4,6 @@ does. Arguments are checked here, before anything changes; the map and what is i
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import logging
 import os
@@ -16,7 +15,7 @@ from torch import nn
 from .arguments import WrapperOptions
 from .compat.tested_versions import warn_if_untested
 from .compat.transformers_compat import TRAINER_PROBE, pretrained_model_class
-from .config import OFFLOAD_IS_A_POLICY, CheckpointConfig
+from .config import OFFLOAD_IS_A_POLICY, CheckpointConfig, refuse_unknown_fields
 from .controller import Controller, swap_targets
 from .controller import controller_of_wrapper as controller_of  # noqa: F401 (tests reach the controller so)
 from .display import describe_map
@@ -76,16 +75,8 @@ def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointCo
         )
     if "offload" in fields:
         raise ConfigTypeError(f"{call}(offload=...) is gone: {OFFLOAD_IS_A_POLICY}")
-    names = [f.name for f in dataclasses.fields(CheckpointConfig)]
-    if unknown := [name for name in fields if name not in names]:
-        known = [*names, *WrapperOptions.names()] if call == "CheckpointedModel" else names
-        close = difflib.get_close_matches(unknown[0], known, n=1)
-        hint = f" (did you mean {close[0]}=?)" if close else ""
-        extra = "".join(f", {name}" for name in WrapperOptions.names()) if call == "CheckpointedModel" else ""
-        raise ConfigTypeError(
-            f"{call}() got an unexpected keyword argument {unknown[0]!r}{hint}; it takes the fields of "
-            f"CheckpointConfig ({', '.join(names)}){extra}"
-        )
+    options = tuple(WrapperOptions.names()) if call == "CheckpointedModel" else ()
+    refuse_unknown_fields(fields, f"{call}() got an unexpected keyword argument {{first!r}}{{hint}}", "=", options)
     return config.replace(**fields) if fields else config
 
 

@@ -54,7 +54,7 @@ def adapter_parameters(model: Any, name: str) -> list[Any]:
     return list(found.values())
 
 
-def _unloaded_by_peft(model: Any) -> bool:
+def _unloaded(model: Any) -> bool:
     """A PeftModel none of whose adapters has a weight left to save (what PEFT's merge_and_unload leaves)."""
     return not any(get_peft_model_state_dict(model, adapter_name=name) for name in model.peft_config)
 
@@ -72,8 +72,6 @@ class PairOwner(Protocol):
 
     config: CheckpointConfig
     checkpoint_map: Sequence[Any]
-
-    def check_not_unloaded(self, action: str) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -299,13 +297,12 @@ def save_model_pair(
     owner: PairOwner, target: str | os.PathLike, write: Callable[[str], object], *, selected: list[str] | None = None
 ) -> list[str]:
     """Save `owner`'s pair into `target`; `write(staging)` writes the model's own files."""
-    owner.check_not_unloaded("save_pretrained")  # cm's and Trainer's saves alike
     model, written = owner.model, {}
-    if is_peft_model(model) and _unloaded_by_peft(model):
+    if is_peft_model(model) and _unloaded(model):  # cm's and Trainer's saves; cm.merge_and_unload() or PEFT's own
         raise StateError(
-            "save_pretrained: cm.model is a PeftModel that holds no adapter layers any more (PEFT's own "
-            "merge_and_unload() or unload() took them out), so the save would write an empty adapter. Save the model "
-            "that call returned: merged.save_pretrained(folder). Nothing was saved"
+            "save_pretrained: cm.model is a PeftModel that holds no adapter weight any more (merge_and_unload() or "
+            "unload() took the adapters out), so the save would write an empty adapter. Save the model that call "
+            "returned: merged.save_pretrained(folder). Nothing was saved"
         )
 
     def config_text(staging: str) -> str:

@@ -99,12 +99,7 @@ def check_peft_load(model: Any, loaded: Loaded, is_trainable: bool, *, settings:
     prompt-learning adapter is refused as trainable (PEFT would, halfway)."""
     existing = model.peft_config if is_peft_model(model) else {}
     for adapter in (a for a in loaded.adapters if a.name in existing):
-        mine = _comparable(existing[adapter.name].to_dict()) if settings else {}
-        theirs = (
-            _comparable(PeftConfig.from_pretrained(loaded.snapshot.path(adapter.folder)).to_dict()) if settings else {}
-        )
-        if keys := sorted(k for k in {*mine, *theirs} - _PEFT_BOOKKEEPING if mine.get(k) != theirs.get(k)):
-            differs = ", ".join(f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} saved" for k in keys)
+        if settings and (differs := _settings_differ(existing[adapter.name], loaded.snapshot.path(adapter.folder))):
             raise SavedFileError(
                 f"the model's adapter {adapter.name!r} differs from the saved one in "
                 f"{loaded.snapshot.path(adapter.folder)} ({differs}); load into the base model (not a PeftModel) to "
@@ -127,6 +122,14 @@ def check_peft_load(model: Any, loaded: Loaded, is_trainable: bool, *, settings:
                 f"({peft_type}), which PEFT loads for inference only (it saved the prompts, not the encoder that "
                 "made them); load it with is_trainable=False. Nothing was loaded"
             )
+
+
+def _settings_differ(config: Any, saved_folder: str) -> str:
+    """How a PeftModel's adapter config differs from the one saved in `saved_folder`, in words ("": the same)."""
+    mine = _comparable(config.to_dict())
+    theirs = _comparable(PeftConfig.from_pretrained(saved_folder).to_dict())
+    keys = sorted(k for k in {*mine, *theirs} - _PEFT_BOOKKEEPING if mine.get(k) != theirs.get(k))
+    return ", ".join(f"{k}: {mine.get(k)!r} here, {theirs.get(k)!r} saved" for k in keys)
 
 
 def _comparable(value: Any) -> Any:
