@@ -159,11 +159,17 @@ def test_resuming_a_second_adapter_checks_it_and_other_settings_of_the_same_stru
     _train(RematTrainer, CheckpointedModel(with_b("k_proj"), SAVED), tmp_path, steps=2)
     assert (tmp_path / "checkpoint-2" / "b" / "adapter_model.safetensors").exists()
     other = with_b("o_proj")
-    before = {n: p.detach().clone() for n, p in other.named_parameters()}
-    trainer = RematTrainer(model=CheckpointedModel(other), args=_args(tmp_path, steps=3))
+    before = {n: (p.detach().clone(), p.requires_grad) for n, p in other.named_parameters()}
+    refused = CheckpointedModel(other)
+    map_before = refused.checkpoint_map
+    trainer = RematTrainer(model=refused, args=_args(tmp_path, steps=3))
     with pytest.raises(SavedFileError, match=r"adapter 'b' .*do not fit the model's adapter"):
         trainer._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
-    assert all(torch.equal(p, before[n]) for n, p in other.named_parameters() if ".b." in n), "b as it was"
+    # the default adapter, loaded before "b" was refused, is put back too, and the saved map is not applied
+    for name, param in other.named_parameters():
+        assert torch.equal(param, before[name][0]) and param.requires_grad == before[name][1], name
+    assert refused.checkpoint_config == CheckpointConfig() and refused.checkpoint_map == map_before
+    assert list(other.active_adapters) == ["default"]
 
     cm = CheckpointedModel(with_b("k_proj", dropout=0.0))
     RematTrainer(model=cm, args=_args(tmp_path, steps=3))._load_from_checkpoint(str(tmp_path / "checkpoint-2"))

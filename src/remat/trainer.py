@@ -22,7 +22,7 @@ from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 from .compat.transformers_compat import trainer_asks_for_checkpointing, trainer_checkpointing_kwargs
 from .controller import controller_of_wrapper
 from .errors import ConfigError, ConfigTypeError
-from .persistence import apply_saved_config
+from .persistence import apply_saved_config, resume_undone_on_failure
 from .persistence.pair_format import save_model_pair
 from .plan import plan_layers
 from .policies import CHECKPOINTED
@@ -122,8 +122,10 @@ class _RematTrainerMixin:
         if cm is not None and model is None and _saved_whole(cm, folder):
             logger.info("%s holds the whole wrapper (a plain Trainer(model=cm) wrote it): loading it as is", folder)
             model = cm
-        super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
-        if cm is not None:
+        if cm is None:
+            return super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
+        with resume_undone_on_failure(controller_of_wrapper(cm)):  # one adapter refused: none loaded, no map applied
+            super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
             _apply_saved_config(cm, folder, "resuming")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:

@@ -5,10 +5,12 @@ the same way."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from peft.tuners.tuners_utils import BaseTunerLayer
@@ -25,7 +27,13 @@ logger = logging.getLogger("remat")
 
 _READ_AGAIN = 10  # loads of a folder this process cannot lock: how often a commit during PEFT's read is retried
 
-__all__ = ["SaveLoadOverrides", "apply_saved_config", "load_checkpointed_model", "save_checkpointed_model"]
+__all__ = [
+    "SaveLoadOverrides",
+    "apply_saved_config",
+    "load_checkpointed_model",
+    "resume_undone_on_failure",
+    "save_checkpointed_model",
+]
 
 
 def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike, **kwargs: Any) -> None:
@@ -97,6 +105,22 @@ def apply_saved_config(owner: Any, folder: str, cause: str) -> None:
         saved = loaded.saved
     owner.budget.take_saved(saved.budget_profile, saved.file)
     owner.adopt_saved_config(saved.config, f"{cause} from {folder}")
+
+
+@contextlib.contextmanager
+def resume_undone_on_failure(owner: Any) -> Iterator[None]:
+    """Trainer resumes a checkpoint's adapters one `load_adapter` at a time, the first applying the saved config:
+    when a later one is refused (or PEFT fails), the adapters loaded before it, the config and the saved budget
+    profile are put back too, so a refused resume leaves the wrapper as it was."""
+    config, off_by, saved_profile = owner.config, owner.off_by, owner.budget.saved
+    try:
+        with undone_on_failure(owner.model):
+            yield
+    except BaseException:
+        owner.budget.saved = saved_profile
+        if (owner.config, owner.off_by) != (config, off_by):
+            owner.replan(config, off_by, "a refused resume", said=True)
+        raise
 
 
 def _save_with_config(owner: Any, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
