@@ -148,3 +148,43 @@ def test_a_shallow_copy_of_a_wrapper_is_refused_and_ownership_never_moves_to_a_c
     with pytest.raises(ValueError, match="already wrapped by another CheckpointedModel"):
         CheckpointedModel(model)
     assert cm.is_enabled and _recomputed(cm, model) == [0, 2]
+
+
+_REMAT_ATTRIBUTES = {
+    "_remat_owner",
+    "gradient_checkpointing",
+    "_gradient_checkpointing_func",
+    "gradient_checkpointing_enable",
+    "gradient_checkpointing_disable",
+    "forward",
+    "save_pretrained",
+    "load_adapter",
+}
+
+
+@pytest.mark.parametrize("outer_first", [False, True], ids=["base then PeftModel", "PeftModel then base"])
+def test_a_second_wrapper_over_the_same_layers_through_a_model_inside_or_around_is_refused(outer_first):
+    """A wrapper of the base model, then `get_peft_model(base)` wrapped (as the save's refusal says to): both
+    would own the same layers, the first one's map no longer what runs, and disabling both left a shim behind.
+    The second is refused (either nesting) until the first is disabled; then it takes the layers over."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_model()
+    remat_kind = lambda m: {k: _plain(v) for k, v in vars(m).items() if k in _REMAT_ATTRIBUTES}
+    before = {id(m): remat_kind(m) for m in base.modules()}  # (LlamaModel sets gradient_checkpointing itself)
+    lora = lambda: get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"]))
+    peft_model = lora() if outer_first else None
+    first = CheckpointedModel(peft_model if outer_first else base, CheckpointConfig(every_n_layers=2))
+    peft_model = peft_model or lora()
+    second_target = base if outer_first else peft_model
+    with pytest.raises(ValueError, match=r"another CheckpointedModel .*layers.* disable\(\) first"):
+        CheckpointedModel(second_target, checkpoint_policy="offload")
+    assert first.is_enabled and _recomputed(first, base) == [0, 2], "the first map, and only it, runs"
+    first.disable()
+    second = CheckpointedModel(second_target, CheckpointConfig(every_n_layers=3))
+    with pytest.raises(RuntimeError, match="another CheckpointedModel took"):
+        first.enable()  # replaced through the layers the two share
+    assert _recomputed(second, base) == [0, 3]
+    second.disable()
+    left = {name: remat_kind(m) for name, m in peft_model.named_modules() if remat_kind(m) != before.get(id(m), {})}
+    assert not left, f"no flag, shim, route or marker of either wrapper is left: {left}"

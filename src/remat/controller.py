@@ -61,8 +61,8 @@ def swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tu
 
 
 class Controller:
-    """Everything behind one wrapper. The model's `_remat_owner` names the enabled controller (a second
-    wrapper is refused); `_LAST_CLAIM` the last to install, so a replaced one refuses to come back."""
+    """Everything behind one wrapper. The model's and its layers' `_remat_owner` names the enabled controller (a
+    second wrapper is refused); `_LAST_CLAIM` the last to install, so a replaced one refuses to come back."""
 
     def __init__(
         self,
@@ -100,13 +100,16 @@ class Controller:
     def is_enabled(self) -> bool:
         return bool(self._installs)
 
-    def _owned_models(self) -> list[nn.Module]:
-        return [m for m in (ref() for ref in (self._model, *self._adopted_from)) if m is not None]
+    def _owned_modules(self) -> list[nn.Module]:
+        """The models this wrapper wraps (and wrapped before `adopt`) and the layers it installs on: marked while
+        enabled, so a wrapper of a model inside this one, or around it (PEFT's), finds them taken."""
+        models = [m for m in (ref() for ref in (self._model, *self._adopted_from)) if m is not None]
+        return models + [found.module for found in (*self.discovery.layers, *self.discovery.holders)]
 
     @property
     def replaced(self) -> bool:
-        """Another wrapper installed on an owned model after this one (this one was disabled first)."""
-        claims = [_LAST_CLAIM.get(model) for model in self._owned_models()] if self._has_installed else []
+        """Another wrapper installed on an owned model or layer after this one (this one was disabled first)."""
+        claims = [_LAST_CLAIM.get(module) for module in self._owned_modules()] if self._has_installed else []
         return any(claim is not None and claim() is not self for claim in claims)
 
     def check_not_replaced(self, action: str) -> None:
@@ -151,8 +154,8 @@ class Controller:
         self._set_guards(False)
         if self._hook is not None:
             self._hook.remove()
-        for model in self._owned_models():
-            model.__dict__.pop("_remat_owner", None)
+        for module in self._owned_modules():
+            module.__dict__.pop("_remat_owner", None)
         if say:
             logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
 
@@ -164,7 +167,7 @@ class Controller:
         install_routes(self._routes, self, model)
         self._save_load.install(self, model)
         self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        for m in self._owned_models():  # the model keeps its controller alive
+        for m in self._owned_modules():  # the model keeps its controller alive
             object.__setattr__(m, "_remat_owner", self)
             _LAST_CLAIM[m] = weakref.ref(self)
         self._has_installed = True

@@ -80,6 +80,12 @@ def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointCo
     return config.replace(**fields) if fields else config
 
 
+def _owners(model: nn.Module) -> list[Any]:
+    """The controllers installed on the model or on a module inside it (a base model, a layer)."""
+    found = {id(owner): owner for m in model.modules() if (owner := m.__dict__.get("_remat_owner")) is not None}
+    return list(found.values())
+
+
 class CheckpointedModel(nn.Module):
     """A model whose activation checkpointing is decided layer by layer by `config`.
 
@@ -113,12 +119,13 @@ class CheckpointedModel(nn.Module):
         if _prepared is None:  # every check before anything changes
             discovery = self._discover(model, options)
             _prepared = (discovery, self._plan(model, discovery, config))
-        if (orphan := model.__dict__.get("_remat_owner")) is not None:
+        if orphans := _owners(model):  # none alive: `_discover` refused those
             logger.warning(
                 "this model still carries the checkpointing of a CheckpointedModel that no longer exists (dropped, "
                 "or the model is a copy of a wrapped one); the new wrapper takes over and replaces it"
             )
-            orphan.disable()  # its swapped weights come home before the new map checks and swaps them
+            for orphan in orphans:
+                orphan.disable()  # its swapped weights come home before the new map checks and swaps them
         super().__init__()
         self.model = model
         offloader = Offloader(config.offload_min_bytes, offload_transport, options.host_budget())
@@ -128,7 +135,7 @@ class CheckpointedModel(nn.Module):
         try:
             self._controller.replan(config, None, "enable()", install=True, planned=_prepared[1])
         except BaseException:
-            if orphan is not None:  # refused: the model keeps the checkpointing it had
+            for orphan in orphans:  # refused: the model keeps the checkpointing it had
                 orphan.enable(orphan.config, off_by=orphan.off_by, cause="a refused takeover (restoring)")
             raise
 
@@ -146,6 +153,13 @@ class CheckpointedModel(nn.Module):
             )
         if (owner := model.__dict__.get("_remat_owner")) is not None and owner.wrapper() is not None:  # not dropped
             raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
+        if live := [owner for owner in _owners(model) if owner.wrapper() is not None]:
+            raise ConfigError(
+                f"another CheckpointedModel wraps {type(live[0].model).__name__}, which shares this model's layers "
+                f"({live[0].discovery.names[0]}, ...): a model inside this one, or one around it (a PeftModel built "
+                "after wrapping). A layer has one wrapper: call that wrapper's disable() first, then wrap the model "
+                "you train (the PeftModel, if you added adapters). Nothing was changed"
+            )
         options.host_budget()
         return discover_layers(model, options.layer_class)
 
