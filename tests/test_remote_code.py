@@ -150,6 +150,18 @@ def test_old_format_blocks_are_found_by_structure_and_layer_class_names_them_exp
         CheckpointedModel(load_remote(tmp_path, "RemoteOldForCausalLM"), layer_class=3)
 
 
+def test_old_format_blocks_that_return_their_cache_train_exactly_with_use_cache_on(tmp_path, caplog):
+    """GPT-2's pre-4.35 loop reads each block's `present` when it asked for the cache (its own flag off: remat
+    leaves it off, as the loop calls torch's checkpoint itself). remat passed `use_cache=False` into the block, which
+    then returned no `present`: IndexError. The call is left as the model made it (the cache is a new output, not
+    a cache object updated in place), and a warning says the cache is held."""
+    model = load_remote(tmp_path, "RemoteCachedForCausalLM", use_cache=True)
+    with caplog.at_level("WARNING", logger="remat"):
+        _, counter = _run(model, CheckpointConfig())
+    assert counter.recomputed() == [0, 1, 2, 3]
+    assert "use_cache=False" in caplog.text and "RemoteCachedBlock" in caplog.text
+
+
 def test_disable_restores_remote_blocks_exactly(tmp_path):
     model = load_remote(tmp_path)
     hooks = hook_snapshot(model)

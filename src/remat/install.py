@@ -18,7 +18,7 @@ from .refs import MISSING, Ref, restore_attributes
 
 logger = logging.getLogger("remat")
 
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
 
 
 class _Installed:
@@ -77,15 +77,7 @@ class ForwardInstall(_Installed):
         original = type(module).forward.__get__(module) if saved is MISSING else saved
         if not (self.enabled and module.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        dropped = [k for k, off in CACHE_ARGUMENTS.items() if kwargs.get(k) not in (None, off)]
-        kwargs.update({key: CACHE_ARGUMENTS[key] for key in dropped})
-        if dropped and type(module).__name__ not in _warned:
-            _warned.add(type(module).__name__)
-            logger.warning(
-                "%s: the KV cache is incompatible with checkpointing while training; set %s",
-                type(module).__name__,
-                ", ".join(f"{k}={CACHE_ARGUMENTS[k]}" for k in dropped),
-            )
+        _drop_cache_updated_in_place(module, kwargs)
         if not args and self.first_parameter in kwargs:
             # The checkpoint saves (and offload moves) positional inputs: pass the hidden states so.
             args = (kwargs.pop(self.first_parameter),)
@@ -96,6 +88,40 @@ class ForwardInstall(_Installed):
         self.enabled, self.function = False, run_without_checkpoint
         if (module := self._module()) is not None and module.__dict__.get("forward") is self.wrapper:
             restore_attributes(module, self.saved)
+
+
+def _drop_cache_updated_in_place(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """A cache object the block updates in place would be updated again by the recompute: dropped, with the
+    cache arguments, as transformers' layers do. A block asked only for `use_cache` (GPT-2's pre-4.35 format)
+    returns its keys and values as new outputs, which the model's loop may read: the call is left as it is."""
+    cache = [k for k, off in CACHE_ARGUMENTS.items() if off is None and kwargs.get(k) is not None]
+    in_place = [k for k in cache if not isinstance(kwargs[k], (tuple, list))]  # a legacy tuple is only read
+    asked = kwargs.get("use_cache") not in (None, False)
+    name = type(module).__name__
+    if in_place:
+        dropped = [k for k in CACHE_ARGUMENTS if kwargs.get(k) not in (None, CACHE_ARGUMENTS[k])]
+        kwargs.update({key: CACHE_ARGUMENTS[key] for key in dropped})
+        _warn_once(
+            (name, "dropped"),
+            "%s: the KV cache is incompatible with checkpointing while training (the recompute would update it "
+            "again); remat passes %s: set them so yourself to silence this",
+            name,
+            ", ".join(f"{k}={CACHE_ARGUMENTS[k]}" for k in dropped),
+        )
+    elif asked:
+        _warn_once(
+            (name, "kept"),
+            "%s: use_cache=True while training: the block returns its keys and values, held until the model's "
+            "output is dropped (remat leaves the call as the model made it); set use_cache=False to free them "
+            "(model.config.use_cache = False, or in the call)",
+            name,
+        )
+
+
+def _warn_once(key: tuple[str, str], message: str, *args: Any) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message, *args)
 
 
 class CheckpointingForward(_Installed):

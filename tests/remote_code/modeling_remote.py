@@ -6,6 +6,8 @@ blocks with router counters. Tests copy this file into a folder and load it with
 `RemoteForCausalLM` uses the "flag + _gradient_checkpointing_func" pattern; `RemoteOldForCausalLM`
 uses the pre-4.35 format: `_set_gradient_checkpointing(module, value)`, a direct call of
 torch's checkpoint in the loop, and no `_no_split_modules` (its blocks are found by structure).
+`RemoteCachedForCausalLM` is GPT-2's pre-4.35 loop: blocks return `(hidden, present)` with `use_cache`, which
+the loop turns off only when its own flag is on.
 """
 
 import torch
@@ -13,14 +15,15 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutput, CausalLMOutputWithPast
 
 
 class RemoteConfig(PretrainedConfig):
     model_type = "remat_remote"
 
-    def __init__(self, vocab_size=96, hidden_size=32, num_layers=4, dropout=0.1, num_experts=0, **kw):
+    def __init__(self, vocab_size=96, hidden_size=32, num_layers=4, dropout=0.1, num_experts=0, use_cache=True, **kw):
         self.vocab_size = vocab_size
+        self.use_cache = use_cache
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         self.dropout = dropout
@@ -186,3 +189,46 @@ class RemoteOldForCausalLM(RemoteOldPreTrainedModel):
         build_causal_lm(self, config, RemoteOldModel)
 
     forward = RemoteForCausalLM.forward
+
+
+class RemoteCachedBlock(RemoteBlock):
+    def forward(self, hidden_states, attention_mask=None, use_cache=False, layer_past=None):
+        hidden_states = super().forward(hidden_states, attention_mask)
+        return (hidden_states, hidden_states.detach()) if use_cache else (hidden_states,)
+
+
+class RemoteCachedModel(RemoteOldPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        build_stack(self, config)
+        self.blocks = nn.ModuleList([RemoteCachedBlock(config) for _ in range(config.num_layers)])
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None, use_cache=None):
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False
+        hidden, presents = self.embed(input_ids), ()
+        for block in self.blocks:
+            if self.gradient_checkpointing and self.training:
+                out = torch.utils.checkpoint.checkpoint(block, hidden, attention_mask, use_reentrant=False)
+            else:
+                out = block(hidden, attention_mask, use_cache=use_cache)
+            hidden = out[0]
+            if use_cache:
+                presents = (*presents, out[1])
+        return self.norm(hidden), presents
+
+
+class RemoteCachedForCausalLM(RemoteOldPreTrainedModel):
+    def __init__(self, config):
+        super().__init__(config)
+        build_causal_lm(self, config, RemoteCachedModel)
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, use_cache=None, **kwargs):
+        hidden, presents = self.model(input_ids, attention_mask, use_cache=use_cache)
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1))
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=presents)
