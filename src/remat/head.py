@@ -20,6 +20,7 @@ and a model whose forward Liger Kernel replaced (its fused linear cross-entropy 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -90,19 +91,27 @@ def plan_head(head: str, chunk_tokens: int | None, model: nn.Module) -> HeadPlan
     return HeadPlan(name, "chunked", chunk_tokens, f"head_chunk_tokens={chunk_tokens}")
 
 
-def post_ops(config: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    """What the family does to the head's output before its loss, in the model's dtype."""
-    scale = getattr(config, "logit_scale", None) if config.model_type == "cohere" else None
-    cap = getattr(config, "final_logit_softcapping", None) if config.model_type == "gemma2" else None
+@dataclasses.dataclass(frozen=True)
+class PostOps:
+    """What the family does to the head's output before its loss, in the model's dtype (a class, not a
+    closure: a wrapper with the chunked head pickles)."""
 
-    def post(logits: torch.Tensor) -> torch.Tensor:
-        if scale is not None:
-            logits = logits * scale
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap
+    scale: float | None = None
+    cap: float | None = None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            logits = logits * self.scale
+        if self.cap is not None:
+            logits = torch.tanh(logits / self.cap) * self.cap
         return logits
 
-    return post
+
+def post_ops(config: Any) -> PostOps:
+    return PostOps(
+        scale=getattr(config, "logit_scale", None) if config.model_type == "cohere" else None,
+        cap=getattr(config, "final_logit_softcapping", None) if config.model_type == "gemma2" else None,
+    )
 
 
 def chunked_loss(
