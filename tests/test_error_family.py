@@ -72,3 +72,21 @@ def test_measuring_in_inference_mode_is_a_remat_error_and_a_runtime_error():
     with pytest.raises(RematError, match=r"call cm\.for_training") as info:
         cm.memory_report(batch())
     _is(info.value, RuntimeError)
+
+
+def test_assigning_a_config_field_or_the_wrappers_config_is_a_remat_error_and_an_attribute_error():
+    """Was dataclasses' bare `cannot assign to field` and `property ... has no setter`."""
+    import dataclasses
+
+    config = CheckpointConfig()
+    with pytest.raises(RematError, match=r"immutable .*every_n_layers.*cm\.enable\(every_n_layers=") as info:
+        config.every_n_layers = 3
+    _is(info.value, dataclasses.FrozenInstanceError)
+    with pytest.raises(AttributeError, match=r"config\.replace\(head="):
+        del config.head
+    assert config == CheckpointConfig()
+    cm = CheckpointedModel(tiny_model(), config)
+    with pytest.raises(RematError, match=r"read-only: cm\.enable\(config\)") as info:
+        cm.checkpoint_config = CheckpointConfig(every_n_layers=2)
+    _is(info.value, AttributeError)
+    assert cm.checkpoint_config is config and cm.checkpoint_map.checkpointed == [0, 1, 2, 3]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .arguments import MAX_COUNT, parse_bytes
-from .errors import ConfigError, ConfigTypeError, NotSavedError, SavedFileError
+from .errors import ConfigError, ConfigTypeError, FrozenConfigError, NotSavedError, SavedFileError
 from .policies import CHECKPOINT_POLICIES
 from .policies import NAMES as POLICIES
 from .policies import policy as _policy
@@ -307,6 +307,17 @@ class CheckpointConfig:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
+
+
+def _refuse_assignment(config: CheckpointConfig, name: str, *_: Any) -> None:
+    raise FrozenConfigError(
+        f"CheckpointConfig is immutable (cannot change {name}): cm.enable({name}=...) changes the wrapper's "
+        f"config; config.replace({name}=...) makes a new one"
+    )
+
+
+# (a frozen dataclass may not define these in its body)
+CheckpointConfig.__setattr__ = CheckpointConfig.__delattr__ = _refuse_assignment  # type: ignore[method-assign,assignment]
 
 
 def refuse_unknown_fields(fields: Mapping[str, Any], message: str, equals: str, options: tuple[str, ...] = ()) -> None:

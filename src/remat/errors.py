@@ -1,5 +1,7 @@
 """Every error remat raises to a user; each is also the builtin a caller caught before (`except ValueError`)."""
 
+from dataclasses import FrozenInstanceError
+
 
 class RematError(Exception):
     """The base of every error remat raises: `except remat.RematError` catches them all."""
@@ -11,6 +13,10 @@ class ConfigError(RematError, ValueError):
 
 class ConfigTypeError(RematError, TypeError):
     """A value of the wrong type for a setting or argument, or a call on an object remat refuses it for."""
+
+
+class FrozenConfigError(RematError, FrozenInstanceError):
+    """An assignment to a `CheckpointConfig` field or to `cm.checkpoint_config` (an AttributeError, as before)."""
 
 
 class StateError(RematError, RuntimeError):

@@ -19,7 +19,7 @@ from .config import OFFLOAD_IS_A_POLICY, CheckpointConfig, refuse_unknown_fields
 from .controller import Controller, swap_targets
 from .controller import controller_of_wrapper as controller_of  # noqa: F401 (tests reach the controller so)
 from .display import describe_map
-from .errors import ConfigError, ConfigTypeError, StateError
+from .errors import ConfigError, ConfigTypeError, FrozenConfigError, StateError
 from .layers import Discovery, discover_layers
 from .offload import LayerOffloadStats, Offloader, Transport
 from .persistence import load_checkpointed_model, save_checkpointed_model
@@ -213,6 +213,13 @@ class CheckpointedModel(nn.Module):
     def checkpoint_config(self) -> CheckpointConfig:
         """The current `CheckpointConfig` (`cm.config` is the wrapped model's, as for `PeftModel`)."""
         return self._controller.config
+
+    @checkpoint_config.setter
+    def checkpoint_config(self, config: Any) -> None:
+        raise FrozenConfigError(
+            "cm.checkpoint_config is read-only: cm.enable(config) installs another config (or cm.enable(field=...) "
+            "changes fields of the current one), planned and checked before anything changes"
+        )
 
     @property
     def checkpoint_map(self) -> CheckpointMap:
