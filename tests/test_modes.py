@@ -89,3 +89,23 @@ def test_for_inference_keeps_the_map_and_for_training_reapplies_it_after_a_route
     counter = RecomputeCounter(decoder_layers(model))
     step_grads(cm, list(model.named_parameters()), batch())
     assert counter.recomputed() == [0, 3] == cm.checkpoint_map.checkpointed
+
+
+def test_a_forward_with_gradients_in_eval_mode_says_once_that_it_runs_no_checkpoint(remat_logs):
+    """`from_pretrained` returns a model in eval mode; wrapped and trained so, no layer checkpoints (as in
+    transformers), though the map says recompute: a warning, once per wrapper, and not in training mode or
+    without gradients (evaluation)."""
+    model = tiny_model().eval()
+    cm = CheckpointedModel(model)
+    with torch.no_grad():
+        cm(**batch())
+    assert "eval mode" not in remat_logs.text
+    step_grads(cm, list(model.named_parameters()), batch())
+    counter = RecomputeCounter(decoder_layers(model))
+    step_grads(cm, list(model.named_parameters()), batch())
+    assert counter.recomputed() == [], "eval mode: nothing checkpointed, as the warning says"
+    assert remat_logs.text.count("in eval mode") == 1 and "cm.train() or cm.for_training()" in remat_logs.text
+    cm.train()
+    counter.reset()
+    step_grads(cm, list(model.named_parameters()), batch())
+    assert counter.recomputed() == [0, 1, 2, 3] and remat_logs.text.count("in eval mode") == 1

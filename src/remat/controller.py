@@ -90,6 +90,7 @@ class Controller:
         self.wrapper: Ref[nn.Module] = Ref(None)  # the CheckpointedModel (a `LocalRef`), while it exists
         self._adopted_from: list[Ref[nn.Module]] = []  # models this one wrapped before `adopt`
         self._has_installed = False
+        self._said_eval_mode = False
         self.budget = BudgetState()  # with CheckpointConfig(budget=...): the profile, plans per bucket, receipts
 
     @property
@@ -378,6 +379,8 @@ class Controller:
             logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
             self.inference = False
             self.apply_map()
+        if not module.training and not self.inference and torch.is_grad_enabled():
+            self._say_eval_mode_runs_no_checkpoint()
         budget = self.budget
         if self.config.budget is None or self.off_by is not None or budget.measuring or self.inference:
             return
@@ -391,6 +394,16 @@ class Controller:
         handle = module.register_forward_hook(
             lambda m, a, output: (handle.remove(), budget.watch_backward(output))[0], always_call=True
         )
+
+    def _say_eval_mode_runs_no_checkpoint(self) -> None:
+        """Once per wrapper: a model left in eval mode (as `from_pretrained` returns it) trains without its map."""
+        if not self._said_eval_mode and (self.checkpoint_map.checkpointed or self.config.budget is not None):
+            self._said_eval_mode = True
+            logger.warning(
+                "a forward with gradients while the model is in eval mode (model.eval(), or as from_pretrained "
+                "returned it): layers checkpoint only in training mode, as in transformers, so this one keeps every "
+                "activation (and runs no dropout). Call cm.train() or cm.for_training() to train with the map"
+            )
 
     def _refuse_training_in_inference(self, index: int, name: str, module: nn.Module, args: Any) -> None:
         """A checkpointed layer run alone (not via the model's forward) in training mode would skip its checkpoint."""
