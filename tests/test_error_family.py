@@ -84,6 +84,8 @@ def test_assigning_a_config_field_or_the_wrappers_config_is_a_remat_error_and_an
     _is(info.value, dataclasses.FrozenInstanceError)
     with pytest.raises(AttributeError, match=r"config\.replace\(head="):
         del config.head
+    with pytest.raises(AttributeError, match=r"cm\.enable\(field=\.\.\.\).*fields: every_n_layers"):
+        config.every_n_layer = 3  # not a field: the message lists them
     assert config == CheckpointConfig()
     cm = CheckpointedModel(tiny_model(), config)
     with pytest.raises(RematError, match=r"read-only: cm\.enable\(config\)") as info:

@@ -109,3 +109,15 @@ def test_a_forward_with_gradients_in_eval_mode_says_once_that_it_runs_no_checkpo
     counter.reset()
     step_grads(cm, list(model.named_parameters()), batch())
     assert counter.recomputed() == [0, 1, 2, 3] and remat_logs.text.count("in eval mode") == 1
+
+
+def test_no_eval_mode_warning_where_a_route_turned_checkpointing_off(remat_logs):
+    """cm.train() would not checkpoint there either (the route's "off" holds until an enable)."""
+    model = tiny_model().eval()
+    cm = CheckpointedModel(model, CheckpointConfig(budget="1GiB"))
+    model.gradient_checkpointing_disable()
+    step_grads(cm, list(model.named_parameters()), batch())
+    assert "eval mode" not in remat_logs.text
+    model.gradient_checkpointing_enable()
+    step_grads(cm, list(model.named_parameters()), batch())
+    assert remat_logs.text.count("in eval mode") == 1

@@ -11,6 +11,8 @@ import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, step_grads, tiny_model
 
 from remat import CheckpointConfig, CheckpointedModel
+from remat.controller import owners_of
+from remat.model import controller_of
 
 _DICT_ATTRIBUTES = ("_parameters", "_buffers", "_modules")
 
@@ -188,3 +190,23 @@ def test_a_second_wrapper_over_the_same_layers_through_a_model_inside_or_around_
     second.disable()
     left = {name: remat_kind(m) for name, m in peft_model.named_modules() if remat_kind(m) != before.get(id(m), {})}
     assert not left, f"no flag, shim, route or marker of either wrapper is left: {left}"
+
+
+def test_a_layer_copied_alone_carries_no_wrapper_and_a_freed_layer_does_not_stop_disable():
+    """The layers' owner is kept outside them (a strong marker on each layer made `copy.deepcopy(layer)` copy the
+    whole model through the controller, and a wrapper of a model holding the copy failed on the stale owner); a
+    layer freed while wrapped no longer stops `disable()` taking every marker off."""
+    model = add_lora(tiny_model())
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    layer = decoder_layers(model)[0]
+    twin = copy.deepcopy(layer)
+    assert sum(p.numel() for p in twin.parameters()) == sum(p.numel() for p in layer.parameters())
+    assert "_remat_owner" not in vars(twin) and owners_of(torch.nn.ModuleList([twin])) == []
+    assert owners_of(layer) == [controller_of(cm)], "the original layer is known as taken"
+
+    del model.base_model.model.model.layers[3]
+    gc.collect()
+    cm.disable()
+    assert "_remat_owner" not in vars(model) and not cm.is_enabled and owners_of(model) == []
+    assert "layers" in repr(cm.checkpoint_map)
+    CheckpointedModel(model).disable()  # the model can be wrapped again

@@ -143,19 +143,42 @@ def test_resuming_into_an_adapter_of_another_structure_is_refused_and_changes_no
     assert cm.checkpoint_map == map_before and cm.checkpoint_config == CheckpointConfig()
 
 
+def _with_b(target, dropout=0.1):
+    from peft import LoraConfig
+
+    model = add_lora(tiny_model(seed=3), dropout=dropout)
+    model.add_adapter("b", LoraConfig(r=2, target_modules=[target]))
+    return model
+
+
+def test_a_refused_resume_under_a_budget_puts_the_planned_map_back_and_says_so(tmp_path, remat_logs):
+    """The first adapter's load applied the saved budget config (its plans cleared); undone, the map is the one
+    planned for the current bucket again (it came back "pending": every layer recomputed), with a log line."""
+    from conftest import batch, step_grads
+
+    from remat import SavedFileError
+
+    _train(RematTrainer, CheckpointedModel(_with_b("k_proj"), CheckpointConfig(budget="2GiB")), tmp_path, steps=2)
+    other = _with_b("o_proj")
+    cm = CheckpointedModel(other, own := CheckpointConfig(budget="1GiB"))
+    step_grads(cm, [(n, p) for n, p in other.named_parameters() if p.requires_grad], batch())
+    map_before = cm.checkpoint_map
+    assert "planned for" in map_before[0].reason
+    trainer = RematTrainer(model=cm, args=_args(tmp_path, steps=3))
+    with pytest.raises(SavedFileError, match=r"adapter 'b'"):
+        trainer._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
+    assert cm.checkpoint_config == own and cm.checkpoint_map == map_before
+    assert [p.reason for p in cm.checkpoint_map] == [p.reason for p in map_before]
+    assert "the resume was refused: the saved config is not applied" in remat_logs.text
+
+
 def test_resuming_a_second_adapter_checks_it_and_other_settings_of_the_same_structure_still_resume(tmp_path):
     """Trainer resumes each extra adapter from its folder inside the checkpoint (`load_adapter(ckpt/"b", "b")`),
     which holds no checkpoint_config.json: it is checked as the save's adapter. Another dropout (the same weights)
     resumes, as with PEFT alone."""
-    from peft import LoraConfig
-
     from remat import SavedFileError
 
-    def with_b(target, dropout=0.1):
-        model = add_lora(tiny_model(seed=3), dropout=dropout)
-        model.add_adapter("b", LoraConfig(r=2, target_modules=[target]))
-        return model
-
+    with_b = _with_b
     _train(RematTrainer, CheckpointedModel(with_b("k_proj"), SAVED), tmp_path, steps=2)
     assert (tmp_path / "checkpoint-2" / "b" / "adapter_model.safetensors").exists()
     other = with_b("o_proj")

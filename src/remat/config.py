@@ -310,9 +310,10 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
 
 
 def _refuse_assignment(config: CheckpointConfig, name: str, *_: Any) -> None:
+    how = f"{name}=..." if name in _FIELDS else "field=..."
     raise FrozenConfigError(
-        f"CheckpointConfig is immutable (cannot change {name}): cm.enable({name}=...) changes the wrapper's "
-        f"config; config.replace({name}=...) makes a new one"
+        f"CheckpointConfig is immutable (cannot change {name}): cm.enable({how}) changes the wrapper's config; "
+        f"config.replace({how}) makes a new one (fields: {', '.join(_FIELDS)})"
     )
 
 

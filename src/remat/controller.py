@@ -35,6 +35,19 @@ _Mode = tuple[bool, list[tuple[Ref[nn.Module], bool]]]  # (inference, training f
 # model -> the controller that installed on it last, both weakly, kept outside the model (a disabled
 # wrapper leaves nothing on it); a copy of a controller (deepcopy, pickle) is another controller.
 _LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Controller]] = weakref.WeakKeyDictionary()
+# An enabled controller's layers, held weakly both ways: a layer copied or pickled alone carries no controller.
+_LAYER_OWNER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Controller]] = weakref.WeakKeyDictionary()
+
+
+def owners_of(model: nn.Module) -> list[Controller]:
+    """The controllers installed on the model or on a module inside it (a base model under a PeftModel, a layer)."""
+    found: dict[int, Controller] = {}
+    for module in model.modules():
+        claim = _LAYER_OWNER.get(module)
+        for owner in (module.__dict__.get("_remat_owner"), claim() if claim is not None else None):
+            if owner is not None:
+                found[id(owner)] = owner
+    return list(found.values())
 
 
 def controller_of_wrapper(obj: Any) -> Controller | None:
@@ -61,8 +74,9 @@ def swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tu
 
 
 class Controller:
-    """Everything behind one wrapper. The model's and its layers' `_remat_owner` names the enabled controller (a
-    second wrapper is refused); `_LAST_CLAIM` the last to install, so a replaced one refuses to come back."""
+    """Everything behind one wrapper. The model's `_remat_owner` (its layers': `_LAYER_OWNER`) names the enabled
+    controller (a second wrapper is refused); `_LAST_CLAIM` the last to install, so a replaced one refuses to come
+    back."""
 
     def __init__(
         self,
@@ -101,16 +115,25 @@ class Controller:
     def is_enabled(self) -> bool:
         return bool(self._installs)
 
-    def _owned_modules(self) -> list[nn.Module]:
-        """The models this wrapper wraps (and wrapped before `adopt`) and the layers it installs on: marked while
-        enabled, so a wrapper of a model inside this one, or around it (PEFT's), finds them taken."""
-        models = [m for m in (ref() for ref in (self._model, *self._adopted_from)) if m is not None]
-        return models + [found.module for found in (*self.discovery.layers, *self.discovery.holders)]
+    def _owned_models(self) -> list[nn.Module]:
+        return [m for m in (ref() for ref in (self._model, *self._adopted_from)) if m is not None]
+
+    def _owned_layers(self) -> list[nn.Module]:
+        """The layers and holders installed on (those still alive): a wrapper of a model inside this one's, or
+        around it (PEFT's), finds them in `_LAYER_OWNER`."""
+        found = (*self.discovery.layers, *self.discovery.holders)
+        return [module for layer in found if (module := layer._module()) is not None]
+
+    def claim_layers(self) -> None:
+        """Record this controller as its layers' owner (at install, and in a copy or an unpickled wrapper)."""
+        for layer in self._owned_layers():
+            _LAYER_OWNER[layer] = _LAST_CLAIM[layer] = weakref.ref(self)
 
     @property
     def replaced(self) -> bool:
         """Another wrapper installed on an owned model or layer after this one (this one was disabled first)."""
-        claims = [_LAST_CLAIM.get(module) for module in self._owned_modules()] if self._has_installed else []
+        owned = [*self._owned_models(), *self._owned_layers()] if self._has_installed else []
+        claims = [_LAST_CLAIM.get(module) for module in owned]
         return any(claim is not None and claim() is not self for claim in claims)
 
     def check_not_replaced(self, action: str) -> None:
@@ -155,8 +178,11 @@ class Controller:
         self._set_guards(False)
         if self._hook is not None:
             self._hook.remove()
-        for module in self._owned_modules():
-            module.__dict__.pop("_remat_owner", None)
+        for model in self._owned_models():
+            model.__dict__.pop("_remat_owner", None)
+        for layer in self._owned_layers():
+            if (owner := _LAYER_OWNER.get(layer)) is not None and owner() is self:
+                del _LAYER_OWNER[layer]
         if say:
             logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
 
@@ -168,9 +194,10 @@ class Controller:
         install_routes(self._routes, self, model)
         self._save_load.install(self, model)
         self._hook = model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        for m in self._owned_modules():  # the model keeps its controller alive
+        for m in self._owned_models():  # the model keeps its controller alive
             object.__setattr__(m, "_remat_owner", self)
             _LAST_CLAIM[m] = weakref.ref(self)
+        self.claim_layers()
         self._has_installed = True
 
     def adopt(self, model: nn.Module, cause: str) -> None:
@@ -379,7 +406,7 @@ class Controller:
             logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
             self.inference = False
             self.apply_map()
-        if not module.training and not self.inference and torch.is_grad_enabled():
+        if not module.training and not self.inference and self.off_by is None and torch.is_grad_enabled():
             self._say_eval_mode_runs_no_checkpoint()
         budget = self.budget
         if self.config.budget is None or self.off_by is not None or budget.measuring or self.inference:

@@ -16,7 +16,7 @@ from .arguments import WrapperOptions
 from .compat.tested_versions import warn_if_untested
 from .compat.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .config import OFFLOAD_IS_A_POLICY, CheckpointConfig, refuse_unknown_fields
-from .controller import Controller, swap_targets
+from .controller import Controller, owners_of, swap_targets
 from .controller import controller_of_wrapper as controller_of  # noqa: F401 (tests reach the controller so)
 from .display import describe_map
 from .errors import ConfigError, ConfigTypeError, FrozenConfigError, StateError
@@ -80,12 +80,6 @@ def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointCo
     return config.replace(**fields) if fields else config
 
 
-def _owners(model: nn.Module) -> list[Any]:
-    """The controllers installed on the model or on a module inside it (a base model, a layer)."""
-    found = {id(owner): owner for m in model.modules() if (owner := m.__dict__.get("_remat_owner")) is not None}
-    return list(found.values())
-
-
 class CheckpointedModel(nn.Module):
     """A model whose activation checkpointing is decided layer by layer by `config`.
 
@@ -119,7 +113,7 @@ class CheckpointedModel(nn.Module):
         if _prepared is None:  # every check before anything changes
             discovery = self._discover(model, options)
             _prepared = (discovery, self._plan(model, discovery, config))
-        if orphans := _owners(model):  # none alive: `_discover` refused those
+        if orphans := owners_of(model):  # none alive: `_discover` refused those
             logger.warning(
                 "this model still carries the checkpointing of a CheckpointedModel that no longer exists (dropped, "
                 "or the model is a copy of a wrapped one); the new wrapper takes over and replaces it"
@@ -153,7 +147,7 @@ class CheckpointedModel(nn.Module):
             )
         if (owner := model.__dict__.get("_remat_owner")) is not None and owner.wrapper() is not None:  # not dropped
             raise ConfigError("this model is already wrapped by another CheckpointedModel; call its disable() first")
-        if live := [owner for owner in _owners(model) if owner.wrapper() is not None]:
+        if live := [owner for owner in owners_of(model) if owner.wrapper() is not None]:
             raise ConfigError(
                 f"another CheckpointedModel wraps {type(live[0].model).__name__}, which shares this model's layers "
                 f"({live[0].discovery.names[0]}, ...): a model inside this one, or one around it (a PeftModel built "
@@ -173,6 +167,8 @@ class CheckpointedModel(nn.Module):
         """A deep copy or an unpickled wrapper owns the copy of the controller it carries."""
         super().__setstate__(state)
         self._controller.wrapper = LocalRef(self)
+        if self._controller.is_enabled:
+            self._controller.claim_layers()
 
     def __copy__(self) -> CheckpointedModel:
         raise ConfigTypeError(

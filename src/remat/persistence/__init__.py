@@ -112,14 +112,20 @@ def resume_undone_on_failure(owner: Any) -> Iterator[None]:
     """Trainer resumes a checkpoint's adapters one `load_adapter` at a time, the first applying the saved config:
     when a later one is refused (or PEFT fails), the adapters loaded before it, the config and the saved budget
     profile are put back too, so a refused resume leaves the wrapper as it was."""
-    config, off_by, saved_profile = owner.config, owner.off_by, owner.budget.saved
+    config, off_by, budget = owner.config, owner.off_by, owner.budget
+    kept = (budget.saved, budget.config, dict(budget.plans), budget.active, budget.active_bucket)
     try:
         with undone_on_failure(owner.model):
             yield
     except BaseException:
-        owner.budget.saved = saved_profile
+        budget.saved, budget.config, plans, budget.active, budget.active_bucket = kept
+        budget.plans.clear()
+        budget.plans.update(plans)  # the current bucket's plan: the map comes back as it was, not pending
         if (owner.config, owner.off_by) != (config, off_by):
             owner.replan(config, off_by, "a refused resume", said=True)
+            logger.warning(
+                "the resume was refused: the saved config is not applied, the map is back to %r", owner.checkpoint_map
+            )
         raise
 
 
