@@ -14,6 +14,8 @@ from typing import Any
 import safetensors
 import torch
 from accelerate.utils import is_compiled_module
+from peft.utils import SAFETENSORS_WEIGHTS_NAME as ADAPTER_SAFE_WEIGHTS_NAME
+from peft.utils import WEIGHTS_NAME as ADAPTER_WEIGHTS_NAME
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -23,7 +25,7 @@ from .compat.transformers_compat import trainer_asks_for_checkpointing, trainer_
 from .controller import controller_of_wrapper
 from .errors import ConfigError, ConfigTypeError
 from .persistence import apply_saved_config, resume_undone_on_failure
-from .persistence.pair_format import save_model_pair
+from .persistence.pair_format import is_peft_model, save_model_pair
 from .plan import plan_layers
 from .policies import CHECKPOINTED
 from .policies import NAMES as POLICY_NAMES
@@ -126,6 +128,8 @@ class _RematTrainerMixin:
             return super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
         with resume_undone_on_failure(controller_of_wrapper(cm)):  # one adapter refused: none loaded, no map applied
             super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
+            if model is None:
+                _resume_main_adapter(cm, folder)
             _apply_saved_config(cm, folder, "resuming")
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -266,6 +270,21 @@ def _saved_whole(cm: Any, folder: str) -> bool:
         return False
     wrapped = set(cm.model.state_dict())
     return not names <= wrapped and names <= {"model." + name for name in wrapped}
+
+
+def _resume_main_adapter(cm: Any, folder: str) -> None:
+    """transformers 5.17 and older resume a checkpoint of several adapters from their subfolders only: the main one,
+    which PEFT saves at the top ("default"), was left as it was (untrained), silently. Loaded here as 5.24 does."""
+    model, loader = cm.model, cm.model.__dict__.get("load_adapter")
+    top = any(os.path.isfile(os.path.join(folder, name)) for name in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME))
+    if not (top and is_peft_model(model) and "default" in model.peft_config and loader is not None):
+        return
+    if os.path.abspath(folder) in loader.main_loaded_from:
+        return  # Trainer loaded it
+    active = model.active_adapters[0]
+    logger.info("%s: Trainer resumed only the adapters in subfolders; loading the main adapter 'default' too", folder)
+    model.load_adapter(folder, "default", is_trainable=active == "default")
+    model.set_adapter(active)
 
 
 def _apply_saved_config(cm: Any, folder: str | None, cause: str) -> None:

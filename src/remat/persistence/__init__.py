@@ -143,11 +143,12 @@ def _save_with_config(owner: Any, save_directory: str | os.PathLike, *args: Any,
 
 class _LoadAdapterWithConfig:
     """The pair checked before PEFT loads anything, then the saved config applied. `loaded_from`
-    tells Trainer support which folder it just applied."""
+    tells Trainer support which folder it just applied, `main_loaded_from` the folders whose top adapter it loaded."""
 
     def __init__(self, owner: Any):
         self.owner = owner
         self.loaded_from: str | None = None
+        self.main_loaded_from: set[str] = set()
 
     def __call__(self, model_id: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
         folder, model = os.fspath(model_id), self.owner.model
@@ -182,6 +183,8 @@ class _LoadAdapterWithConfig:
                 result = load(loaded.snapshot.folder, *args, **kwargs)
                 loaded.snapshot.unchanged()  # PEFT read the files checked (a `FolderChangedError` is undone)
         self.loaded_from = os.path.abspath(folder)
+        if wanted == "":
+            self.main_loaded_from.add(self.loaded_from)
         self.owner.budget.take_saved(loaded.saved.budget_profile, loaded.saved.file)
         self.owner.adopt_saved_config(loaded.saved.config, f"load_adapter({folder})")
         return result
