@@ -37,6 +37,25 @@ def test_remat_trainer_trains_with_the_chunked_head_and_its_row_says_so(tmp_path
     assert cm.checkpoint_map.head.label == "chunked(8)"
 
 
+def test_under_trainers_bf16_the_chunked_head_runs_in_bf16_and_trains_as_the_plain_head(tmp_path):
+    """Trainer(bf16=True) puts accelerate's autocast inside the model's forward; the chunked loss, computed once the
+    forward returned, ran its head matmuls in fp32 (other losses and weights than the plain head's under the same
+    Trainer). It runs in the autocast the head was called under."""
+    rows = [{"input_ids": list(range(3 + i, 19 + i)), "labels": list(range(3 + i, 19 + i))} for i in range(8)]
+    runs = {}
+    for head in ("plain", "chunked"):
+        torch.manual_seed(0)
+        cm = CheckpointedModel(_model(), CHUNKED.replace(head=head, head_chunk_tokens=8 if head == "chunked" else None))
+        dtypes = set()
+        lm_head = cm.model.get_output_embeddings()
+        lm_head.register_forward_hook(lambda module, args, out, seen=dtypes: seen.add(out.dtype) if out.numel() else 0)
+        args = TrainingArguments(**_common(tmp_path / head, max_steps=2, save_strategy="no", bf16=True))
+        logged = _trained(RematTrainer(model=cm, args=args, train_dataset=datasets.Dataset.from_list(rows)), cm)
+        runs[head] = ([entry["loss"] for entry in logged], dtypes)
+    assert runs["chunked"][1] == runs["plain"][1] == {torch.bfloat16}
+    torch.testing.assert_close(runs["chunked"][0], runs["plain"][0], rtol=1e-3, atol=0)
+
+
 @pytest.mark.parametrize("loss_type", ["nll", "dft"])
 def test_sft_trains_with_trls_fused_head_and_the_row_says_remat_stood_down(tmp_path, loss_type):
     cm = CheckpointedModel(_model(), CHUNKED)

@@ -160,6 +160,7 @@ class _Call:
         self.num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         self.shift_labels = kwargs.pop("shift_labels", None)
         self.hidden: torch.Tensor | None = None
+        self.autocast: dict[str, Any] = {}  # the autocast the head was called under (accelerate's is inside forward)
         self.handle: Any = None
 
 
@@ -223,6 +224,12 @@ class ChunkedHead:
             if call.hidden is not None:
                 return None
             call.hidden = args[0]
+            kind = args[0].device.type
+            call.autocast = {
+                "device_type": kind,
+                "enabled": torch.is_autocast_enabled(kind),
+                "dtype": torch.get_autocast_dtype(kind),
+            }
             return (args[0][..., :0, :], *args[1:])  # the head's own call runs on no tokens
 
         return hook
@@ -238,15 +245,18 @@ class ChunkedHead:
                 f"head: {type(module).__name__} never called its output embedding, so remat has no hidden states to "
                 'compute the chunked loss from; use CheckpointConfig(head="plain")'
             )
-        loss = chunked_loss(
-            self.head,
-            call.hidden,
-            call.labels,
-            self.plan.chunk_tokens or DEFAULT_CHUNK_TOKENS,
-            self.post,
-            num_items_in_batch=call.num_items_in_batch,
-            shift_labels=call.shift_labels,
-        )
+        # in the autocast the model's own head would have run in: accelerate's mixed precision (Trainer's bf16=True)
+        # wraps the model's forward, which has returned by now
+        with torch.autocast(**call.autocast):
+            loss = chunked_loss(
+                self.head,
+                call.hidden,
+                call.labels,
+                self.plan.chunk_tokens or DEFAULT_CHUNK_TOKENS,
+                self.post,
+                num_items_in_batch=call.num_items_in_batch,
+                shift_labels=call.shift_labels,
+            )
         aux = output.get("aux_loss")  # a ModelOutput: a caller asking for tuples ran the model's own head
         if aux is not None and self.aux_coef:
             loss = loss + self.aux_coef * aux.to(loss.device)
