@@ -111,3 +111,32 @@ def test_grpo_replans_per_bucket_and_keeps_the_map_through_every_generation_togg
         assert recomputed == [i for i, p in enumerate(step[1]) if p != "none"]
     logged = [e for e in trainer.state.log_history if "reward" in e]
     assert logged and all("remat/budget_bucket_tokens" in e for e in logged)
+
+
+def test_under_gradient_accumulation_each_log_carries_the_largest_micro_batch_and_evaluation_none(tmp_path):
+    """A step of a long and a short micro-batch logged the short one's receipt (the last), and an evaluation's
+    log line repeated it. The log carries the largest bucket trained since the previous log; evaluation, none."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB"))
+    tokens = []
+    args = TrainingArguments(
+        **_common(tmp_path, max_steps=2, save_strategy="no", per_device_train_batch_size=1),
+        gradient_accumulation_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+    )
+
+    class InOrder(RematTrainer):  # each step: the long micro-batch, then the short one
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+        def training_step(self, model, inputs, *args, **kwargs):
+            tokens.append(inputs["input_ids"].numel())
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    trainer = InOrder(model=cm, args=args, train_dataset=_rows([60, 6, 60, 6]), eval_dataset=_rows([60]))
+    trainer.train()
+    assert tokens == [60, 6, 60, 6] and bucket_of(60) > bucket_of(6)
+    logged = [e for e in trainer.state.log_history if "loss" in e]
+    assert [e["remat/budget_bucket_tokens"] for e in logged] == [bucket_of(60), bucket_of(60)]
+    evaluated = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert evaluated and not any(key.startswith("remat/budget") for e in evaluated for key in e)

@@ -75,6 +75,7 @@ class BudgetState:
     active_bucket: int | None = None
     receipts: dict[int, Receipt] = field(default_factory=dict)
     last_bucket: int | None = None
+    unlogged: set[int] = field(default_factory=set)  # buckets of the training forwards since a trainer's last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
     optimizer: Any = None  # weakref to the trainer's optimizer (scope="step" counts its state)
     measuring: bool = False
@@ -143,6 +144,7 @@ class BudgetState:
             logger.info("budget: steps of up to %d tokens run %r", bucket, controller.checkpoint_map)
         receipt.steps += 1
         self.last_bucket = bucket
+        self.unlogged.add(bucket)
         reset_peak()
 
     def _plan_for(self, controller: Any, batch: dict[str, Any], tokens: int) -> Any:

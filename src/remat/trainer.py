@@ -77,12 +77,16 @@ class _RematTrainerMixin:
         return optimizer
 
     def log(self, logs: dict[str, Any], *args: Any, **kwargs: Any) -> None:
-        """With a budget, the receipt of the last step's bucket beside the loss: its tokens, its plan's
-        recomputed layers, predicted (and on an accelerator measured) bytes."""
+        """With a budget, beside the loss, the receipt of the largest bucket trained since the last log (under
+        gradient accumulation the step's largest micro-batch, which sets its peak): its tokens, its plan's recomputed
+        layers, predicted (and on an accelerator measured) bytes. An evaluation's log trained nothing: none."""
         cm = self.checkpointed_model
         budget = controller_of_wrapper(cm).budget if cm is not None else None
-        if budget is not None and (receipt := budget.receipts.get(budget.last_bucket)) is not None:
-            logs = {**logs, **receipt.log_values()}
+        if budget is not None and budget.unlogged:
+            bucket = max(budget.unlogged)
+            budget.unlogged.clear()
+            if (receipt := budget.receipts.get(bucket)) is not None:
+                logs = {**logs, **receipt.log_values()}
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
     def call_model_init(self, trial: Any = None) -> Any:
