@@ -115,17 +115,21 @@ def test_grpo_replans_per_bucket_and_keeps_the_map_through_every_generation_togg
 
 def test_under_gradient_accumulation_each_log_carries_the_largest_micro_batch_and_evaluation_none(tmp_path):
     """A step of a long and a short micro-batch logged the short one's receipt (the last), and an evaluation's
-    log line repeated it. The log carries the largest bucket trained since the previous log; evaluation, none."""
+    log line repeated it (or, between two logs, took it from the next training line); a check before training
+    leaked into the first line. A training line carries the largest bucket trained since the previous one."""
     cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB"))
+    check = {k: torch.tensor([v]) for k, v in _rows([120])[0].items()}
+    cm(**check).loss.backward()  # a check before training, at a bucket no step runs
+    cm.model.zero_grad(set_to_none=True)
     tokens = []
     args = TrainingArguments(
-        **_common(tmp_path, max_steps=2, save_strategy="no", per_device_train_batch_size=1),
+        **_common(tmp_path, max_steps=2, save_strategy="no", per_device_train_batch_size=1, logging_steps=2),
         gradient_accumulation_steps=2,
         eval_strategy="steps",
         eval_steps=1,
     )
 
-    class InOrder(RematTrainer):  # each step: the long micro-batch, then the short one
+    class InOrder(RematTrainer):  # step 1: the long micro-batch, then a short one; step 2: two short ones
         def _get_train_sampler(self, *args, **kwargs):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
@@ -133,10 +137,10 @@ def test_under_gradient_accumulation_each_log_carries_the_largest_micro_batch_an
             tokens.append(inputs["input_ids"].numel())
             return super().training_step(model, inputs, *args, **kwargs)
 
-    trainer = InOrder(model=cm, args=args, train_dataset=_rows([60, 6, 60, 6]), eval_dataset=_rows([60]))
+    trainer = InOrder(model=cm, args=args, train_dataset=_rows([60, 6, 6, 6]), eval_dataset=_rows([60]))
     trainer.train()
-    assert tokens == [60, 6, 60, 6] and bucket_of(60) > bucket_of(6)
+    assert tokens == [60, 6, 6, 6] and bucket_of(120) > bucket_of(60) > bucket_of(6)
     logged = [e for e in trainer.state.log_history if "loss" in e]
-    assert [e["remat/budget_bucket_tokens"] for e in logged] == [bucket_of(60), bucket_of(60)]
+    assert [e["remat/budget_bucket_tokens"] for e in logged] == [bucket_of(60)], "steps 1-2: the long one"
     evaluated = [e for e in trainer.state.log_history if "eval_loss" in e]
-    assert evaluated and not any(key.startswith("remat/budget") for e in evaluated for key in e)
+    assert len(evaluated) == 2 and not any(key.startswith("remat/budget") for e in evaluated for key in e)

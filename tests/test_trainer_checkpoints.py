@@ -207,6 +207,32 @@ def test_resuming_a_second_adapter_checks_it_and_other_settings_of_the_same_stru
         assert named and all(torch.equal(params[k], v) for k, v in named.items()), adapter
     assert list(cm.model.active_adapters) == ["default"]
     assert all(p.requires_grad == (".default." in n) for n, p in params.items() if ".lora_" in n)
+    # a second resume of the same wrapper from the same folder (a notebook re-run) resumes "default" again
+    with torch.no_grad():
+        for name, param in params.items():
+            if ".lora_" in name:
+                param.zero_()
+    RematTrainer(model=cm, args=_args(tmp_path, steps=3))._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
+    saved = safetensors.torch.load_file(tmp_path / "checkpoint-2" / "adapter_model.safetensors")
+    assert all(torch.equal(params[k.replace(".weight", ".default.weight")], v) for k, v in saved.items())
+
+
+def test_a_plain_trainers_multi_adapter_checkpoint_resumes_each_adapter_once(tmp_path, monkeypatch):
+    """A checkpoint Trainer wrote without remat: each adapter is loaded once on every release (remat loads the
+    main one only where Trainer did not; it loaded it a second time where Trainer had, on its own folders)."""
+    from peft import PeftModel
+
+    _train(Trainer, _with_b("k_proj"), tmp_path, steps=2, checkpointing=False)
+    assert not (tmp_path / "checkpoint-2" / "checkpoint_config.json").exists()
+    loads = []
+    original = PeftModel.load_adapter
+    monkeypatch.setattr(PeftModel, "load_adapter", lambda self, *a, **k: loads.append(a[1]) or original(self, *a, **k))
+    cm = CheckpointedModel(_with_b("k_proj"))
+    RematTrainer(model=cm, args=_args(tmp_path, steps=3))._load_from_checkpoint(str(tmp_path / "checkpoint-2"))
+    assert sorted(loads) == ["b", "default"]
+    saved = safetensors.torch.load_file(tmp_path / "checkpoint-2" / "adapter_model.safetensors")
+    params = dict(cm.model.named_parameters())
+    assert all(torch.equal(params[k.replace(".weight", ".default.weight")], v) for k, v in saved.items())
 
 
 def test_load_best_model_at_end_loads_the_best_adapters_and_the_config(tmp_path):

@@ -20,6 +20,7 @@ and a model whose forward Liger Kernel replaced (its fused linear cross-entropy 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -247,7 +248,8 @@ class ChunkedHead:
             )
         # in the autocast the model's own head would have run in: accelerate's mixed precision (Trainer's bf16=True)
         # wraps the model's forward, which has returned by now
-        with torch.autocast(**call.autocast):
+        usable = torch.amp.is_autocast_available(call.autocast["device_type"])  # (not on a backend without AMP)
+        with torch.autocast(**call.autocast) if usable else contextlib.nullcontext():
             loss = chunked_loss(
                 self.head,
                 call.hidden,

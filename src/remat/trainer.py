@@ -79,10 +79,10 @@ class _RematTrainerMixin:
     def log(self, logs: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         """With a budget, beside the loss, the receipt of the largest bucket trained since the last log (under
         gradient accumulation the step's largest micro-batch, which sets its peak): its tokens, its plan's recomputed
-        layers, predicted (and on an accelerator measured) bytes. An evaluation's log trained nothing: none."""
+        layers, predicted (and on an accelerator measured) bytes. Other lines (evaluation, a callback's) carry none."""
         cm = self.checkpointed_model
         budget = controller_of_wrapper(cm).budget if cm is not None else None
-        if budget is not None and budget.unlogged:
+        if budget is not None and budget.unlogged and "loss" in logs:  # a training line (Trainer's, TRL's)
             bucket = max(budget.unlogged)
             budget.unlogged.clear()
             if (receipt := budget.receipts.get(bucket)) is not None:
@@ -130,6 +130,8 @@ class _RematTrainerMixin:
             model = cm
         if cm is None:
             return super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
+        if (loader := cm.model.__dict__.get("load_adapter")) is not None:
+            loader.main_loaded_from.clear()  # what this resume loads, not an earlier one (a second resume, a notebook)
         with resume_undone_on_failure(controller_of_wrapper(cm)):  # one adapter refused: none loaded, no map applied
             super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
             if model is None:
@@ -200,8 +202,10 @@ class _MapInLogs(TrainerCallback):
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         trainer = self._trainer()
         if trainer is not None and trainer.checkpointed_model is not None:
+            controller = controller_of_wrapper(trainer.checkpointed_model)
+            controller.budget.unlogged.clear()  # forwards before training (a check) are no step's
             # The base class's log: TRL's trainers average their own metrics in theirs.
-            Trainer.log(trainer, map_summary(controller_of_wrapper(trainer.checkpointed_model)))
+            Trainer.log(trainer, map_summary(controller))
 
 
 def map_summary(controller: Any) -> dict[str, int | float]:

@@ -162,7 +162,10 @@ class _LoadAdapterWithConfig:
         recover(folder)  # a first save that crashed mid-commit may not have its config in place yet
         if not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
             with undone_on_failure(model):  # not a remat save; PEFT failing halfway is undone all the same
-                return load(model_id, *args, **kwargs)
+                result = load(model_id, *args, **kwargs)
+            if not kwargs.get("subfolder"):
+                self.main_loaded_from.add(os.path.abspath(folder))
+            return result
         with read_model_pair(folder, Expected.for_owner(self.owner)) as loaded:
             wanted = os.path.normpath(kwargs.get("subfolder") or "")
             wanted = "" if wanted == "." else wanted
