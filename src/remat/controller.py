@@ -32,20 +32,19 @@ logger = logging.getLogger("remat")
 
 _Mode = tuple[bool, list[tuple[Ref[nn.Module], bool]]]  # (inference, training flag of every module)
 
-# model -> the controller that installed on it last, both weakly, kept outside the model (a disabled
+# model or layer -> the controller that installed on it last, both weakly, kept outside the model (a disabled
 # wrapper leaves nothing on it); a copy of a controller (deepcopy, pickle) is another controller.
 _LAST_CLAIM: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Controller]] = weakref.WeakKeyDictionary()
-# An enabled controller's layers, held weakly both ways: a layer copied or pickled alone carries no controller.
-_LAYER_OWNER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Controller]] = weakref.WeakKeyDictionary()
 
 
 def owners_of(model: nn.Module) -> list[Controller]:
-    """The controllers installed on the model or on a module inside it (a base model under a PeftModel, a layer)."""
+    """The enabled controllers installed on the model or on a module inside it (a base model under a PeftModel, a
+    layer: its last claim, held weakly, so a layer copied or pickled alone carries no controller)."""
     found: dict[int, Controller] = {}
     for module in model.modules():
-        claim = _LAYER_OWNER.get(module)
+        claim = _LAST_CLAIM.get(module)
         for owner in (module.__dict__.get("_remat_owner"), claim() if claim is not None else None):
-            if owner is not None:
+            if owner is not None and owner.is_enabled:
                 found[id(owner)] = owner
     return list(found.values())
 
@@ -74,9 +73,9 @@ def swap_targets(discovery: Discovery, checkpoint_map: CheckpointMap) -> list[tu
 
 
 class Controller:
-    """Everything behind one wrapper. The model's `_remat_owner` (its layers': `_LAYER_OWNER`) names the enabled
-    controller (a second wrapper is refused); `_LAST_CLAIM` the last to install, so a replaced one refuses to come
-    back."""
+    """Everything behind one wrapper. The model's `_remat_owner` names the enabled controller (a second wrapper is
+    refused); `_LAST_CLAIM` the last to install on the model and each layer, so a replaced one refuses to come back
+    and a wrapper of a model inside or around this one finds the layers taken."""
 
     def __init__(
         self,
@@ -119,15 +118,14 @@ class Controller:
         return [m for m in (ref() for ref in (self._model, *self._adopted_from)) if m is not None]
 
     def _owned_layers(self) -> list[nn.Module]:
-        """The layers and holders installed on (those still alive): a wrapper of a model inside this one's, or
-        around it (PEFT's), finds them in `_LAYER_OWNER`."""
+        """The layers and holders installed on (those still alive)."""
         found = (*self.discovery.layers, *self.discovery.holders)
         return [module for layer in found if (module := layer._module()) is not None]
 
     def claim_layers(self) -> None:
-        """Record this controller as its layers' owner (at install, and in a copy or an unpickled wrapper)."""
+        """Record this controller as its layers' last claim (at install, and in a copy or an unpickled wrapper)."""
         for layer in self._owned_layers():
-            _LAYER_OWNER[layer] = _LAST_CLAIM[layer] = weakref.ref(self)
+            _LAST_CLAIM[layer] = weakref.ref(self)
 
     @property
     def replaced(self) -> bool:
@@ -180,9 +178,6 @@ class Controller:
             self._hook.remove()
         for model in self._owned_models():
             model.__dict__.pop("_remat_owner", None)
-        for layer in self._owned_layers():
-            if (owner := _LAYER_OWNER.get(layer)) is not None and owner() is self:
-                del _LAYER_OWNER[layer]
         if say:
             logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
 

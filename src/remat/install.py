@@ -94,8 +94,8 @@ def _drop_cache_updated_in_place(module: nn.Module, kwargs: dict[str, Any]) -> N
     """A cache object the block updates in place would be updated again by the recompute: dropped, with the
     cache arguments, as transformers' layers do. A block asked only for `use_cache` (GPT-2's pre-4.35 format)
     returns its keys and values as new outputs, which the model's loop may read: the call is left as it is."""
-    cache = [k for k, off in CACHE_ARGUMENTS.items() if off is None and kwargs.get(k) is not None]
-    in_place = [k for k in cache if not isinstance(kwargs[k], (tuple, list))]  # a legacy tuple is only read
+    passed = [kwargs.get(k) for k, off in CACHE_ARGUMENTS.items() if off is None]
+    in_place = any(v is not None and not isinstance(v, (tuple, list)) for v in passed)  # a legacy tuple is only read
     asked = kwargs.get("use_cache") not in (None, False)
     name = type(module).__name__
     if in_place:

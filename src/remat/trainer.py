@@ -130,7 +130,7 @@ class _RematTrainerMixin:
             model = cm
         if cm is None:
             return super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
-        if (loader := cm.model.__dict__.get("load_adapter")) is not None:
+        if hasattr(loader := cm.model.__dict__.get("load_adapter"), "main_loaded_from"):
             loader.main_loaded_from.clear()  # what this resume loads, not an earlier one (a second resume, a notebook)
         with resume_undone_on_failure(controller_of_wrapper(cm)):  # one adapter refused: none loaded, no map applied
             super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
@@ -285,7 +285,7 @@ def _resume_main_adapter(cm: Any, folder: str) -> None:
     which PEFT saves at the top ("default"), was left as it was (untrained), silently. Loaded here as 5.24 does."""
     model, loader = cm.model, cm.model.__dict__.get("load_adapter")
     top = any(os.path.isfile(os.path.join(folder, name)) for name in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME))
-    if not (top and is_peft_model(model) and "default" in model.peft_config and loader is not None):
+    if not (top and is_peft_model(model) and "default" in model.peft_config and hasattr(loader, "main_loaded_from")):
         return
     if os.path.abspath(folder) in loader.main_loaded_from:
         return  # Trainer loaded it
