@@ -521,3 +521,133 @@ def test_the_shorter_batch_of_a_head_choosing_profile_is_measured_with_the_chunk
     cm.enable(planned)
     measured = activation_bytes(cm, shorter)
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
+
+
+def test_a_lora_head_with_dropout_gets_the_gradient_of_the_loss_it_returned():
+    """Each chunk's recompute draws its forward's dropout mask again: without the RNG state kept, a LoRA'd head's
+    gradients depended on what drew random numbers between forward and backward (0.5 of a 1.2 gradient)."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora_head():
+        model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_dropout=0.5, target_modules=["lm_head"]))
+        torch.manual_seed(1)
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(param, std=0.5)
+        return model
+
+    # one row, every position counted, one chunk: the chunked forward draws the plain forward's mask
+    data = batch(size=1)
+    data["shift_labels"] = torch.roll(data["labels"], -1, dims=1)
+    _same_as_plain(lora_head, data)
+    cm = CheckpointedModel(lora_head(), CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
+    params = list(cm.model.named_parameters())
+    grads = []
+    for draws in (0, 7):
+        for _, param in params:
+            param.grad = None
+        torch.manual_seed(0)
+        loss = cm(**_half_ignored()).loss
+        torch.rand(draws)  # other work between forward and backward
+        loss.backward()
+        grads.append({name: p.grad.clone() for name, p in params if p.grad is not None})
+    assert_same_grads(*grads, rtol=0, atol=0)
+
+
+def test_a_loss_remat_does_not_reproduce_runs_the_models_own_head_and_says_why():
+    """A loss function set on the model (after wrapping too), a subclass's own forward: remat computed plain cross
+    entropy instead (label smoothing and a z-loss silently dropped). transformers' `ignore_index` loss argument is
+    honoured."""
+    from transformers import LlamaForCausalLM
+
+    class ZLoss(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            if out.loss is not None:
+                out.loss = out.loss + 1e-2 * out.logits.float().logsumexp(-1).pow(2).mean()
+            return out
+
+    torch.manual_seed(0)
+    subclassed = ZLoss(tiny_model().config).train()
+    cm = CheckpointedModel(subclassed, CheckpointConfig(head="chunked"))
+    assert cm.checkpoint_map.head.policy == "plain" and "ZLoss.forward is " in cm.checkpoint_map.head.reason
+    assert cm(**batch()).logits is not None
+
+    smoothed = lambda logits, labels, vocab_size, **kw: torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), label_smoothing=0.1
+    )
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
+    model.loss_function = smoothed  # after wrapping: read at each forward
+    out = cm(**batch())
+    assert out.logits is not None and "loss_function is not transformers'" in cm.checkpoint_map.head.reason
+    torch.testing.assert_close(out.loss, smoothed(out.logits, batch()["labels"], VOCAB))
+
+    data = batch()
+    data["labels"][:, ::3] = 0
+    data["ignore_index"] = 0  # labels holding the pad id, ignored as transformers' loss ignores them
+    _same_as_plain(tiny_model, data)
+
+
+def test_an_output_embedding_or_setting_changed_after_wrapping_is_the_one_the_chunks_run():
+    """The head, its post-ops and a MoE's auxiliary coefficient are read at each forward: a resized vocabulary (new
+    special tokens) failed every step, an adapter added on the head crashed in PEFT, a softcap changed after wrapping
+    was not applied."""
+
+    def changed(arch, change):
+        build = lambda: tiny_model(arch, output_router_logits=True) if arch == "qwen2_moe" else tiny_model(arch)
+
+        data = _half_ignored()
+        plain_model, chunked_model = build(), build()
+        plain = CheckpointedModel(plain_model, CheckpointConfig(head="plain"))
+        chunked = CheckpointedModel(chunked_model, CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
+        for model in (plain_model, chunked_model):  # after wrapping
+            torch.manual_seed(2)
+            change(model)
+        loss, grads = step_grads(chunked, list(chunked.model.named_parameters()), data)
+        plain_loss, plain_grads = step_grads(plain, list(plain.model.named_parameters()), data)
+        assert chunked.checkpoint_map.head.policy == "chunked"
+        torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-7)
+        assert_same_grads(plain_grads, grads)
+
+    changed("llama", lambda model: model.resize_token_embeddings(VOCAB + 7))
+    changed("gemma2", lambda model: setattr(model.config, "final_logit_softcapping", 2.0))
+    changed("qwen2_moe", lambda model: setattr(model, "router_aux_loss_coef", 0.5))
+
+
+def test_an_adapter_on_the_head_added_after_wrapping_trains_exactly():
+    from peft import LoraConfig
+
+    def build():
+        model = add_lora(tiny_model(), dropout=0.0)
+        return model, CheckpointedModel(model, CheckpointConfig(head="plain"))
+
+    results = []
+    for head in ("plain", "chunked"):
+        model, cm = build()
+        cm.enable(head=head, **({"head_chunk_tokens": CHUNK} if head == "chunked" else {}))
+        torch.manual_seed(5)
+        model.add_adapter("second", LoraConfig(r=4, lora_dropout=0.0, target_modules=["q_proj", "lm_head"]))
+        model.set_adapter("second")
+        torch.manual_seed(3)
+        for name, param in model.named_parameters():
+            if "lora_B.second" in name:
+                torch.nn.init.normal_(param, std=0.5)
+        results.append(step_grads(cm, list(model.named_parameters()), _half_ignored()))
+    (plain_loss, plain), (loss, grads) = results
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-7)
+    assert_same_grads(plain, grads)
+    assert any("lm_head.lora_A.second" in name for name in grads)
+
+
+def test_logits_to_keep_as_a_tensor_runs_the_models_own_head():
+    data = batch()
+    keep = torch.tensor([4, 9, 11])
+    data["shift_labels"] = data["labels"][:, keep]
+    losses = []
+    for head in ("plain", "chunked"):
+        cm = CheckpointedModel(tiny_model(), CheckpointConfig(head=head))
+        out = cm(**data, logits_to_keep=keep)
+        assert out.logits.shape[1] == 3 and cm.checkpoint_map.head.policy == "plain"
+        losses.append(out.loss)
+    torch.testing.assert_close(losses[1], losses[0])

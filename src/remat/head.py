@@ -15,7 +15,8 @@ head and post-ops run on zero tokens), and the loss is computed here, as the mod
 Hooks on the instances, never the model's `forward` (TRL patches that one on the instance, and
 undoing ours would undo theirs). Evaluation, generation and forwards without labels or gradients
 run the model's own head; so does a forward TRL asks for its own fused head (`fused_lm_head=True`),
-and a model whose forward Liger Kernel replaced (its fused linear cross-entropy never makes the logits).
+a model whose forward Liger Kernel replaced (its fused linear cross-entropy never makes the logits),
+and one whose forward or loss function is not transformers' (a subclass's, a `model.loss_function` set).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ logger = logging.getLogger("remat")
 
 DEFAULT_CHUNK_TOKENS = 1024
 IGNORE_INDEX = -100
+LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")  # what transformers' causal-LM loss takes
 
 # Families whose forward is: the head on the last hidden states, the post-ops below, transformers'
 # causal-LM loss (plus `router_aux_loss_coef` x `aux_loss`): each checked against the model's own
@@ -61,6 +63,32 @@ def liger_forward(base: nn.Module) -> bool:
 LIGER = "Liger Kernel replaced the forward: its fused linear cross-entropy computes the loss"
 
 
+def _own_loss_why(base: nn.Module) -> str | None:
+    """Why `base` computes a loss remat does not reproduce (None: transformers' causal-LM loss, as `FAMILIES` run
+    it). Read at every chunked forward too: a loss function or Liger can come after wrapping."""
+    if liger_forward(base):
+        return LIGER
+    family = getattr(getattr(base, "config", None), "model_type", None)
+    if family not in FAMILIES:
+        return (
+            f"remat reproduces the loss of {', '.join(FAMILIES)} exactly; {type(base).__name__} "
+            f"({family!r}) is not one of them, so its own head runs"
+        )
+    owner = getattr(type(base).forward, "__module__", "")
+    if not owner.startswith("transformers.models."):
+        return (
+            f"{type(base).__name__}.forward is {owner}'s, not transformers': its loss may differ, so its own head runs"
+        )
+    from transformers import PreTrainedModel
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    causal = LOSS_MAPPING["ForCausalLM"]
+    loss = vars(base).get("_loss_function", LOSS_MAPPING.get(getattr(base, "loss_type", None), causal))
+    if type(base).loss_function is not PreTrainedModel.loss_function or loss is not causal:
+        return f"{type(base).__name__}'s loss_function is not transformers' causal-LM loss, so its own head runs"
+    return None
+
+
 def plan_head(head: str, chunk_tokens: int | None, model: nn.Module) -> HeadPlan:
     """The head row for a config's `head` and `head_chunk_tokens` on `model`."""
     base = causal_lm(model)
@@ -72,18 +100,8 @@ def plan_head(head: str, chunk_tokens: int | None, model: nn.Module) -> HeadPlan
         return HeadPlan(name, "plain", None, 'head="plain": the model\'s own head and loss')
     if module is None:
         return HeadPlan(name, "plain", None, f"{type(base).__name__} has no output embedding: nothing to chunk")
-    if liger_forward(base):
-        return HeadPlan(name, "plain", None, LIGER)
-    config = getattr(base, "config", None)
-    family = getattr(config, "model_type", None)
-    if family not in FAMILIES:
-        return HeadPlan(
-            name,
-            "plain",
-            None,
-            f"remat reproduces the loss of {', '.join(FAMILIES)} exactly; {type(base).__name__} "
-            f"({family!r}) is not one of them, so its own head runs",
-        )
+    if (why := _own_loss_why(base)) is not None:
+        return HeadPlan(name, "plain", None, why)
     if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
         return HeadPlan(name, "plain", None, "prompt learning adds virtual tokens to the labels: its own head runs")
     if chunk_tokens is None:
@@ -124,13 +142,15 @@ def chunked_loss(
     *,
     num_items_in_batch: torch.Tensor | int | None = None,
     shift_labels: torch.Tensor | None = None,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """transformers' causal-LM loss of `head(hidden)` without its full logits: the counted positions in
-    chunks of `chunk_tokens`, each recomputed in backward. `hidden`: (..., tokens, hidden size)."""
+    chunks of `chunk_tokens`, each recomputed in backward; a head with dropout (a LoRA'd one's) with its forward's
+    RNG state, to draw the same mask (only then: the state is 5 KB a chunk). `hidden`: (..., tokens, hidden size)."""
     if shift_labels is None:
-        shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
-    counted = shift_labels != IGNORE_INDEX
+    counted = shift_labels != ignore_index
     states, targets = hidden[counted], shift_labels[counted]
 
     def chunk_sum(states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -138,13 +158,14 @@ def chunked_loss(
         return F.cross_entropy(logits, targets, reduction="sum")
 
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    random = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in head.modules())
     # No counted token (a fully masked micro-batch): one chunk on no tokens, so the loss (0/0 = nan,
     # or 0 over num_items_in_batch, as the model's own) stays in the graph and every parameter the
     # head and the model reach gets the model's own gradient, zeros; otherwise the same chunks.
     for start in range(0, max(targets.numel(), 1), chunk_tokens):
         part = slice(start, start + chunk_tokens)
         total = total + checkpoint(
-            chunk_sum, states[part], targets[part], use_reentrant=False, preserve_rng_state=False
+            chunk_sum, states[part], targets[part], use_reentrant=False, preserve_rng_state=random
         )
     if num_items_in_batch is None:
         return total / counted.sum()
@@ -154,12 +175,15 @@ def chunked_loss(
 
 
 class _Call:
-    """One chunked forward in flight: its labels, and the hidden states the head was handed."""
+    """One chunked forward in flight: its labels and loss arguments, the model's head and settings as this forward
+    reads them (an embedding resized, an adapter added, a setting changed since wrapping), the hidden states."""
 
-    def __init__(self, kwargs: dict[str, Any]):
+    def __init__(self, kwargs: dict[str, Any], base: nn.Module):
         self.labels = kwargs.pop("labels")
-        self.num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        self.shift_labels = kwargs.pop("shift_labels", None)
+        self.loss_kwargs = {key: kwargs.pop(key) for key in LOSS_KWARGS if key in kwargs}
+        self.head: nn.Module = base.get_output_embeddings()
+        self.post = post_ops(base.config)
+        self.aux_coef = getattr(base, "router_aux_loss_coef", getattr(base.config, "router_aux_loss_coef", None))
         self.hidden: torch.Tensor | None = None
         self.autocast: dict[str, Any] = {}  # the autocast the head was called under (accelerate's is inside forward)
         self.handle: Any = None
@@ -170,10 +194,6 @@ class ChunkedHead:
 
     def __init__(self, model: nn.Module, plan: HeadPlan, ran: Callable[[str | None], None]):
         self.plan, self.ran = plan, ran  # ran(None): a training forward ran chunked; ran(why): it ran plain
-        base = causal_lm(model)
-        self.head = base.get_output_embeddings()
-        self.post = post_ops(base.config)
-        self.aux_coef = getattr(base, "router_aux_loss_coef", getattr(base.config, "router_aux_loss_coef", None))
         self.call: _Call | None = None  # the forward in flight (a model's forward does not run inside itself)
         self.plain_because: set[str] = set()
         self.handles = [
@@ -202,16 +222,17 @@ class ChunkedHead:
         if kwargs.get("fused_lm_head"):
             self._plain("TRL's fused LM head computes the loss (fused_lm_head=True)")
             return None
-        if liger_forward(causal_lm(module)):
-            self._plain(LIGER)
+        if (why := _own_loss_why(base := causal_lm(module))) is not None:
+            self._plain(why)
             return None
-        if kwargs.get("return_dict") is False or kwargs.get("logits_to_keep") not in (None, 0):
+        keep = kwargs.get("logits_to_keep")
+        if kwargs.get("return_dict") is False or isinstance(keep, torch.Tensor) or keep not in (None, 0):
             self._plain("the caller asked for return_dict=False or logits_to_keep")
             return None
         self.ran(None)
         kwargs = dict(kwargs)
-        self.call = call = _Call(kwargs)
-        call.handle = self.head.register_forward_pre_hook(self._capture(call))
+        self.call = call = _Call(kwargs, base)
+        call.handle = call.head.register_forward_pre_hook(self._capture(call))
         return args, kwargs
 
     def remove_call(self) -> None:
@@ -250,17 +271,10 @@ class ChunkedHead:
         # wraps the model's forward, which has returned by now
         usable = torch.amp.is_autocast_available(call.autocast["device_type"])  # (not on a backend without AMP)
         with torch.autocast(**call.autocast) if usable else contextlib.nullcontext():
-            loss = chunked_loss(
-                self.head,
-                call.hidden,
-                call.labels,
-                self.plan.chunk_tokens or DEFAULT_CHUNK_TOKENS,
-                self.post,
-                num_items_in_batch=call.num_items_in_batch,
-                shift_labels=call.shift_labels,
-            )
+            chunk_tokens = self.plan.chunk_tokens or DEFAULT_CHUNK_TOKENS
+            loss = chunked_loss(call.head, call.hidden, call.labels, chunk_tokens, call.post, **call.loss_kwargs)
         aux = output.get("aux_loss")  # a ModelOutput: a caller asking for tuples ran the model's own head
-        if aux is not None and self.aux_coef:
-            loss = loss + self.aux_coef * aux.to(loss.device)
+        if aux is not None and call.aux_coef:
+            loss = loss + call.aux_coef * aux.to(loss.device)
         fields = {key: value for key, value in output.items() if key not in ("loss", "logits")}
         return type(output)(loss=loss, **fields)

@@ -375,7 +375,7 @@ def head_options(state: Controlled, batch: Mapping[str, Any]) -> int:
     # TRL's fused head computes the loss: measured as it runs, not chosen
     if batch.get("fused_lm_head") or plan_head("chunked", None, state.model).policy != "chunked":
         return 0
-    counted = int((labels[..., 1:] != IGNORE_INDEX).sum())
+    counted = int((labels[..., 1:] != batch.get("ignore_index", IGNORE_INDEX)).sum())
     return counted if counted >= 4 else 0
 
 
