@@ -3,7 +3,6 @@ the model; `PlannedConfig`: a plan as a `CheckpointConfig` that remembers its pr
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 from ..arguments import parse_bytes
@@ -11,6 +10,7 @@ from ..config import CheckpointConfig
 from ..display import mib, render_table
 from ..errors import ConfigError, StaleProfileError
 from ..plan import head_label
+from ..refs import LocalRef
 from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, native_points, smallest
 from .state import ModelState
 
@@ -218,22 +218,13 @@ class Profile:
         )
 
 
-class _WeakSource:
+class _WeakSource(LocalRef[Any]):
     """The controller measured, held weakly; a copy refers to it too, a pickled one to none."""
 
-    __slots__ = ("_ref",)
-
-    def __init__(self, controller: Any):
-        self._ref = None if controller is None else weakref.ref(controller)
-
-    def __call__(self) -> Any:
-        return None if self._ref is None else self._ref()
+    __slots__ = ()
 
     def __copy__(self) -> _WeakSource:
         return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _WeakSource:
         return self
-
-    def __reduce__(self) -> Any:
-        return (_WeakSource, (None,))
