@@ -7,6 +7,7 @@ import logging
 import datasets
 import torch
 import trl
+from conftest import tiny_model
 from test_trl import RecomputedPerStep, _common, _model
 from transformers import TrainingArguments
 
@@ -73,9 +74,12 @@ def test_an_optimizer_handed_to_the_trainer_is_counted_from_the_first_step(tmp_p
 def test_grpo_replans_per_bucket_and_keeps_the_map_through_every_generation_toggle(tmp_path):
     cm = CheckpointedModel(_model(), CheckpointConfig(budget="1MiB", budget_scope="activations"))
     ran = []  # per training forward: its tokens and the map it ran
+    measured = set()  # the forwards whose step measured a profile first (its recompute count has the profile's)
 
     def watch(module, args, kwargs):
-        if module.training and torch.is_grad_enabled() and not controller_of(cm).budget.measuring:
+        if module.training and torch.is_grad_enabled() and controller_of(cm).budget.measuring:
+            measured.add(len(ran))
+        elif module.training and torch.is_grad_enabled():
             ran.append((kwargs["input_ids"].numel(), tuple(p.policy for p in cm.checkpoint_map)))
 
     cm.model.register_forward_pre_hook(watch, with_kwargs=True)
@@ -101,14 +105,16 @@ def test_grpo_replans_per_bucket_and_keeps_the_map_through_every_generation_togg
         callbacks=[counter],
     )
     trainer.train()
-    receipts = {r.bucket_tokens: r for r in cm.budget_receipts}
-    assert len(receipts) >= 2, receipts
-    assert {r.policies.count("none") == len(r.policies) for r in receipts.values()} == {True, False}, "short: none"
-    assert len(ran) == sum(r.steps for r in receipts.values())
-    for tokens, policies in ran:  # each training forward ran its bucket's plan, whatever generation toggled
-        assert policies == receipts[bucket_of(tokens)].policies
-    for step, recomputed in zip(ran[1:], counter.steps[1:], strict=True):  # the first step's count has the profile's
-        assert recomputed == [i for i, p in enumerate(step[1]) if p != "none"]
+    receipts = cm.budget_receipts  # one per plan a bucket ran
+    assert len({r.bucket_tokens for r in receipts}) >= 2, receipts
+    assert {r.policies.count("none") == len(r.policies) for r in receipts} == {True, False}, "short: none"
+    assert len(ran) == sum(r.steps for r in receipts)
+    for tokens, policies in ran:  # each training forward ran a plan of its bucket, whatever generation toggled
+        assert policies in {r.policies for r in receipts if r.bucket_tokens == bucket_of(tokens)}
+    assert 0 in measured
+    for index, (step, recomputed) in enumerate(zip(ran, counter.steps, strict=True)):
+        if index not in measured:
+            assert recomputed == [i for i, p in enumerate(step[1]) if p != "none"]
     logged = [e for e in trainer.state.log_history if "reward" in e]
     assert logged and all("remat/budget_bucket_tokens" in e for e in logged)
 
@@ -144,3 +150,25 @@ def test_under_gradient_accumulation_each_log_carries_the_largest_micro_batch_an
     assert [e["remat/budget_bucket_tokens"] for e in logged] == [bucket_of(60)], "steps 1-2: the long one"
     evaluated = [e for e in trainer.state.log_history if "eval_loss" in e]
     assert len(evaluated) == 2 and not any(key.startswith("remat/budget") for e in evaluated for key in e)
+
+
+def test_a_profile_saved_without_an_optimizer_is_measured_again_on_the_trainers_first_step(tmp_path, caplog):
+    """Saved from a plain loop (no optimizer state counted), loaded, trained by RematTrainer: the first step planned
+    from the saved profile as if the optimizer held nothing, and the second measured again."""
+    saved = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB"))
+    saved(**{k: torch.tensor([v]) for k, v in _rows([12])[0].items()}).loss.backward()
+    saved.save_pretrained(tmp_path / "saved")
+    base = tiny_model(num_hidden_layers=6, vocab_size=256, attention_dropout=0.0)
+    cm = CheckpointedModel.from_pretrained(base, tmp_path / "saved", is_trainable=True)
+    steps = []
+    cm.model.register_forward_pre_hook(lambda *_: steps.append(controller_of(cm).budget.measuring))
+    args = TrainingArguments(**_common(tmp_path, max_steps=2, save_strategy="no", per_device_train_batch_size=2))
+    trainer = RematTrainer(model=cm, args=args, train_dataset=_rows([12, 12, 12, 12]))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "budget" in r.getMessage()]
+    assert "the trainer's optimizer is known now, and the saved profile counted no optimizer state" in said[0]
+    assert len(_measured(caplog)) == 1 and not any("planning from the saved profile" in m for m in said)
+    assert steps[-2:] == [False, False] and not controller_of(cm).budget.without_optimizer
+    (receipt,) = cm.budget_receipts
+    assert receipt.steps == 2 and "no optimizer state" not in str(receipt.plan)

@@ -27,6 +27,9 @@ from .plan import head_label
 logger = logging.getLogger("remat")
 
 
+EXTRAPOLATED = 4  # a bucket planned for more than this many times the profiled tokens says it is extrapolated
+
+
 def bucket_of(tokens: int) -> int:
     """The largest token count of `tokens`' bucket: the smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two
     and one and a half times them) that is at least `tokens`: a step is planned for at most 1.5x its tokens."""
@@ -38,8 +41,9 @@ def bucket_of(tokens: int) -> int:
 class Receipt:
     """One bucket: its plan, what the plan predicted, and what ran.
 
-    `measured_peak_bytes` is the largest allocator peak of its steps on an accelerator (None on a CPU,
-    where the only count is a dispatch-mode watch that slows every op: `remat.testing.measure_step_peak`)."""
+    `steps` counts its training forwards (micro-batches); a bucket planned anew (another budget, a profile measured
+    again) starts a new receipt. `measured_peak_bytes` is the largest allocator peak of its steps on an accelerator
+    (None on a CPU, where the only count is a dispatch-mode watch that slows every op: `remat.testing`)."""
 
     bucket_tokens: int
     policies: tuple[str, ...]
@@ -49,6 +53,7 @@ class Receipt:
     steps: int = 0
     measured_peak_bytes: int | None = None
     planning_seconds: float = 0.0
+    plan: Any = field(default=None, repr=False, compare=False)  # the PlannedConfig it is the receipt of
 
     def log_values(self) -> dict[str, float]:
         """Numbers for a trainer's logs (TensorBoard and W&B keep numbers only)."""
@@ -73,13 +78,13 @@ class BudgetState:
     plans: dict[int, Any] = field(default_factory=dict)  # bucket -> PlannedConfig, or None: nothing fits
     active: Any = None  # the PlannedConfig the map runs (None: pending, before the first step)
     active_bucket: int | None = None
-    receipts: dict[int, Receipt] = field(default_factory=dict)
+    receipts: dict[int, Receipt] = field(default_factory=dict)  # bucket -> the receipt of its current plan
+    history: list[Receipt] = field(default_factory=list)  # every receipt, in order: a bucket planned anew has two
     last_bucket: int | None = None
     unlogged: set[int] = field(default_factory=set)  # buckets of the training forwards since a trainer's last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
     optimizer: Any = None  # weakref to the trainer's optimizer (scope="step" counts its state)
     measuring: bool = False
-    measured_config: Any = None  # the config its profile was measured under (None: loaded from a save)
     without_optimizer: bool = False  # its profile's step peak has no optimizer state
     fresh_key: Any = None  # `_model_key` when the profile was last found to describe the model
     params: list[Any] = field(default_factory=list)  # the model's parameters then
@@ -108,6 +113,8 @@ class BudgetState:
         """What a save writes beside a budget config: the profile, so a resumed run need not measure."""
         from .planner.saved import profile_to_json
 
+        if config.budget is not None and self.profile is None and self.saved is not None:
+            return {"budget_profile": self.saved.data}  # loaded, not yet used: saved again as read (checked on use)
         if config.budget is None or self.profile is None:
             return {}
         return {"budget_profile": profile_to_json(self.profile, model, self.without_optimizer)}
@@ -138,10 +145,14 @@ class BudgetState:
             self.active, self.active_bucket = planned, bucket
             controller.replan(config, controller.off_by, f"budget: a step of {tokens} tokens", said=True)
         receipt = self.receipts.get(bucket)
-        if receipt is None:  # said once per bucket; later changes between known buckets are not news
+        if receipt is None or not _same_plan(receipt.plan, planned):  # said once per plan, not per bucket change
             receipt = self.receipts[bucket] = _receipt(planned, bucket, controller.checkpoint_map.head)
+            self.history.append(receipt)
             receipt.planning_seconds = time.perf_counter() - started
-            logger.info("budget: steps of up to %d tokens run %r", bucket, controller.checkpoint_map)
+            measured = self.profile.measurements.tokens
+            far = f" (extrapolated {bucket / measured:.0f}x from the {measured} tokens profiled)"
+            far = far if bucket > EXTRAPOLATED * measured else ""
+            logger.info("budget: steps of up to %d tokens run %r%s", bucket, controller.checkpoint_map, far)
         receipt.steps += 1
         self.last_bucket = bucket
         self.unlogged.add(bucket)
@@ -175,15 +186,17 @@ class BudgetState:
         return planned
 
     def _outgrown(self, config: Any) -> str | None:
-        """Why the profile does not serve `config` although the model is the one measured (None: it does)."""
-        measured = self.measured_config
-        if measured is not None and measured.replace(budget=None) != config.replace(budget=None):
-            return f"the config changed since its profile ({', '.join(measured.changed_fields(config))})"
+        """Why the profile does not serve `config` although the model is the one measured (None: it does). The
+        settings that change a measurement (swap, head, offload floor, reentrancy) are the model state's
+        (`Profile.changes`); `every_n_layers`, `checkpoint_policy` and the budget itself change none."""
         if config.budget_scope == "step" and self.profile.measurements.step is None:
             return 'budget_scope="step" needs the peak of a whole step, which its profile did not measure'
-        if config.budget_scope == "step" and self.without_optimizer and self.known_optimizer() is not None:
+        if self.without_optimizer and self._counts_optimizer(config):
             return "the trainer's optimizer is known now, and its profile counted no optimizer state"
         return None
+
+    def _counts_optimizer(self, config: Any) -> bool:
+        return config.budget_scope == "step" and self.known_optimizer() is not None
 
     def _choose(self, config: Any, tokens: int) -> Any:
         """The plan for `tokens` under `config`'s budget; None when nothing fits."""
@@ -209,6 +222,8 @@ class BudgetState:
             if not changes:  # the machine's and the format's; then the model's, as for any profile
                 profile = saved.profile(controller)
                 changes = [f"the model changed since ({change})" for change in profile.changes()[1]]
+            if not changes and saved.without_optimizer and self._counts_optimizer(config):
+                changes = ["the trainer's optimizer is known now, and the saved profile counted no optimizer state"]
             if not changes:
                 self.profile, self.without_optimizer = profile, saved.without_optimizer
                 logger.info("budget: planning from the saved profile (%s); nothing measured", saved.source)
@@ -226,11 +241,11 @@ class BudgetState:
             optimizer = WITHOUT_OPTIMIZER
         loss_fn = None if batch.get("labels") is not None else logits_loss
         logger.info(
-            "budget %r (%s): measuring a profile on %s (%d tokens)%s",
+            "budget %r (%s): measuring a profile on this step (%d tokens): %s%s",
             config.budget,
             config.budget_scope,
-            why,
             tokens,
+            why,
             "; no optimizer known, so the planned step peak counts weights, gradients and activations but no "
             "optimizer state (RematTrainer and TRL's trainers hand theirs over)"
             if optimizer is WITHOUT_OPTIMIZER
@@ -243,7 +258,7 @@ class BudgetState:
             self.profile = profile_model(controller, batch, ProfileOptions(loss_fn, optimizer, True, 1))
         finally:
             self.measuring = False
-        self.measured_config, self.without_optimizer = config, optimizer is WITHOUT_OPTIMIZER
+        self.without_optimizer = optimizer is WITHOUT_OPTIMIZER
         if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
             self.profile.notes += ("step peak: weights, gradients and activations; no optimizer state (none known)",)
         self.plans.clear()
@@ -313,8 +328,14 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
+def _same_plan(old: Any, new: Any) -> bool:
+    """The same map, head and prediction (a profile measured again often plans a bucket as before)."""
+    key = lambda p: (p.layer_policies, p.head, p.head_chunk_tokens, p.predicted_peak_bytes, p.predicted_device_bytes)
+    return old is new or key(old) == key(new)
+
+
 def _receipt(planned: Any, bucket: int, running: Any) -> Receipt:
     """`running`: the map's head row, which names the chunk the head runs (a config may leave it to the head)."""
     peak = planned.predicted_peak_bytes if planned.scope == "step" else planned.predicted_device_bytes
     head = running.label if running is not None else head_label(planned.head, planned.head_chunk_tokens)
-    return Receipt(bucket, tuple(c.policy for c in planned.choices), head, peak, planned.scope)
+    return Receipt(bucket, tuple(c.policy for c in planned.choices), head, peak, planned.scope, plan=planned)

@@ -282,9 +282,10 @@ class CheckpointedModel(nn.Module):
 
     @property
     def budget_receipts(self) -> list[Receipt]:
-        """With `CheckpointConfig(budget=...)`: per token bucket planned so far, its plan, predicted bytes,
-        steps run and (on an accelerator) the measured peak (`remat.budget.Receipt`)."""
-        return [dataclasses.replace(r) for r in self._controller.budget.receipts.values()]
+        """With `CheckpointConfig(budget=...)`: per plan a token bucket ran, in order, the plan, predicted bytes,
+        training forwards run and (on an accelerator) the measured peak (`remat.budget.Receipt`). A bucket planned
+        anew (another budget, a profile measured again) has a second receipt after its first."""
+        return [dataclasses.replace(r) for r in self._controller.budget.history]
 
     def summary(self) -> str:
         """The map's table with what offload and block swap did per layer."""
