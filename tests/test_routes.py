@@ -279,3 +279,21 @@ def test_prepare_model_for_kbit_training_called_on_a_peft_model_over_a_quantized
     counter = RecomputeCounter(decoder_layers(peft_model))
     cm(**batch()).loss.backward()  # PEFT made the embedding output require grad, so backward runs
     assert counter.recomputed() == [0, 2]
+
+
+def test_a_toggle_repeated_in_a_loop_says_its_change_once_and_still_makes_it(remat_logs):
+    """TRL disables and enables checkpointing around every generation: two INFO lines a step said nothing new after
+    the first. The map still changes each time (the model's flag, and the layers a step recomputes)."""
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    counter = RecomputeCounter(decoder_layers(model))
+    for _ in range(3):
+        model.gradient_checkpointing_disable()
+        assert not cm.checkpoint_map.checkpointed
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        counter.reset()
+        step_grads(cm, list(cm.named_parameters()), batch())
+        assert counter.recomputed() == [0, 2]
+    said = [m for r in remat_logs.records if "changed the checkpoint map" in (m := r.getMessage())]
+    routes = [m for m in said if m.startswith("gradient_checkpointing")]
+    assert len(routes) == 2 and "gradient_checkpointing_disable" in routes[0], said

@@ -5,6 +5,7 @@ generation and reference-pass toggles, checkpoints carry it, resuming restores i
 "Which layers ran again inside backward" is measured per optimizer step: a layer that starts
 while autograd's engine is running a backward is being recomputed."""
 
+import logging
 import os
 
 import pytest
@@ -364,6 +365,28 @@ def test_a_plain_trl_trainer_given_the_wrapper_and_peft_config_is_refused_naming
     assert "remat_trainer_class(SFTTrainer)(model=cm, peft_config=...)" in messages[0]
     assert "build the model and the wrapper again" in messages[0]
     assert "peft_config" not in messages[1] and "remat_trainer_class(SFTTrainer)(model=cm, ...)" in messages[1]
+
+
+def test_a_plain_trl_trainer_given_cm_model_and_peft_config_says_its_checkpoints_lack_the_map(tmp_path, caplog):
+    """TRL's PeftModel built around cm.model is not the wrapper's: the map runs, but its checkpoints held no
+    checkpoint_config.json and cm could not save afterwards, and nothing said so until then."""
+    from peft import LoraConfig
+
+    cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=2))
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    text = "the quick brown fox jumps over the lazy dog. " * 3
+    trainer = trl.SFTTrainer(
+        model=cm.model,
+        args=trl.SFTConfig(max_length=32, **_common(tmp_path, max_steps=2, save_steps=2)),
+        train_dataset=datasets.Dataset.from_dict({"text": [text[i:] for i in range(8)]}),
+        processing_class=byte_tokenizer(),
+        peft_config=lora,
+    )
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "is not a PeftModel" in r.getMessage()]
+    assert len(said) == 1 and "remat_trainer_class(SFTTrainer)(model=cm, peft_config=...)" in said[0]
+    assert "checkpoint_config.json" not in os.listdir(tmp_path / "out" / "checkpoint-2")  # as the warning says
 
 
 def test_sft_with_peft_config_resumes_its_own_checkpoint_with_the_saved_adapters_and_map(tmp_path):

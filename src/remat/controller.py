@@ -20,7 +20,7 @@ from .head import ChunkedHead, HeadPlan, plan_head
 from .install import FlagInstall, ForwardInstall, installer_for
 from .layers import DiscoveredLayer, Discovery
 from .offload import Offloader
-from .persistence import SaveLoadOverrides
+from .persistence import SaveLoadOverrides, stray_adapter_layers
 from .plan import CheckpointMap, plan_layers
 from .policies import policy as policy_named
 from .recompute import LayerCheckpoint, run_without_checkpoint
@@ -104,6 +104,8 @@ class Controller:
         self._adopted_from: list[Ref[nn.Module]] = []  # models this one wrapped before `adopt`
         self._has_installed = False
         self._said_eval_mode = False
+        self._checked_adapters = False  # the first training forward after an install looks for stray adapter layers
+        self._said_changes: set[tuple[str, str, str]] = set()  # (cause, changes, map): a toggle in a loop says once
         self.budget = BudgetState()  # with CheckpointConfig(budget=...): the profile, plans per bucket, receipts
 
     @property
@@ -194,6 +196,7 @@ class Controller:
             _LAST_CLAIM[m] = weakref.ref(self)
         self.claim_layers()
         self._has_installed = True
+        self._checked_adapters = False
 
     def adopt(self, model: nn.Module, cause: str) -> None:
         """Make `model`, built around this one's (TRL's `peft_config=`), the one this wrapper owns: the
@@ -272,7 +275,12 @@ class Controller:
             self.offloader.release_host_memory()
 
     def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> None:
-        if changes := describe_changes(self.config, config):
+        changes = describe_changes(self.config, config)
+        said = (cause, changes, repr(new_map) if new_map != self.checkpoint_map else "")
+        if said in self._said_changes:  # (TRL's disable/enable around every generation: news the first time)
+            return
+        self._said_changes.add(said)
+        if changes:
             logger.info("%s changed the checkpoint config: %s", cause, changes)
         if new_map != self.checkpoint_map:
             logger.info("%s changed the checkpoint map: %r", cause, new_map)
@@ -403,6 +411,9 @@ class Controller:
             self.apply_map()
         if not module.training and not self.inference and self.off_by is None and torch.is_grad_enabled():
             self._say_eval_mode_runs_no_checkpoint()
+        if not self._checked_adapters and module.training and torch.is_grad_enabled():
+            self._checked_adapters = True
+            self._say_adapters_unsaved()
         budget = self.budget
         if self.config.budget is None or self.off_by is not None or budget.measuring or self.inference:
             return
@@ -425,6 +436,19 @@ class Controller:
                 "a forward with gradients while the model is in eval mode (model.eval(), or as from_pretrained "
                 "returned it): layers checkpoint only in training mode, as in transformers, so this one keeps every "
                 "activation (and runs no dropout). Call cm.train() or cm.for_training() to train with the map"
+            )
+
+    def _say_adapters_unsaved(self) -> None:
+        """PEFT applied around cm.model after wrapping (a trainer's `peft_config=` given `model=cm.model`): the map
+        runs, but the PeftModel is not the wrapper's, so its checkpoints hold no checkpoint_config.json."""
+        if stray := stray_adapter_layers(self.model):
+            logger.warning(
+                "cm.model has PEFT adapter layers (%s, ...) but is not a PeftModel: PEFT was applied around it after "
+                "wrapping (a trainer given model=cm.model and peft_config=?). The map runs, but that PeftModel's "
+                "checkpoints hold no checkpoint_config.json and cm.save_pretrained refuses. Apply PEFT first "
+                "(cm = CheckpointedModel(get_peft_model(model, lora_config))), or hand the trainer the wrapper: "
+                "remat_trainer_class(SFTTrainer)(model=cm, peft_config=...)",
+                stray[0],
             )
 
     def _refuse_training_in_inference(self, index: int, name: str, module: nn.Module, args: Any) -> None:
