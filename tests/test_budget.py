@@ -132,6 +132,12 @@ def test_a_step_no_plan_fits_is_refused_before_its_forward_and_the_next_one_runs
     cm(**batch(size=2, seq=8)).loss.backward()  # the next step runs
 
 
+def test_a_budget_no_step_fits_names_the_smallest_budget_that_would():
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=1000))
+    with pytest.raises(ConfigError, match=r"nor does any shorter step: no map fits .* the smallest is \d+ bytes"):
+        cm(**batch(size=2, seq=8))
+
+
 def _largest(cm, tokens):
     from remat.model import controller_of
 

@@ -234,6 +234,21 @@ def test_training_arguments_that_replace_the_wrappers_map_say_so_once_as_a_warni
     assert cm.checkpoint_map.checkpointed == [0, 3]
 
 
+def test_under_a_budget_only_arguments_that_change_what_runs_are_warned_about(tmp_path, caplog):
+    """A budget plans every layer: `every_n_layers` from the arguments changes nothing that runs, though the warning
+    said the map "becomes recompute [0, 2]"; `use_reentrant` changes what the budget may plan."""
+    said = []
+    for options in ({"every_n_layers": 2}, {"use_reentrant": True}):
+        cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(budget="64MiB"))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="remat"):
+            RematTrainer(model=cm, args=_log_args(tmp_path / str(len(said)), options), train_dataset=_dataset())
+        said.append([r.getMessage() for r in caplog.records if r.levelname == "WARNING"])
+    assert said[0] == [], said[0]
+    (warned,) = said[1]
+    assert "use_reentrant False -> True" in warned and "the budget (64MiB) plans each step's map with them" in warned
+
+
 class _CountingBackend:
     """A torch.compile backend that runs the captured graphs eagerly and counts their calls."""
 

@@ -176,13 +176,17 @@ class BudgetState:
             self.plans[bucket] = self._choose(config, bucket)
         planned = self.plans[bucket]
         if planned is None:
-            fits = self.largest_fitting(config, bucket)
-            raise ConfigError(
-                f"budget: a step of {tokens} tokens fits no map under budget={config.budget!r} "
-                f"(budget_scope={config.budget_scope!r}); "
-                + (f"the largest step that fits is {fits} tokens" if fits else "no step fits this budget")
-                + ": make the batch shorter or smaller, or give a larger budget. This forward did not run"
-            )
+            said = f"budget: a step of {tokens} tokens fits no map under budget={config.budget!r} "
+            said += f"(budget_scope={config.budget_scope!r})"
+            if fits := self.largest_fitting(config, bucket):
+                raise ConfigError(
+                    f"{said}; the largest step that fits is {fits} tokens: make the batch shorter or smaller, or give "
+                    "a larger budget. This forward did not run"
+                )
+            try:  # no step fits: the profile's own refusal names the smallest budget for this one
+                self.profile.plan(config.budget_bytes, scope=config.budget_scope, tokens=bucket)
+            except ConfigError as least:
+                raise ConfigError(f"{said}, nor does any shorter step: {least}. This forward did not run") from None
         return planned
 
     def _outgrown(self, config: Any) -> str | None:

@@ -179,16 +179,23 @@ def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map:
         asked = config_from_route(own_config, "the training arguments", kwargs, {})
     except (TypeError, ValueError):
         return  # the route refuses these options itself, with the reason, when the trainer passes them
-    if not (changes := describe_changes(own_config, asked)):
+    changed = set(own_config.changed_fields(asked))
+    if asked.budget is not None:  # the budget plans every layer: every_n_layers and the policy change nothing that runs
+        changed -= {"every_n_layers", "checkpoint_policy"}
+    if not changed:
         return
+    becomes = (
+        f"the budget ({asked.budget}) plans each step's map with them"
+        if asked.budget is not None
+        else f"the map {own_map!r} becomes {plan_layers(asked, controller.discovery.names)!r} when training starts"
+    )
     logger.warning(
-        "the training arguments' checkpointing options %r replace the CheckpointedModel's own config (%s): the map "
-        "%r becomes %r when training starts. To keep the wrapper's map, leave those options out of the training "
-        "arguments (gradient_checkpointing=True alone keeps it)",
+        "the training arguments' checkpointing options %r replace the CheckpointedModel's own config (%s): %s. To "
+        "keep the wrapper's, leave those options out of the training arguments (gradient_checkpointing=True alone "
+        "keeps it)",
         kwargs,
-        changes,
-        own_map,
-        plan_layers(asked, controller.discovery.names),
+        describe_changes(own_config, asked),
+        becomes,
     )
 
 
