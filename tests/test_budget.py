@@ -320,6 +320,13 @@ def test_a_bucket_planned_anew_gets_a_receipt_of_the_map_it_runs(caplog):
     assert second.predicted_peak_bytes == least.predicted_device_bytes
     assert sum("steps of up to 32 tokens run" in r.getMessage() for r in caplog.records) == 1
     assert _measured(caplog) == [], "the same profile planned the new budget"
+    cm.enable(budget="64MiB", budget_scope="step")  # measured again (a step peak), then back to the first map
+    cm(**data).loss.backward()
+    cm.enable(budget_scope="activations")  # the same map under another scope: a receipt of what it predicts
+    cm(**data).loss.backward()
+    *_, step, held = cm.budget_receipts
+    assert (step.scope, held.scope) == ("step", "activations") and step.policies == held.policies
+    assert held.predicted_peak_bytes == controller_of(cm).budget.active.predicted_device_bytes
 
 
 def test_settings_no_measurement_depends_on_plan_again_without_measuring(caplog):
@@ -336,6 +343,20 @@ def test_settings_no_measurement_depends_on_plan_again_without_measuring(caplog)
         cm(**batch(size=2, seq=8)).loss.backward()
     (message,) = _measured(caplog)
     assert "use_reentrant was False, now True" in message
+
+
+def test_a_saved_profile_that_cannot_serve_the_scope_is_measured_again(tmp_path, caplog):
+    """Saved under scope "activations" (no step peak measured), loaded under "step": refused on the first step (no
+    map fits), where a profile measured in this process is measured again."""
+    _saved(tmp_path, caplog)
+    model = tiny_model(num_hidden_layers=4, attention_dropout=0.0)
+    loaded = CheckpointedModel.from_pretrained(model, tmp_path)
+    loaded.enable(budget_scope="step")
+    with caplog.at_level(logging.INFO, logger="remat"):
+        loaded(**batch(size=2, seq=8)).loss.backward()
+    said = [r.getMessage() for r in caplog.records if "saved profile is not used" in r.getMessage()]
+    assert len(said) == 1 and 'budget_scope="step" needs the peak of a whole step' in said[0], said
+    assert len(_measured(caplog)) == 1 and controller_of(loaded).budget.profile.measurements.step is not None
 
 
 def test_a_load_saved_again_before_training_keeps_its_profile(tmp_path, caplog):
@@ -361,4 +382,4 @@ def test_a_step_planned_far_beyond_the_profiled_tokens_says_it_is_extrapolated(c
         cm(**batch(size=2, seq=48)).loss.backward()  # bucket 96: 6x
     said = [r.getMessage() for r in caplog.records if "steps of up to" in r.getMessage()]
     assert len(said) == 2 and "extrapolated" not in said[0], said
-    assert said[1].endswith("(extrapolated 6x from the 16 tokens profiled)"), said
+    assert said[1].endswith("(extrapolated 6.0x from the 16 tokens profiled)"), said

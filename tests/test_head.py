@@ -523,23 +523,29 @@ def test_the_shorter_batch_of_a_head_choosing_profile_is_measured_with_the_chunk
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes
 
 
-def test_a_lora_head_with_dropout_gets_the_gradient_of_the_loss_it_returned():
-    """Each chunk's recompute draws its forward's dropout mask again: without the RNG state kept, a LoRA'd head's
-    gradients depended on what drew random numbers between forward and backward (0.5 of a 1.2 gradient)."""
-    from peft import LoraConfig, get_peft_model
+@pytest.mark.parametrize("adapter", ["lora", "loha"])
+def test_an_adapter_head_with_dropout_gets_the_gradient_of_the_loss_it_returned(adapter):
+    """Each chunk's recompute draws its forward's random numbers again: without the RNG state kept, a LoRA'd head's
+    gradients depended on what drew random numbers between forward and backward (0.5 of a 1.2 gradient), and a
+    LoHa head's module dropout failed backward (another number of tensors saved in the recompute)."""
+    from peft import LoHaConfig, LoraConfig, get_peft_model
 
     def lora_head():
-        model = get_peft_model(tiny_model(), LoraConfig(r=4, lora_dropout=0.5, target_modules=["lm_head"]))
+        if adapter == "lora":
+            config = LoraConfig(r=4, lora_dropout=0.5, target_modules=["lm_head"])
+        else:
+            config = LoHaConfig(r=4, module_dropout=0.5, rank_dropout=0.3, target_modules=["lm_head"])
+        model = get_peft_model(tiny_model(), config)
         torch.manual_seed(1)
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 torch.nn.init.normal_(param, std=0.5)
         return model
 
-    # one row, every position counted, one chunk: the chunked forward draws the plain forward's mask
-    data = batch(size=1)
-    data["shift_labels"] = torch.roll(data["labels"], -1, dims=1)
-    _same_as_plain(lora_head, data)
+    if adapter == "lora":  # one row, every position counted: the chunks draw the plain forward's mask
+        data = batch(size=1)
+        data["shift_labels"] = torch.roll(data["labels"], -1, dims=1)
+        _same_as_plain(lora_head, data)
     cm = CheckpointedModel(lora_head(), CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
     params = list(cm.model.named_parameters())
     grads = []

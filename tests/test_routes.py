@@ -297,3 +297,7 @@ def test_a_toggle_repeated_in_a_loop_says_its_change_once_and_still_makes_it(rem
     said = [m for r in remat_logs.records if "changed the checkpoint map" in (m := r.getMessage())]
     routes = [m for m in said if m.startswith("gradient_checkpointing")]
     assert len(routes) == 2 and "gradient_checkpointing_disable" in routes[0], said
+    for every_n in (1, 2, 1):  # a change that is not its cause's last one is said each time
+        cm.enable(every_n_layers=every_n)
+    enabled = [r.getMessage() for r in remat_logs.records if r.getMessage().startswith("enable() changed the check")]
+    assert [m.count("every_n_layers") for m in enabled if "config" in m] == [1, 1, 1], enabled

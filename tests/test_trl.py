@@ -10,7 +10,7 @@ import os
 
 import pytest
 import torch
-from conftest import add_lora, tiny_model
+from conftest import add_lora, batch, tiny_model
 from transformers import TrainerCallback
 
 from remat import CheckpointConfig, CheckpointedModel, remat_trainer_class
@@ -373,6 +373,8 @@ def test_a_plain_trl_trainer_given_cm_model_and_peft_config_says_its_checkpoints
     from peft import LoraConfig
 
     cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=2))
+    cm(**batch()).loss.backward()  # a check before building the trainer: the adapters come after it
+    cm.zero_grad(set_to_none=True)
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
     text = "the quick brown fox jumps over the lazy dog. " * 3
     trainer = trl.SFTTrainer(

@@ -53,7 +53,6 @@ class Receipt:
     steps: int = 0
     measured_peak_bytes: int | None = None
     planning_seconds: float = 0.0
-    plan: Any = field(default=None, repr=False, compare=False)  # the PlannedConfig it is the receipt of
 
     def log_values(self) -> dict[str, float]:
         """Numbers for a trainer's logs (TensorBoard and W&B keep numbers only)."""
@@ -80,6 +79,7 @@ class BudgetState:
     active_bucket: int | None = None
     receipts: dict[int, Receipt] = field(default_factory=dict)  # bucket -> the receipt of its current plan
     history: list[Receipt] = field(default_factory=list)  # every receipt, in order: a bucket planned anew has two
+    receipted: dict[int, Any] = field(default_factory=dict)  # bucket -> the plan its current receipt is of
     last_bucket: int | None = None
     unlogged: set[int] = field(default_factory=set)  # buckets of the training forwards since a trainer's last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
@@ -145,12 +145,13 @@ class BudgetState:
             self.active, self.active_bucket = planned, bucket
             controller.replan(config, controller.off_by, f"budget: a step of {tokens} tokens", said=True)
         receipt = self.receipts.get(bucket)
-        if receipt is None or not _same_plan(receipt.plan, planned):  # said once per plan, not per bucket change
+        if receipt is None or not _same_plan(self.receipted[bucket], planned):  # said once per plan, not per change
             receipt = self.receipts[bucket] = _receipt(planned, bucket, controller.checkpoint_map.head)
+            self.receipted[bucket] = planned
             self.history.append(receipt)
             receipt.planning_seconds = time.perf_counter() - started
             measured = self.profile.measurements.tokens
-            far = f" (extrapolated {bucket / measured:.0f}x from the {measured} tokens profiled)"
+            far = f" (extrapolated {bucket / measured:.1f}x from the {measured} tokens profiled)"
             far = far if bucket > EXTRAPOLATED * measured else ""
             logger.info("budget: steps of up to %d tokens run %r%s", bucket, controller.checkpoint_map, far)
         receipt.steps += 1
@@ -195,12 +196,9 @@ class BudgetState:
         (`Profile.changes`); `every_n_layers`, `checkpoint_policy` and the budget itself change none."""
         if config.budget_scope == "step" and self.profile.measurements.step is None:
             return 'budget_scope="step" needs the peak of a whole step, which its profile did not measure'
-        if self.without_optimizer and self._counts_optimizer(config):
+        if config.budget_scope == "step" and self.without_optimizer and self.known_optimizer() is not None:
             return "the trainer's optimizer is known now, and its profile counted no optimizer state"
         return None
-
-    def _counts_optimizer(self, config: Any) -> bool:
-        return config.budget_scope == "step" and self.known_optimizer() is not None
 
     def _choose(self, config: Any, tokens: int) -> Any:
         """The plan for `tokens` under `config`'s budget; None when nothing fits."""
@@ -226,12 +224,12 @@ class BudgetState:
             if not changes:  # the machine's and the format's; then the model's, as for any profile
                 profile = saved.profile(controller)
                 changes = [f"the model changed since ({change})" for change in profile.changes()[1]]
-            if not changes and saved.without_optimizer and self._counts_optimizer(config):
-                changes = ["the trainer's optimizer is known now, and the saved profile counted no optimizer state"]
-            if not changes:
+            if not changes:  # serves this config as a profile measured here would (the scope, the optimizer)
                 self.profile, self.without_optimizer = profile, saved.without_optimizer
-                logger.info("budget: planning from the saved profile (%s); nothing measured", saved.source)
-                return
+                if (outgrown := self._outgrown(config)) is None:
+                    logger.info("budget: planning from the saved profile (%s); nothing measured", saved.source)
+                    return
+                changes = [outgrown]
             logger.info("budget: the saved profile is not used (%s): measuring again", "; ".join(changes))
         from .planner.peak import WITHOUT_OPTIMIZER
 
@@ -334,7 +332,14 @@ def _tensors(output: Any) -> list[torch.Tensor]:
 
 def _same_plan(old: Any, new: Any) -> bool:
     """The same map, head and prediction (a profile measured again often plans a bucket as before)."""
-    key = lambda p: (p.layer_policies, p.head, p.head_chunk_tokens, p.predicted_peak_bytes, p.predicted_device_bytes)
+    key = lambda p: (
+        p.layer_policies,
+        p.head,
+        p.head_chunk_tokens,
+        p.scope,
+        p.predicted_peak_bytes,
+        p.predicted_device_bytes,
+    )
     return old is new or key(old) == key(new)
 
 
@@ -342,4 +347,4 @@ def _receipt(planned: Any, bucket: int, running: Any) -> Receipt:
     """`running`: the map's head row, which names the chunk the head runs (a config may leave it to the head)."""
     peak = planned.predicted_peak_bytes if planned.scope == "step" else planned.predicted_device_bytes
     head = running.label if running is not None else head_label(planned.head, planned.head_chunk_tokens)
-    return Receipt(bucket, tuple(c.policy for c in planned.choices), head, peak, planned.scope, plan=planned)
+    return Receipt(bucket, tuple(c.policy for c in planned.choices), head, peak, planned.scope)

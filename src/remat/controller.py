@@ -104,8 +104,8 @@ class Controller:
         self._adopted_from: list[Ref[nn.Module]] = []  # models this one wrapped before `adopt`
         self._has_installed = False
         self._said_eval_mode = False
-        self._checked_adapters = False  # the first training forward after an install looks for stray adapter layers
-        self._said_changes: set[tuple[str, str, str]] = set()  # (cause, changes, map): a toggle in a loop says once
+        self._said_stray_adapters = False  # adapter layers in a model that is not a PeftModel: said once
+        self._said_last: dict[str, tuple[str, str, str]] = {}  # cause -> its last change said (old map, new map)
         self.budget = BudgetState()  # with CheckpointConfig(budget=...): the profile, plans per bucket, receipts
 
     @property
@@ -196,7 +196,6 @@ class Controller:
             _LAST_CLAIM[m] = weakref.ref(self)
         self.claim_layers()
         self._has_installed = True
-        self._checked_adapters = False
 
     def adopt(self, model: nn.Module, cause: str) -> None:
         """Make `model`, built around this one's (TRL's `peft_config=`), the one this wrapper owns: the
@@ -259,8 +258,9 @@ class Controller:
         live = installing or self.is_enabled
         if live:
             self._check_swap_change(new_map)
+        change = None
         if not said and not self.budget.measuring:  # a budget's profile says one line for all its steps
-            self._log_changes(config, new_map, cause)
+            change = self._log_changes(config, new_map, cause)
         if live:
             self._swap_to(new_map)
         self.config, self.off_by, self.checkpoint_map = config, off_by, new_map
@@ -273,13 +273,16 @@ class Controller:
         if off_by is None and not any(plan.offloaded for plan in new_map):
             # Nothing offloaded (a route's "off" comes back, and re-pinning costs more than torch's pinned cache).
             self.offloader.release_host_memory()
+        if change is not None:  # made: said
+            self._said_last[cause] = change
 
-    def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> None:
+    def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> tuple[str, str, str]:
+        """Says the change, unless its cause made the same change last time (TRL's disable and enable around every
+        generation: news the first time); returns the change, which `replan` records once it is made."""
         changes = describe_changes(self.config, config)
-        said = (cause, changes, repr(new_map) if new_map != self.checkpoint_map else "")
-        if said in self._said_changes:  # (TRL's disable/enable around every generation: news the first time)
-            return
-        self._said_changes.add(said)
+        change = (changes, repr(self.checkpoint_map), repr(new_map))
+        if self._said_last.get(cause) == change:
+            return change
         if changes:
             logger.info("%s changed the checkpoint config: %s", cause, changes)
         if new_map != self.checkpoint_map:
@@ -288,6 +291,7 @@ class Controller:
             logger.info(  # a planned config names every layer
                 "%s: the map stays as it was: layer_policies names the layers these options would change", cause
             )
+        return change
 
     def _check_swap_change(self, new_map: CheckpointMap) -> None:
         """Refuse a swap that cannot be made, or would move weights an autograd graph still holds."""
@@ -411,8 +415,7 @@ class Controller:
             self.apply_map()
         if not module.training and not self.inference and self.off_by is None and torch.is_grad_enabled():
             self._say_eval_mode_runs_no_checkpoint()
-        if not self._checked_adapters and module.training and torch.is_grad_enabled():
-            self._checked_adapters = True
+        if not self._said_stray_adapters and module.training and torch.is_grad_enabled():
             self._say_adapters_unsaved()
         budget = self.budget
         if self.config.budget is None or self.off_by is not None or budget.measuring or self.inference:
@@ -439,17 +442,28 @@ class Controller:
             )
 
     def _say_adapters_unsaved(self) -> None:
-        """PEFT applied around cm.model after wrapping (a trainer's `peft_config=` given `model=cm.model`): the map
-        runs, but the PeftModel is not the wrapper's, so its checkpoints hold no checkpoint_config.json."""
-        if stray := stray_adapter_layers(self.model):
-            logger.warning(
-                "cm.model has PEFT adapter layers (%s, ...) but is not a PeftModel: PEFT was applied around it after "
-                "wrapping (a trainer given model=cm.model and peft_config=?). The map runs, but that PeftModel's "
-                "checkpoints hold no checkpoint_config.json and cm.save_pretrained refuses. Apply PEFT first "
-                "(cm = CheckpointedModel(get_peft_model(model, lora_config))), or hand the trainer the wrapper: "
-                "remat_trainer_class(SFTTrainer)(model=cm, peft_config=...)",
-                stray[0],
-            )
+        """Adapter layers in cm.model, which is not a PeftModel: PEFT applied around it after wrapping (a trainer's
+        `peft_config=` given `model=cm.model`; its PeftModel is not the wrapper's, so its checkpoints hold no
+        checkpoint_config.json), or transformers' own `add_adapter`. Looked for in the first layer at each training
+        forward (a few modules), the whole model once found."""
+        if not stray_adapter_layers(self.discovery.layers[0].module, self.model) or not (
+            stray := stray_adapter_layers(self.model, self.model)
+        ):
+            return
+        self._said_stray_adapters = True
+        by = (
+            "transformers' add_adapter"
+            if getattr(self.model, "_hf_peft_config_loaded", False)
+            else "PEFT applied around it after wrapping (a trainer given model=cm.model and peft_config=?), whose "
+            "PeftModel's checkpoints hold no checkpoint_config.json"
+        )
+        logger.warning(
+            "cm.model has PEFT adapter layers (%s, ...) but is not a PeftModel: %s. The map runs, but "
+            "cm.save_pretrained refuses to save them. Apply PEFT first (cm = CheckpointedModel(get_peft_model(model, "
+            "lora_config))), or hand a trainer the wrapper: remat_trainer_class(SFTTrainer)(model=cm, peft_config=...)",
+            stray[0],
+            by,
+        )
 
     def _refuse_training_in_inference(self, index: int, name: str, module: nn.Module, args: Any) -> None:
         """A checkpointed layer run alone (not via the model's forward) in training mode would skip its checkpoint."""

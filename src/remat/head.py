@@ -83,7 +83,7 @@ def _own_loss_why(base: nn.Module) -> str | None:
     from transformers.loss.loss_utils import LOSS_MAPPING
 
     causal = LOSS_MAPPING["ForCausalLM"]
-    loss = vars(base).get("_loss_function", LOSS_MAPPING.get(getattr(base, "loss_type", None), causal))
+    loss = getattr(base, "_loss_function", None) or LOSS_MAPPING.get(getattr(base, "loss_type", None), causal)
     if type(base).loss_function is not PreTrainedModel.loss_function or loss is not causal:
         return f"{type(base).__name__}'s loss_function is not transformers' causal-LM loss, so its own head runs"
     return None
@@ -145,8 +145,8 @@ def chunked_loss(
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """transformers' causal-LM loss of `head(hidden)` without its full logits: the counted positions in
-    chunks of `chunk_tokens`, each recomputed in backward; a head with dropout (a LoRA'd one's) with its forward's
-    RNG state, to draw the same mask (only then: the state is 5 KB a chunk). `hidden`: (..., tokens, hidden size)."""
+    chunks of `chunk_tokens`, each recomputed in backward; a head that may draw random numbers (an adapter, a
+    dropout) with its forward's RNG state, to draw the same (only then: 5 KB a chunk). `hidden`: (..., tokens, dim)."""
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
@@ -158,7 +158,12 @@ def chunked_loss(
         return F.cross_entropy(logits, targets, reduction="sum")
 
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    random = any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 and m.training for m in head.modules())
+    # an adapter on the head may draw random numbers (LoRA's dropout, LoHa's module dropout, OFT's multiplicative
+    # one): a head with a trainable parameter or a dropout, in training, keeps each chunk's RNG state
+    random = head.training and (
+        any(p.requires_grad for p in head.parameters())
+        or any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in head.modules())
+    )
     # No counted token (a fully masked micro-batch): one chunk on no tokens, so the loss (0/0 = nan,
     # or 0 over num_items_in_batch, as the model's own) stays in the graph and every parameter the
     # head and the model reach gets the model's own gradient, zeros; otherwise the same chunks.

@@ -37,12 +37,12 @@ __all__ = [
 ]
 
 
-def stray_adapter_layers(model: nn.Module) -> list[str]:
-    """The PEFT adapter layers of a model that is not a PeftModel (PEFT applied around it after wrapping, or
+def stray_adapter_layers(within: nn.Module, model: nn.Module) -> list[str]:
+    """The PEFT adapter layers `within` a `model` that is not a PeftModel (PEFT applied around it after wrapping, or
     transformers' own `add_adapter`): no PEFT model of the wrapper's saves them."""
     if is_peft_model(model):
         return []
-    return [name for name, module in model.named_modules() if isinstance(module, BaseTunerLayer)]
+    return [name for name, module in within.named_modules() if isinstance(module, BaseTunerLayer)]
 
 
 def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike, **kwargs: Any) -> None:
@@ -52,7 +52,7 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
         return  # the main process writes the save; the others write nothing
     model = owner.model
     peft = is_peft_model(model)
-    if stray := stray_adapter_layers(model):
+    if stray := stray_adapter_layers(model, model):
         raise ConfigError(
             f"cm.model has PEFT adapter layers ({stray[0]}, ...) but is not a PeftModel, so there is no PEFT "
             "model to save them with and they would be lost. Wrap the PeftModel instead: peft_model = "
