@@ -182,9 +182,13 @@ def test_planning_leaves_the_model_and_everything_outside_it_as_it_was():
 
     handle = mlp.register_forward_pre_hook(count)
     optimizer = torch.optim.AdamW([p for _, p in named], lr=0.1, weight_decay=0.5)
+    stepped = []  # the user's own step hooks (an EMA of the weights): the measuring steps are not theirs
+    optimizer.register_step_pre_hook(lambda *_: stepped.append("pre"))
+    optimizer.register_step_post_hook(lambda *_: stepped.append("post"))
     weights = {n: p.detach().clone() for n, p in named}
     cm.profile(data, repeats=1, progress=False, optimizer=optimizer).plan("1GiB", scope="step")
     handle.remove()
+    assert stepped == []
     assert mlp.calls == 0 and mlp.seen.item() == 0, "the measuring steps' counts were put back"
     assert cm.checkpoint_config == config and cm.checkpoint_map.checkpointed == [] and named[0][1].grad is marker
     assert all(p.grad is None for _, p in named[1:])
@@ -196,6 +200,8 @@ def test_planning_leaves_the_model_and_everything_outside_it_as_it_was():
     reference = add_lora(tiny_model(num_hidden_layers=6))
     _, expected = step_grads(reference, [(n, p) for n, p in reference.named_parameters() if p.requires_grad], data)
     assert_same_grads(expected, step_grads(cm, named, data)[1])
+    optimizer.step()
+    assert stepped == ["pre", "post"], "the hooks are back, in order"
 
 
 @pytest.mark.parametrize("how", ["profile", "memory_report"])
@@ -231,6 +237,36 @@ def test_the_plan_prints_per_layer_and_is_a_config_like_any_other(llama_profiled
     cm.model.gradient_checkpointing_enable()  # a generation toggle: the plan comes back as it was
     assert [p.policy for p in cm.checkpoint_map] == [c.policy for c in planned.choices]
     cm.enable(CheckpointConfig())
+
+
+@pytest.mark.parametrize("call", ["profile", "memory_report", "measure_held_activations", "measure_step_peak"])
+def test_a_measuring_step_without_gradients_or_with_a_tuple_batch_is_refused_before_any_work(call):
+    """Under no_grad or inference_mode each ran a forward, then failed in torch ("element 0 of tensors does not
+    require grad"); a tuple batch got "this batch has no labels" or an AttributeError."""
+    from remat.errors import RematError
+    from remat.testing import measure_held_activations, measure_step_peak
+
+    cm, data = _llama()
+    run = {
+        "profile": lambda b: cm.profile(b, repeats=1, progress=False),
+        "memory_report": cm.memory_report,
+        "measure_held_activations": lambda b: measure_held_activations(cm, b),
+        "measure_step_peak": lambda b: measure_step_peak(cm, b),
+    }[call]
+    layer = decoder_layers(cm.model)[0]
+    ran = []
+    layer.register_forward_pre_hook(lambda *_: ran.append(1))
+    for context in (torch.no_grad, torch.inference_mode):
+        with (
+            context(),
+            pytest.raises(RuntimeError, match=r"outside torch.no_grad\(\) and torch.inference_mode") as info,
+        ):
+            run(data)
+        assert isinstance(info.value, RematError)
+    with pytest.raises(TypeError, match="takes the model's inputs as a dict, as cm\\(\\*\\*batch\\) does"):
+        run(tuple(data.values()))
+    assert ran == [], "refused before any forward"
+    run(data)  # and then runs
 
 
 def test_bad_budgets_scopes_and_a_step_scope_without_optimizer_are_refused_by_the_plan_which_runs_nothing(

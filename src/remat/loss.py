@@ -11,13 +11,29 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import ConfigError, ConfigTypeError
+from .errors import ConfigError, ConfigTypeError, StateError
 
 LossFn = Callable[[Any, Mapping[str, Any]], torch.Tensor]
 
 
+def check_step_batch(batch: Any, what: str) -> None:
+    """A measuring step's batch is the model's keyword inputs, and its backward needs gradients: refused before any
+    work (torch's own error came after a forward, and named no fix)."""
+    if not isinstance(batch, Mapping):
+        raise ConfigTypeError(
+            f"{what} takes the model's inputs as a dict, as cm(**batch) does (input_ids, attention_mask, labels, ...), "
+            f"got {type(batch).__name__}"
+        )
+    if not torch.is_grad_enabled():
+        raise StateError(
+            f"{what} runs a training step, whose backward needs gradients: call it outside torch.no_grad() and "
+            "torch.inference_mode()"
+        )
+
+
 def check_loss_source(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None, what: str) -> None:
-    """Refuse, before any work, a batch from which no loss can come."""
+    """Refuse, before any work, a batch from which no loss can come (`check_step_batch` first)."""
+    check_step_batch(batch, what)
     if loss_fn is not None:
         if not callable(loss_fn):
             raise ConfigTypeError(

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 
 from .compat.transformers_compat import has_activation_checkpointing_names
 from .errors import ConfigError
-from .loss import LossFn, step_loss
+from .loss import LossFn, check_step_batch, step_loss
 from .measure import held_bytes_after, weight_storages
 from .transport import CpuTransport, Event, TensorMeta
 
@@ -27,7 +27,8 @@ def trainer_checkpointing_args(enabled: bool = True, kwargs: dict | None = None)
     return {f"{prefix}_checkpointing": enabled, f"{prefix}_checkpointing_kwargs": kwargs}
 
 
-def _batch_device(batch: Mapping[str, Any]) -> torch.device:
+def _batch_device(batch: Mapping[str, Any], what: str) -> torch.device:
+    check_step_batch(batch, what)
     tensors = [v for v in batch.values() if isinstance(v, torch.Tensor)]
     if not tensors:
         raise ConfigError("the batch holds no tensor: pass the dict of tensors the model is called with")
@@ -39,7 +40,7 @@ def measure_held_activations(model: nn.Module, batch: Mapping[str, Any], *, loss
     weights, buffers and host copies not counted): compare with a plan's `predicted_device_bytes`
     (`scope="activations"`), e.g. `cm.enable(planned); assert measure_held_activations(cm, batch) <=
     planned.planned_budget`. Runs one step; gradients are cleared after."""
-    device = _batch_device(batch)
+    device = _batch_device(batch, "measure_held_activations")
     loss, held = held_bytes_after(lambda: step_loss(model, batch, loss_fn), weight_storages(model), device)
     loss.backward()
     model.zero_grad(set_to_none=True)
@@ -55,7 +56,7 @@ def measure_step_peak(
     remat predicts a step after the first. Gradients are cleared after."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    device = _batch_device(batch)
+    device = _batch_device(batch, "measure_step_peak")
     optimizers = [optimizer] if optimizer is not None else []
     if optimizer is not None and not optimizer.state:
         step_loss(model, batch, loss_fn).backward()

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..compat.transformers_compat import native_every_n
-from ..errors import ConfigTypeError
+from ..loss import check_step_batch
 from .chooser import LayerChoice, Measurements
 from .measuring import Controlled, ProfileOptions, check_measurable, measure
 from .profile import PlannedConfig, Profile
@@ -19,11 +19,7 @@ from .state import ModelState
 
 def profile_model(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions) -> Profile:
     """Measure the controller's model on `batch` (`remat.planner.measuring`), refusing first what cannot be."""
-    if not isinstance(batch, Mapping):
-        raise ConfigTypeError(
-            f"profile(batch) takes the model's inputs as a dict, as cm(**batch) does (input_ids, attention_mask, "
-            f"labels, ...), got {type(batch).__name__}"
-        )
+    check_step_batch(batch, "profile(batch)")
     batch = dict(batch)
     check_measurable(state, batch, options.loss_fn, "profile")
     config = state.config

@@ -42,18 +42,19 @@ class StepPeak:
         saved_state = copy.deepcopy(optimizer.state_dict())
         params = [p for group in optimizer.param_groups for p in group["params"]]
         saved = [p.detach().to("cpu", copy=True) for p in params]
-        if any(p not in optimizer.state for p in params if p.requires_grad):
-            _make_state(optimizer, params)
-        state = [t for values in optimizer.state.values() for t in values.values() if isinstance(t, torch.Tensor)]
-        self.tracker = LiveStorages(peak_on=self.device, known=self._known(state))
-        try:
-            with self.tracker:
-                yield optimizer
-        finally:
-            with torch.no_grad():
-                for param, value in zip(params, saved, strict=True):
-                    param.copy_(value)
-            optimizer.load_state_dict(saved_state)
+        with _step_hooks_held(optimizer):
+            if any(p not in optimizer.state for p in params if p.requires_grad):
+                _make_state(optimizer, params)
+            state = [t for values in optimizer.state.values() for t in values.values() if isinstance(t, torch.Tensor)]
+            self.tracker = LiveStorages(peak_on=self.device, known=self._known(state))
+            try:
+                with self.tracker:
+                    yield optimizer
+            finally:
+                with torch.no_grad():
+                    for param, value in zip(params, saved, strict=True):
+                        param.copy_(value)
+                optimizer.load_state_dict(saved_state)
 
     def _known(self, state: list[torch.Tensor]) -> list[torch.Tensor]:
         """What exists before the step: weights, buffers, gradients, the optimizer's `state`, the batch."""
@@ -66,6 +67,22 @@ class StepPeak:
             return None
         peak, self.tracker = self.tracker.peak, None
         return peak - report.device_bytes
+
+
+@contextlib.contextmanager
+def _step_hooks_held(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """The optimizer's own step hooks (an EMA of the weights, a step counter) do not see the measuring steps, whose
+    parameters and state are put back; they are the same hooks, in order, after. (torch's global optimizer hooks,
+    registered for every optimizer, are not remat's to hold.)"""
+    names = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
+    held = {name: dict(hooks) for name in names if isinstance(hooks := getattr(optimizer, name, None), dict)}
+    for name in held:
+        getattr(optimizer, name).clear()
+    try:
+        yield
+    finally:
+        for name, hooks in held.items():
+            getattr(optimizer, name).update(hooks)
 
 
 def _make_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
