@@ -69,6 +69,17 @@ def test_another_checkpoint_implementation_since_the_profile_is_refused():
         profile.plan("1GiB")
 
 
+def test_another_attention_implementation_since_the_profile_is_refused():
+    """Eager attention holds its scores for backward: a plan for SDPA's profile held 15% more than predicted."""
+    cm, _, profile = _profiled()
+    was = cm.model.config._attn_implementation
+    cm.model.set_attn_implementation("sdpa" if was == "eager" else "eager")
+    with pytest.raises(StaleProfileError, match=f"the attention implementation was '{was}', now"):
+        profile.plan("1GiB")
+    cm.model.set_attn_implementation(was)
+    assert profile.plan("1GiB") is not None
+
+
 def test_a_head_changed_since_the_profile_is_refused_both_ways_unless_the_profile_chooses_the_head():
     """The bytes outside the layers are the head's: a plain head's profile planned for a chunked head (or the other
     way) mispredicted the step's peak by 2.3x in a user's trial, silently."""

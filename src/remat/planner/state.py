@@ -1,8 +1,9 @@
 """`ModelState`: what a profile's bytes and seconds per layer depend on, recorded when measured. A plan for a model
-changed since (cast, moved, another trainable parameter, adapter, swap set, head or checkpoint implementation) is
-refused, naming the change (`StaleProfileError`): a float32 profile planned a float64 model at half its bytes,
-swapped weights hold device slots across a step, and a head changed after profiling moves the bytes outside the
-layers (a plan for a plain head's profile, run with a chunked head, was 2.3x off)."""
+changed since (cast, moved, another trainable parameter, adapter, swap set, head, attention or checkpoint
+implementation) is refused, naming the change (`StaleProfileError`): a float32 profile planned a float64 model at
+half its bytes, swapped weights hold device slots across a step, a head changed after profiling moves the bytes
+outside the layers (a plan for a plain head's profile, run with a chunked head, was 2.3x off), and eager attention
+holds its scores (a plan for SDPA's profile held 15% more under eager)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ class ModelState:
     offload_min_bytes: int  # the config's: an offloaded input under it stays on the device
     use_reentrant: bool
     head: tuple[str, int | None] | None = None  # the config's (head, head_chunk_tokens); None: not recorded
+    attention: str | None = None  # the model's attention implementation (eager holds its scores); None: not recorded
 
     @classmethod
     def of(cls, model: nn.Module, config: Any, num_layers: int) -> ModelState:
@@ -46,6 +48,9 @@ class ModelState:
             offload_min_bytes=config.offload_min_bytes,
             use_reentrant=config.use_reentrant,
             head=(config.head, config.head_chunk_tokens),
+            attention=None
+            if (found := getattr(getattr(model, "config", None), "_attn_implementation", None)) is None
+            else str(found),
         )
 
     def changes(self, now: ModelState, *, measured_offload: bool, plans_head: bool = False) -> list[str]:
@@ -72,6 +77,8 @@ class ModelState:
         if not plans_head and None not in (self.head, now.head) and self.head != now.head:
             was, is_ = (head_label(*head) for head in (self.head, now.head))  # type: ignore[misc]
             found.append(f"the head was {was}, now {is_} (the bytes outside the layers were measured with the first)")
+        if None not in (self.attention, now.attention) and self.attention != now.attention:
+            found.append(f"the attention implementation was {self.attention!r}, now {now.attention!r}")
         if measured_offload and self.offload_min_bytes != now.offload_min_bytes:
             found.append(f"offload_min_bytes was {self.offload_min_bytes}, now {now.offload_min_bytes}")
         return found
