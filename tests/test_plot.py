@@ -59,6 +59,15 @@ def test_the_plot_marks_the_budget_and_the_plan_chosen_for_it_and_says_its_scope
     assert "budget" not in plain.axes[0].get_title()
 
 
+def test_a_budget_plan_refuses_is_refused_by_the_plot_and_one_nothing_fits_says_so(profile):
+    for budget in (0, "0B", -1):
+        with pytest.raises(ValueError, match="budget must be"):
+            profile.plot(budget=budget)
+    figure = profile.plot(budget=1)
+    assert "(nothing fits)" in figure.axes[0].get_title()
+    assert not [c for c in figure.axes[0].collections if c.get_label() == "chosen for the budget"]
+
+
 def test_native_options_priced_alike_share_one_label_and_no_label_overprints_another(profile):
     # On two layers every_n_layers=2, 3 and 4 are one map (layer 0 recomputed): one mark, one label.
     figure = profile.plot(budget=profile.frontier()[0].predicted_device_bytes)

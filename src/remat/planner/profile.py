@@ -119,9 +119,7 @@ class Profile:
         activations for `scope="activations"`, the peak of one whole training step for
         `scope="step"`; for a batch of `tokens` tokens (default: the profiled batch's). Runs
         nothing. Raises ValueError naming the smallest budget that fits when none does."""
-        limit = parse_bytes(budget, "budget")
-        if limit <= 0:
-            raise ConfigError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
+        limit = _budget_bytes(budget)
         config, m = self._base(scope, tokens)
         chosen = choose(m, limit, scope)
         if chosen is None:
@@ -157,7 +155,7 @@ class Profile:
         _, m = self._base(scope, tokens)
         points = [(p.device_bytes, p.seconds) for p in frontier(m, scope)]
         marks = native_points(m, scope, self.native_every_n) if native else {}
-        limit = None if budget is None else parse_bytes(budget, "budget")
+        limit = None if budget is None else _budget_bytes(budget)
         best = None if limit is None else choose(m, limit, scope)
         chosen = None if best is None else (best.device_bytes, best.seconds)
         return frontier_figure(points, marks, scope=scope, tokens=m.tokens, budget=limit, chosen=chosen)
@@ -216,6 +214,14 @@ class Profile:
             f"Profile({len(self.measurements.layers)} layers, {self.tokens} tokens, "
             f"step {'measured' if self.measurements.step else 'not measured'}, {self.profiling_seconds:.1f} s)"
         )
+
+
+def _budget_bytes(budget: Size) -> int:
+    """A budget in bytes, for `plan` and `plot` alike (`plot(budget=0)` drew a line that `plan(0)` refused)."""
+    limit = parse_bytes(budget, "budget")
+    if limit <= 0:
+        raise ConfigError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
+    return limit
 
 
 class _WeakSource(LocalRef[Any]):
