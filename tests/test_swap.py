@@ -1,6 +1,7 @@
 """Block swap: frozen weights in host memory between uses, exact, bounded by the slot pool."""
 
 import collections
+import copy
 import weakref
 
 import pytest
@@ -321,3 +322,40 @@ def test_disable_between_forward_and_backward_brings_weights_home_and_backward_s
     cm.disable()
     loss.backward()
     assert_same_grads(ref, {n: p.grad for n, p in named})
+
+
+@pytest.mark.parametrize("evaluate", ["forward", "generate"])
+def test_an_evaluation_under_inference_mode_leaves_the_next_training_step_exact(evaluate):
+    """The slots an inference_mode forward made were inference tensors, kept in the pool: the next training steps
+    failed ("Inplace update to inference tensor outside InferenceMode"), one per poisoned slot."""
+    model, named = _lora_model()
+    reference = copy.deepcopy(model)
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1, 2]), swap_mover=SimulatedTransport())
+    with cm.for_inference(), torch.inference_mode():
+        if evaluate == "forward":
+            cm(**batch())
+        else:
+            prompt = batch()["input_ids"][:, :4]
+            cm.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    for seed in (1, 2):
+        _, expected = step_grads(
+            reference, [(n, p) for n, p in reference.named_parameters() if p.requires_grad], batch(seed=seed)
+        )
+        assert_same_grads(expected, step_grads(cm, named, batch(seed=seed))[1])
+
+
+def test_a_swapped_weight_made_trainable_is_refused_at_the_next_plan_and_forward_and_can_leave_the_swap():
+    """Accepted, then trained: the optimizer's step failed in torch (the weight's data a placeholder), naming none."""
+    model, _ = _lora_model()
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))
+    weight = decoder_layers(model)[1].mlp.gate_proj.weight
+    weight.requires_grad_(True)
+    with pytest.raises(BlockSwapError, match="made trainable after it was swapped"):
+        cm.enable(every_n_layers=1)
+    with pytest.raises(BlockSwapError, match="made trainable after it was swapped"):
+        cm(**batch())
+    cm.enable(swap_layers=0)  # what the error says: leave the swap, then train it
+    before = weight.detach().clone()
+    cm(**batch()).loss.backward()
+    torch.optim.SGD([weight], lr=1.0).step()
+    assert weight.stride() == (weight.shape[1], 1) and not torch.equal(weight, before)

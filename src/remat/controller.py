@@ -295,7 +295,10 @@ class Controller:
 
     def _check_swap_change(self, new_map: CheckpointMap) -> None:
         """Refuse a swap that cannot be made, or would move weights an autograd graph still holds."""
-        joining = [t for t in swap_targets(self.discovery, new_map) if t[0] not in self.swapper.layers]
+        targets = swap_targets(self.discovery, new_map)
+        for index in (t[0] for t in targets if t[0] in self.swapper.layers):  # staying: still frozen
+            self.swapper.layers[index].check_frozen()
+        joining = [t for t in targets if t[0] not in self.swapper.layers]
         check_swappable(joining, self.model)
         if held := joining and weights_in_use(joining, self.model):  # (walks every parameter: only when one joins)
             raise StateError(

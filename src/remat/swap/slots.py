@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import BlockSwapError
 from ..refs import InstancePatches
 from ..transport import Event, WeightMover
 
@@ -54,6 +55,16 @@ class SwappedLayer:
     def rest(self) -> None:
         self.point_at(self.placeholders)
 
+    def check_frozen(self) -> None:
+        """A swapped weight made trainable since (its data a placeholder between uses): an optimizer's step on it
+        failed in torch with nothing naming the swap."""
+        if trained := sum(p.requires_grad for p in self.params):
+            raise BlockSwapError(
+                f"layer {self.index} ({self.name}): {trained} of its swapped weights were made trainable after it was "
+                "swapped; a swapped weight rests in host memory and must stay frozen. Leave the layer out of "
+                "swap_layers first (cm.enable(swap_layers=...)), then train that weight"
+            )
+
 
 def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=dtype, device=device).expand(shape)
@@ -83,7 +94,8 @@ class SlotPool:
             slot = free.pop()
         elif beyond_pool or self._count.get(layout, 0) <= self.prefetch_depth:
             self._count[layout] = self._count.get(layout, 0) + 1
-            slot = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in layer.placeholders]
+            with torch.inference_mode(False):  # made in an inference_mode forward, a slot no training step could fill
+                slot = [torch.empty(p.shape, dtype=p.dtype, device=p.device) for p in layer.placeholders]
         else:
             return False
         layer.ready = [layer.mover.fetch(dst, src) for dst, src in zip(slot, layer.host, strict=True)]
@@ -152,6 +164,8 @@ class Schedule:
             self.release_all()  # a new pass
             self._callback_queued = False  # a backward that failed never ran its end callback
         self._phase = (direction, index)
+        if forward and torch.is_grad_enabled():
+            self.layers[index].check_frozen()
         order = list(self.layers) if forward else list(reversed(self.layers))
         at = order.index(index)
         for passed in order[:at]:
