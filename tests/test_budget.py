@@ -159,7 +159,7 @@ def test_the_map_is_kept_through_inference_routes_and_generation():
     assert cm.checkpoint_map == planned and cm.checkpoint_config.budget == budget
 
 
-@pytest.mark.parametrize("change", ["adapter", "dtype", "swap"])
+@pytest.mark.parametrize("change", ["adapter", "dtype", "swap", "attention"])
 def test_a_stale_profile_is_measured_again_naming_what_changed(caplog, change):
     cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
     cm(**batch(size=2, seq=8)).loss.backward()
@@ -167,12 +167,14 @@ def test_a_stale_profile_is_measured_again_naming_what_changed(caplog, change):
         cm.model.add_adapter("second", cm.model.peft_config["default"])
     elif change == "dtype":
         cm.model.double()
+    elif change == "attention":  # the same bucket: its plan was cached
+        cm.model.set_attn_implementation("sdpa" if cm.model.config._attn_implementation == "eager" else "eager")
     else:
         cm.enable(cm.checkpoint_config.replace(swap_layers=1))
     with caplog.at_level(logging.INFO, logger="remat"):
         cm(**batch(size=2, seq=8)).loss.backward()
     messages = [r.getMessage() for r in caplog.records if "measuring a profile" in r.getMessage()]
-    said = {"adapter": "adapters were", "dtype": "dtypes were", "swap": "swapped layers were"}[change]
+    said = {"adapter": "adapters were", "dtype": "dtypes were", "swap": "swapped layers were"}.get(change, "attention")
     assert len(messages) == 1 and said in messages[0], messages
 
 

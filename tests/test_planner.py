@@ -185,10 +185,19 @@ def test_planning_leaves_the_model_and_everything_outside_it_as_it_was():
     optimizer = torch.optim.AdamW([p for _, p in named], lr=0.1, weight_decay=0.5)
     stepped = []  # the user's own step hooks (an EMA of the weights): the measuring steps are not theirs
     optimizer.register_step_pre_hook(lambda *_: stepped.append("pre"))
+    removed = optimizer.register_step_post_hook(lambda *_: stepped.append("removed"))
     optimizer.register_step_post_hook(lambda *_: stepped.append("post"))
+
+    # removed while the profile measures (by the model's first forward, inside the first measured step), it stays
+    def remove_once(*_):
+        removed.remove()
+        once.remove()
+
+    once = cm.model.register_forward_pre_hook(remove_once)
     weights = {n: p.detach().clone() for n, p in named}
     cm.profile(data, repeats=1, progress=False, optimizer=optimizer).plan("1GiB", scope="step")
     handle.remove()
+    once.remove()
     assert stepped == []
     assert mlp.calls == 0 and mlp.seen.item() == 0, "the measuring steps' counts were put back"
     assert cm.checkpoint_config == config and cm.checkpoint_map.checkpointed == [] and named[0][1].grad is marker
@@ -469,6 +478,12 @@ def test_a_full_fine_tunes_step_plans_whose_last_layer_keeps_more_peak_where_eve
         cm.enable(layer_policies=dict(enumerate(policies)))
         predicted = predicted_plan(profile.measurements, policies, "step").peak_bytes
         assert abs(step_peak_bytes(cm, data, optimizer) - predicted) <= 0.01 * predicted, last
+    for first in ("none", "selective"):  # a layer before the last checkpointed one keeps more in its recomputes
+        policies = [first, "recompute", "recompute", "selective"]
+        cm.enable(layer_policies=dict(enumerate(policies)))
+        predicted = predicted_plan(profile.measurements, policies, "step").peak_bytes
+        measured = step_peak_bytes(cm, data, optimizer)
+        assert measured <= predicted <= 1.1 * measured, (first, measured, predicted)
     least = profile.plan(profile.frontier(scope="step")[0].planned_budget, scope="step")
     cm.enable(least)
     assert step_peak_bytes(cm, data, optimizer) <= least.planned_budget

@@ -80,6 +80,21 @@ def test_another_attention_implementation_since_the_profile_is_refused():
     assert profile.plan("1GiB") is not None
 
 
+def test_a_vision_language_models_text_attention_changed_since_the_profile_is_refused():
+    """A sub-config's implementation alone (`{"text_config": "eager"}`) left the top one as it was, unrefused."""
+    from test_discovery import tiny_llava
+    from test_remote_code import _llava_batch
+
+    model = tiny_llava()
+    model.train()
+    cm = CheckpointedModel(model)
+    profile = cm.profile(_llava_batch(), repeats=1, progress=False)
+    was = model.config.text_config._attn_implementation
+    model.set_attn_implementation({"text_config": "sdpa" if was == "eager" else "eager"})
+    with pytest.raises(StaleProfileError, match=f"text_config={was}"):
+        profile.plan("1GiB")
+
+
 def test_a_head_changed_since_the_profile_is_refused_both_ways_unless_the_profile_chooses_the_head():
     """The bytes outside the layers are the head's: a plain head's profile planned for a chunked head (or the other
     way) mispredicted the step's peak by 2.3x in a user's trial, silently."""

@@ -353,7 +353,14 @@ def test_a_swapped_weight_made_trainable_is_refused_at_the_next_plan_and_forward
     with pytest.raises(BlockSwapError, match="made trainable after it was swapped"):
         cm.enable(every_n_layers=1)
     with pytest.raises(BlockSwapError, match="made trainable after it was swapped"):
+        cm.enable(head="chunked")  # refused: the head it would plan is not kept either
+    with pytest.raises(BlockSwapError, match="made trainable after it was swapped"):
         cm(**batch())
+    weight.requires_grad_(False)
+    cm.for_inference()
+    cm.for_training()
+    assert cm.checkpoint_map.head.policy == "plain" and cm(**batch()).logits is not None
+    weight.requires_grad_(True)
     cm.enable(swap_layers=0)  # what the error says: leave the swap, then train it
     before = weight.detach().clone()
     cm(**batch()).loss.backward()

@@ -93,6 +93,11 @@ class BudgetState:
         """A copy (deepcopy, pickle) starts afresh: its profile would check and plan another wrapper's model."""
         return (BudgetState, ())
 
+    def active_for(self, config: Any) -> Any:
+        """The plan the map runs under `config` (None: pending, or another budget config, planned anew), changing
+        nothing (a re-plan may still be refused)."""
+        return None if config.budget is not None and config != self.config else self.active
+
     def config_changed(self, config: Any) -> None:
         """The wrapper's config is now `config`: another budget config plans again (the profile stays while it
         serves it); a config without a budget (a map by hand, measuring's own steps) leaves the plans as they are."""
@@ -307,13 +312,13 @@ def agreed_tokens(tokens: int, model: Any) -> int:
 
 def _model_key(controller: Any, params: list[Any]) -> tuple[Any, ...]:
     """What a profile's validity depends on, cheap enough for every step: the dtype, device and training
-    flag of the parameters the model had when last checked, its adapters and active ones, the config.
+    flag of the parameters the model had when last checked, its adapters and active ones, the config, attention.
     (`Profile.changes` reads the whole state, every parameter by name, when this moves, and for every bucket
     planned anew: a parameter added outside PEFT is seen there.)"""
-    from .planner.state import adapters_of
+    from .planner.state import adapters_of, attention_of
 
     flags = tuple((p.dtype, p.device, p.requires_grad) for p in params)
-    return flags, adapters_of(controller.model), id(controller.config)
+    return flags, adapters_of(controller.model), id(controller.config), attention_of(controller.model)
 
 
 def logits_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:

@@ -55,15 +55,15 @@ def controller_of_wrapper(obj: Any) -> Controller | None:
     return controller if isinstance(controller, Controller) else None
 
 
-def budget_reasons(checkpoint_map: CheckpointMap, config: CheckpointConfig, budget: BudgetState) -> CheckpointMap:
+def budget_reasons(checkpoint_map: CheckpointMap, config: CheckpointConfig, active: Any, bucket: Any) -> CheckpointMap:
     """With a budget, each row says so: pending until the first training step, then the bucket planned for."""
     if config.budget is None:
         return checkpoint_map
     scope = f"budget {config.budget} ({config.budget_scope})"
-    if budget.active is None:
+    if active is None:
         why = f"{scope}: planned on the first training step; until then {{}}"
     else:
-        why = f"{scope}, planned for {budget.active_bucket} tokens"
+        why = f"{scope}, planned for {bucket} tokens"
     plans = [dataclasses.replace(p, reason=why.format(p.reason)) for p in checkpoint_map]
     return CheckpointMap(plans, off=checkpoint_map.off, head=checkpoint_map.head)
 
@@ -241,23 +241,25 @@ class Controller:
     ) -> None:
         """The one path of `enable` and re-planning: plan once, run every check that can refuse before
         anything changes, then swap, install (`install`) or re-apply. `said`: the caller logged it."""
-        self.budget.config_changed(config)  # another budget config: planned on the next training step
+        active = self.budget.active_for(config)  # the plan of the current bucket (None: pending, another budget)
         map_config = config
         if config.budget is not None and planned is None:
-            map_config = self.budget.active or config  # the plan of the current bucket, or pending
+            map_config = active or config
         new_map = (
             plan_layers(map_config, self.discovery.names, checkpointing_off_by=off_by) if planned is None else planned
         )
-        new_map = budget_reasons(new_map, config, self.budget)
+        new_map = budget_reasons(new_map, config, active, self.budget.active_bucket)
         head = plan_head(map_config.head, map_config.head_chunk_tokens, self.model)
         # the same head planned again (a route, a mode change) keeps the row of what last ran
         shown = self.checkpoint_map.head if head == self._head_planned else None
-        self._head_planned = head
         new_map = new_map.with_head(shown or head)
         installing = install and not self.is_enabled
         live = installing or self.is_enabled
         if live:
             self._check_swap_change(new_map)
+        # nothing refuses from here: what the new config plans is kept
+        self.budget.config_changed(config)  # another budget config: planned on the next training step
+        self._head_planned = head
         change = None
         if not said and not self.budget.measuring:  # a budget's profile says one line for all its steps
             change = self._log_changes(config, new_map, cause)

@@ -72,17 +72,23 @@ class StepPeak:
 @contextlib.contextmanager
 def _step_hooks_held(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     """The optimizer's own step hooks (an EMA of the weights, a step counter) do not see the measuring steps, whose
-    parameters and state are put back; they are the same hooks, in order, after. (torch's global optimizer hooks,
-    registered for every optimizer, are not remat's to hold.)"""
-    names = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
-    held = {name: dict(hooks) for name in names if isinstance(hooks := getattr(optimizer, name, None), dict)}
-    for name in held:
-        getattr(optimizer, name).clear()
+    parameters and state are put back: each stands aside (a no-op in its place, so order and handles hold) and comes
+    back unless its handle removed it meanwhile. (torch's global optimizer hooks are not remat's to hold.)"""
+    held = {}
+    for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
+        if isinstance(hooks := getattr(optimizer, name, None), dict):
+            held[name] = dict(hooks)
+            hooks.update(dict.fromkeys(hooks, _stand_aside))
     try:
         yield
     finally:
-        for name, hooks in held.items():
-            getattr(optimizer, name).update(hooks)
+        for name, saved in held.items():
+            hooks = getattr(optimizer, name)
+            hooks.update({key: hook for key, hook in saved.items() if key in hooks})
+
+
+def _stand_aside(*_: Any) -> None:
+    return None
 
 
 def _make_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:

@@ -17,7 +17,7 @@ from ..compat.accelerator import device_name
 from ..errors import SavedFileError
 from ..policies import LayerProfile
 from .chooser import HeadProfile, Measurements, Outside, StepMemory, TimePrices
-from .state import ModelState
+from .state import ModelState, attention_of
 
 FORMAT = 1
 _TYPES: dict[str, Any] = {
@@ -29,10 +29,6 @@ def machine() -> dict[str, Any]:
     """What a profile's figures depend on beyond the model: the accelerator (or the CPU's model), torch and
     transformers (whose layers hold what they hold)."""
     return {"device": device_name(), "torch": torch.__version__, "transformers": transformers.__version__}
-
-
-def _attention(model: Any) -> Any:
-    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def _encode(value: Any) -> Any:
@@ -72,7 +68,7 @@ def profile_to_json(profile: Any, model: Any, without_optimizer: bool) -> dict[s
     return {
         "format": FORMAT,
         "machine": machine(),
-        "attention": _attention(model),
+        "attention": attention_of(model),
         "without_optimizer": without_optimizer,
         "measurements": _encode(profile.measurements),
         "state": _encode(profile.state),
@@ -102,7 +98,7 @@ class SavedProfile:
         here, there = machine(), self.data.get("machine")
         if here != there:
             return [f"it was measured on {there}, this is {here}"]
-        if (attention := _attention(model)) != self.data.get("attention"):
+        if (attention := attention_of(model)) != self.data.get("attention"):
             return [f"it was measured with {self.data.get('attention')!r} attention, the model runs {attention!r}"]
         try:
             measurements = self.profile(None).measurements

@@ -48,9 +48,7 @@ class ModelState:
             offload_min_bytes=config.offload_min_bytes,
             use_reentrant=config.use_reentrant,
             head=(config.head, config.head_chunk_tokens),
-            attention=None
-            if (found := getattr(getattr(model, "config", None), "_attn_implementation", None)) is None
-            else str(found),
+            attention=attention_of(model),
         )
 
     def changes(self, now: ModelState, *, measured_offload: bool, plans_head: bool = False) -> list[str]:
@@ -82,6 +80,16 @@ class ModelState:
         if measured_offload and self.offload_min_bytes != now.offload_min_bytes:
             found.append(f"offload_min_bytes was {self.offload_min_bytes}, now {now.offload_min_bytes}")
         return found
+
+
+def attention_of(model: nn.Module) -> str | None:
+    """The attention implementation the model runs, with its sub-configs' (a VLM's text model may run eager alone):
+    "sdpa", or "sdpa;text_config=eager;vision_config=sdpa"; None when the model has no transformers config."""
+    config = getattr(model, "config", None)
+    top = getattr(config, "_attn_implementation", None)
+    names = sorted(getattr(config, "sub_configs", None) or {})
+    subs = [f"{name}={getattr(getattr(config, name, None), '_attn_implementation', None)}" for name in names]
+    return None if top is None and not subs else ";".join([str(top), *subs])
 
 
 def _counts(values: Any) -> Counts:
