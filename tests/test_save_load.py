@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, step_grads, tiny_model
 
-from remat import CheckpointConfig, CheckpointedModel
+from remat import CheckpointConfig, CheckpointedModel, RematError
 
 EVERYTHING = CheckpointConfig(
     every_n_layers=3,
@@ -169,6 +169,46 @@ def test_inference_load_and_plain_base_model(tmp_path):
     assert os.listdir(tmp_path / "base") == ["checkpoint_config.json"]
     again = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "base")
     assert again.checkpoint_map.checkpointed == [0, 2]
+
+
+def test_a_save_of_a_wrapper_loaded_for_inference_loads_trainable_when_asked(tmp_path):
+    """Every adapter was saved frozen (the wrapper had been loaded with is_trainable=False), so a load with
+    is_trainable=True kept it frozen, silently, and the first step failed in torch (no tensor requires grad)."""
+    cm = _trained_lora()
+    trained = {n for n, p in cm.model.named_parameters() if p.requires_grad}
+    cm.save_pretrained(tmp_path / "trained")
+    served = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "trained", is_trainable=False)
+    served.save_pretrained(tmp_path / "copy")
+    again = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "copy", is_trainable=True)
+    assert {n for n, p in again.model.named_parameters() if p.requires_grad} == trained
+    again(**batch()).loss.backward()
+    frozen = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "copy", is_trainable=False)
+    assert not any(p.requires_grad for p in frozen.model.parameters())
+    nothing_trains = add_lora(tiny_model()).requires_grad_(False)  # as PEFT's from_pretrained loads it by default
+    CheckpointedModel(nothing_trains).save_pretrained(tmp_path / "frozen")
+    again = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "frozen", is_trainable=True)
+    assert {n for n, p in again.model.named_parameters() if p.requires_grad} == trained
+
+
+@pytest.mark.parametrize(
+    "keywords, said",
+    [
+        ({"every_n_layers": 3}, r"every_n_layers= would be ignored; .*cm.enable\(every_n_layers=...\)"),
+        ({"config": CheckpointConfig(every_n_layers=3)}, r"enable it after loading: cm.enable\(config\)"),
+        ({"is_trainble": False}, "did you mean 'is_trainable'"),
+        ({"offload_host_budgt": "1GiB"}, "did you mean 'offload_host_budget'"),
+        ({"adapter_name": "mine"}, r"cm.model.load_adapter\(folder, adapter_name=...\)"),
+    ],
+)
+def test_keywords_peft_would_ignore_or_misread_are_refused_before_anything_loads(tmp_path, keywords, said):
+    """PEFT took them: a config field or a misspelt keyword was ignored without a word, adapter_name= failed inside
+    PEFT ("got multiple values for keyword argument")."""
+    _trained_lora().save_pretrained(tmp_path)
+    base = tiny_model()
+    with pytest.raises(TypeError, match=said) as refused:
+        CheckpointedModel.from_pretrained(base, tmp_path, **keywords)
+    assert isinstance(refused.value, RematError) and not hasattr(base, "peft_config")
+    assert CheckpointedModel.from_pretrained(base, tmp_path).model.peft_config  # then it loads
 
 
 def test_a_model_of_another_depth_is_refused_before_anything_changes(tmp_path):

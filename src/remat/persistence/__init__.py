@@ -17,7 +17,8 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
 from ..arguments import WrapperOptions
-from ..errors import ConfigError, FolderChangedError, NotSavedError
+from ..config import CheckpointConfig
+from ..errors import ConfigError, ConfigTypeError, FolderChangedError, NotSavedError
 from ..refs import InstancePatches
 from ..saving.folder import CONFIG_NAME, is_staging, recover
 from .pair_format import Expected, PairOwner, is_peft_model, original_method, read_model_pair, save_model_pair
@@ -71,6 +72,35 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
         logger.info("%s already has a README.md: kept it, PEFT's model card was not written", target)
 
 
+def _refuse_keywords_peft_would_drop(kwargs: dict[str, Any]) -> None:
+    """The keywords `from_pretrained` hands PEFT (the wrapper's own options aside): PEFT ignored a config field or a
+    misspelt `is_trainable` without a word, and answered `adapter_name=` with its own internal error."""
+    import difflib
+
+    fields = [field.name for field in dataclasses.fields(CheckpointConfig)]
+    own_config = isinstance(kwargs.get("config"), CheckpointConfig)  # (a PeftConfig is PEFT's to take)
+    if given := sorted(set(kwargs) & {*fields, *(["config"] if own_config else [])}):
+        raise ConfigTypeError(
+            f"from_pretrained loads the checkpoint config saved in the folder, so {given[0]}= would be ignored; "
+            f"change it after loading: cm = CheckpointedModel.from_pretrained(model, folder); cm.enable({given[0]}=...)"
+            if given[0] != "config"
+            else "from_pretrained loads the checkpoint config saved in the folder; to use another, enable it after "
+            "loading: cm.enable(config)"
+        )
+    if "adapter_name" in kwargs:
+        raise ConfigTypeError(
+            "from_pretrained loads every adapter of the save under the name it was saved with; adapter_name= is for "
+            "one adapter: cm.model.load_adapter(folder, adapter_name=...) loads a save's adapter under another name"
+        )
+    ours = [*fields, *WrapperOptions.names(), "is_trainable"]
+    for key in kwargs:
+        if key not in ours and (close := difflib.get_close_matches(key, ours, n=1, cutoff=0.8)):
+            raise ConfigTypeError(
+                f"from_pretrained got the keyword {key!r}: did you mean {close[0]!r}? (other keywords go to PEFT's "
+                "loading, which would ignore it)"
+            )
+
+
 def load_checkpointed_model(
     cls: Any, model: nn.Module, path: str | os.PathLike, *, is_trainable: bool, **kwargs: Any
 ) -> Any:
@@ -78,6 +108,7 @@ def load_checkpointed_model(
     folder = os.path.abspath(os.fspath(path))
     if not os.path.isdir(folder):
         raise NotSavedError(f"no saved CheckpointedModel at {folder}; save one with cm.save_pretrained(folder)")
+    _refuse_keywords_peft_would_drop(kwargs)
     options = WrapperOptions.taken_from(kwargs)
     # Every check comes before PEFT's loading changes the model. Layers are found and planned again only
     # in the PeftModel PEFT builds around a base model (its tuner may add layers; PEFT froze the weights).

@@ -276,8 +276,9 @@ def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
     return list(saved.adapters)
 
 
-def fingerprints(model: Any, folder: str, selected: list[str] | None = None) -> dict[str, Any]:
-    """The `adapters` entry for the adapters PEFT wrote into `folder`."""
+def fingerprints(model: Any, folder: str, selected: list[str] | None, training: bool) -> dict[str, Any]:
+    """The `adapters` entry for the adapters PEFT wrote into `folder`; with `training`, whether each adapter trains
+    (DPO's reference adapter is saved frozen beside the one trained)."""
     if not is_peft_model(model):
         return {}
     out: dict[str, Any] = {}
@@ -288,7 +289,7 @@ def fingerprints(model: Any, folder: str, selected: list[str] | None = None) -> 
         if weights is not None and os.path.isfile(config):
             sums = {"sha256": sha256_file(os.path.join(here, weights)), "config_sha256": sha256_file(config)}
             out[name] = {"folder": adapter_folder(name), "weights": weights, **sums}
-            if own := adapter_parameters(model, name):  # none found: not said, a load makes it what it asks
+            if training and (own := adapter_parameters(model, name)):  # else not said: a load does what it asks
                 out[name]["trainable"] = any(p.requires_grad for p in own)
     return out
 
@@ -310,7 +311,10 @@ def save_model_pair(
         names = [plan.name for plan in owner.checkpoint_map]
         payload["layers"] = relative_names(model, names)
         payload["architecture"] = architecture_of(model, len(names))
-        payload["adapters"] = fingerprints(model, staging, selected)
+        # a wrapper loaded for inference, or a model nothing of which trains, says nothing of what trains: a load
+        # with is_trainable=True kept such a save's adapters frozen (the first step failed in torch)
+        training = not getattr(owner, "inference", False) and any(p.requires_grad for p in model.parameters())
+        payload["adapters"] = fingerprints(model, staging, selected, training)
         if is_peft_model(model):
             active = [name for name in model.active_adapters if name in payload["adapters"]]
             payload["active_adapters"] = active
