@@ -201,7 +201,7 @@ def test_a_load_plans_from_the_saved_profile_without_measuring(tmp_path, caplog)
     assert any("planning from the saved profile" in m for m in said) and not any("measuring" in m for m in said)
 
 
-@pytest.mark.parametrize("damage", ["another machine", "malformed", "another model dtype"])
+@pytest.mark.parametrize("damage", ["another machine", "malformed", "another model dtype", "negative", "nan"])
 def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_again(tmp_path, caplog, damage):
     """Said once, why: a saved profile of another model state was announced as planned from, then measured again."""
     import json
@@ -212,10 +212,22 @@ def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_
         data["budget_profile"]["machine"]["device"] = "NVIDIA H200"
     elif damage == "malformed":
         data["budget_profile"]["measurements"] = {"type": "Measurements", "fields": {"layers": 3}}
+    elif damage in ("negative", "nan"):  # numbers no measurement gives (a crafted file): planned from, before
+
+        def crafted(value):
+            if isinstance(value, dict):
+                return {k: crafted(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [crafted(v) for v in value]
+            if damage == "negative" and type(value) is int and value > 100:
+                return -value
+            return float("nan") if damage == "nan" and type(value) is float else value
+
+        data["budget_profile"]["measurements"] = crafted(data["budget_profile"]["measurements"])
     file.write_text(json.dumps(data))
     dtype = torch.float64 if damage == "another model dtype" else torch.float32
     said = _first_step_after_loading(tmp_path, caplog, dtype)
-    reason = {"another machine": "measured on", "malformed": "malformed", "another model dtype": "dtypes were"}[damage]
+    reason = {"another machine": "measured on", "another model dtype": "dtypes were"}.get(damage, "malformed")
     assert any("saved profile is not used" in m and reason in m for m in said), said
     assert sum("measuring a profile" in m for m in said) == 1
     assert not any("planning from the saved profile" in m for m in said), said

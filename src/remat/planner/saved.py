@@ -8,6 +8,7 @@ crafted file can make a malformed profile (refused, and measured again), never r
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import torch
@@ -77,6 +78,21 @@ def profile_to_json(profile: Any, model: Any, without_optimizer: bool) -> dict[s
     }
 
 
+def _impossible(m: Measurements) -> str | None:
+    """Numbers no measurement gives, which the chooser would plan with all the same (negative bytes fit any budget;
+    a NaN time changes which map is fastest)."""
+    for each in (m, m.shorter) if m.shorter is not None else (m,):
+        counts = [*each.outside, each.tokens, *(p.input_bytes for p in each.layers)]
+        counts += [b for p in each.layers for pair in p.held.values() for b in pair]
+        if any(not math.isfinite(c) or c < 0 for c in counts):
+            return "a byte or token count below zero or not a number"
+        if not all(
+            math.isfinite(t) for t in (each.base_seconds, *(t for p in each.layers for t in p.seconds.values()))
+        ):
+            return "a time that is not a number"
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class SavedProfile:
     """A profile read from a save: `source` names the file, for the log line that says it was used."""
@@ -102,6 +118,8 @@ class SavedProfile:
             return [f"it was measured with {self.data.get('attention')!r} attention, the model runs {attention!r}"]
         try:
             measurements = self.profile(None).measurements
+            if why := _impossible(measurements):
+                return [f"{self.source}: the saved profile is malformed ({why})"]
             for tokens in (None, 2 * measurements.tokens):
                 frontier(measurements.scaled(tokens), "activations")
         except SavedFileError as err:
