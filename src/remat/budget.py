@@ -79,7 +79,6 @@ class BudgetState:
     active_bucket: int | None = None
     receipts: dict[int, Receipt] = field(default_factory=dict)  # bucket -> the receipt of its current plan
     history: list[Receipt] = field(default_factory=list)  # every receipt, in order: a bucket planned anew has two
-    receipted: dict[int, Any] = field(default_factory=dict)  # bucket -> the plan its current receipt is of
     last_bucket: int | None = None
     unlogged: set[int] = field(default_factory=set)  # buckets of the training forwards since a trainer's last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
@@ -149,10 +148,10 @@ class BudgetState:
                 )
             self.active, self.active_bucket = planned, bucket
             controller.replan(config, controller.off_by, f"budget: a step of {tokens} tokens", said=True)
-        receipt = self.receipts.get(bucket)
-        if receipt is None or not _same_plan(self.receipted[bucket], planned):  # said once per plan, not per change
-            receipt = self.receipts[bucket] = _receipt(planned, bucket, controller.checkpoint_map.head)
-            self.receipted[bucket] = planned
+        receipt, new = self.receipts.get(bucket), _receipt(planned, bucket, controller.checkpoint_map.head)
+        plan_of = lambda r: (r.policies, r.head, r.predicted_peak_bytes, r.scope)
+        if receipt is None or plan_of(receipt) != plan_of(new):  # said once per plan, not per change of bucket
+            receipt = self.receipts[bucket] = new
             self.history.append(receipt)
             receipt.planning_seconds = time.perf_counter() - started
             measured = self.profile.measurements.tokens
@@ -333,19 +332,6 @@ def _tensors(output: Any) -> list[torch.Tensor]:
         return [output]
     values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
     return [v for v in values if isinstance(v, torch.Tensor)]
-
-
-def _same_plan(old: Any, new: Any) -> bool:
-    """The same map, head and prediction (a profile measured again often plans a bucket as before)."""
-    key = lambda p: (
-        p.layer_policies,
-        p.head,
-        p.head_chunk_tokens,
-        p.scope,
-        p.predicted_peak_bytes,
-        p.predicted_device_bytes,
-    )
-    return old is new or key(old) == key(new)
 
 
 def _receipt(planned: Any, bucket: int, running: Any) -> Receipt:

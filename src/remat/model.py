@@ -325,13 +325,11 @@ class CheckpointedModel(nn.Module):
     def memory_report(self, batch: Mapping[str, Any], *, loss_fn: LossFn | None = None) -> MemoryReport:
         """One training step on `batch` (loss: `outputs.loss` or `loss_fn(outputs, batch)`), measured per
         layer; everything is left as it was (`remat.report`). Raises `StateError` in inference mode."""
-        from .loss import check_step_batch
         from .report import memory_report_leaving_state
 
         if self._controller.inference or not self.model.training:
             raise StateError("memory_report measures a training step: call cm.for_training() first")
-        check_step_batch(batch, "memory_report")
-        return memory_report_leaving_state(self._controller, dict(batch), loss_fn)
+        return memory_report_leaving_state(self._controller, batch, loss_fn)
 
     def profile(
         self,

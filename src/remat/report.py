@@ -9,7 +9,7 @@ import contextlib
 import copy
 import gc
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -153,7 +153,9 @@ def _alive_storages(refs: Iterable[weakref.ref[torch.Tensor]]) -> set[int]:
     return {key[0] for key in keys if key is not None}
 
 
-def memory_report_leaving_state(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
+def memory_report_leaving_state(
+    state: Measured, batch: Mapping[str, Any], loss_fn: LossFn | None = None
+) -> MemoryReport:
     """`memory_report` with everything the step changed put back, whatever happens (`cm.memory_report`): gradients
     (accumulated ones too: a report between micro-batches changes nothing the optimizer sees), module buffers and
     counters, RNG, the offload and swap counters."""
@@ -179,7 +181,7 @@ def counters_left_as_they_were(state: Measured) -> Iterator[None]:
         state.swapper.peak_resident_bytes = swap_peak
 
 
-def memory_report(state: Measured, batch: dict[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
+def memory_report(state: Measured, batch: Mapping[str, Any], loss_fn: LossFn | None = None) -> MemoryReport:
     """Run one training step (forward, backward) and measure it, leaving its gradients and counters for the planner,
     which steps an optimizer on them and puts everything back itself."""
     model, offloader, swapper = state.model, state.offloader, state.swapper

@@ -80,12 +80,10 @@ def _refuse_keywords_peft_would_drop(kwargs: dict[str, Any]) -> None:
     fields = [field.name for field in dataclasses.fields(CheckpointConfig)]
     own_config = isinstance(kwargs.get("config"), CheckpointConfig)  # (a PeftConfig is PEFT's to take)
     if given := sorted(set(kwargs) & {*fields, *(["config"] if own_config else [])}):
+        then = "cm.enable(config)" if given[0] == "config" else f"cm.enable({given[0]}=...)"
         raise ConfigTypeError(
             f"from_pretrained loads the checkpoint config saved in the folder, so {given[0]}= would be ignored; "
-            f"change it after loading: cm = CheckpointedModel.from_pretrained(model, folder); cm.enable({given[0]}=...)"
-            if given[0] != "config"
-            else "from_pretrained loads the checkpoint config saved in the folder; to use another, enable it after "
-            "loading: cm.enable(config)"
+            f"change it after loading: cm = CheckpointedModel.from_pretrained(model, folder); {then}"
         )
     if "adapter_name" in kwargs:
         raise ConfigTypeError(

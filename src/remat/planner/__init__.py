@@ -10,7 +10,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..compat.transformers_compat import native_every_n
-from ..loss import check_step_batch
 from .chooser import LayerChoice, Measurements
 from .measuring import Controlled, ProfileOptions, check_measurable, measure
 from .profile import PlannedConfig, Profile
@@ -19,9 +18,8 @@ from .state import ModelState
 
 def profile_model(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions) -> Profile:
     """Measure the controller's model on `batch` (`remat.planner.measuring`), refusing first what cannot be."""
-    check_step_batch(batch, "profile(batch)")
+    check_measurable(state, batch, options.loss_fn, "profile")  # (a dict of the model's inputs first)
     batch = dict(batch)
-    check_measurable(state, batch, options.loss_fn, "profile")
     config = state.config
     measured = ModelState.of(state.model, config, len(state.checkpoint_map))
     started = time.perf_counter()

@@ -350,16 +350,15 @@ def _recompute_floor(m: Measurements, c: Combination) -> int:
     `P_R` plus those layers' excess bounds the recomputes' moments (the key by the last layer's policy prices the
     start of backward). On a full fine-tune the peak comes in the recomputes: priced by its key alone, every layer
     but the last recomputing was up to 12% low, 9% over its budget (the planner trial)."""
-    key = ("recompute", True)
-    checkpointed = [i for i, name in enumerate(c.policies) if policy(name).checkpointed]
-    if m.step is None or key not in m.step.extras or not checkpointed or "offload" in c.policies:
+    key, policies = ("recompute", True), c.policies
+    if m.step is None or key not in m.step.extras or "offload" in policies or not checkpoints(policies):
         return 0
-    recompute = [policy("recompute").cost(p).device_bytes for p in m.layers]
-    last = checkpointed[-1]
-    kept = zip(m.layers[:last], c.policies[:last], recompute, strict=False)
-    excess = sum(max(0, policy(name).cost(p).device_bytes - input_bytes) for p, name, input_bytes in kept)
+    last = max(i for i, name in enumerate(policies) if name != "none")  # (no offload: the others checkpoint)
+    inputs = [p.held["recompute"][0] for p in m.layers]  # what a recomputed layer keeps (a policy's cost, inlined)
+    kept = zip(m.layers[:last], policies[:last], inputs, strict=False)
+    excess = sum(max(0, p.held[name][0] - held) for p, name, held in kept)
     head = 0 if c.head is None else max(0, c.head.outside + c.head.extra)  # a smaller chunk saves nothing there
-    return m.outside.checkpointing + sum(recompute) + m.step.extras[key] + excess + head
+    return m.outside.checkpointing + sum(inputs) + m.step.extras[key] + excess + head
 
 
 def check_scope(m: Measurements, scope: str) -> None:
