@@ -167,5 +167,5 @@ def test_switching_the_head_to_plain_needs_no_second_field():
 
 def test_a_batch_that_is_not_a_dict_is_refused_naming_the_form_profile_takes():
     cm = CheckpointedModel(add_lora(tiny_model()))
-    with pytest.raises(TypeError, match=r"profile takes the model's inputs as a dict, as cm\(\*\*batch\) does.*got list"):
+    with pytest.raises(TypeError, match=r"profile takes the model's inputs as a dict, .*got list"):
         cm.profile([1, 2, 3], progress=False)
