@@ -295,8 +295,10 @@ def test_budget_fields_are_checked_and_round_trip():
         CheckpointConfig(budget="1GiB", layer_policies={0: "none"})
     with pytest.raises(ConfigError, match="budget_scope"):
         CheckpointConfig(budget="1GiB", budget_scope="weights")
-    with pytest.raises(ConfigError, match="more than 0 bytes"):
-        CheckpointConfig(budget=0)
+    # one wording for every budget below a byte, naming the value as given ("0.5" rounds to 0 bytes)
+    for given in (0, -5, "0.5", "0"):
+        with pytest.raises(ConfigError, match=rf"CheckpointConfig.budget must be at least 1 byte, got {given!r}"):
+            CheckpointConfig(budget=given)
     with pytest.raises(ValueError):
         CheckpointConfig(budget="lots")
     config = CheckpointConfig(budget="20GiB", budget_scope="activations", head="chunked")

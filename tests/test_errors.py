@@ -96,7 +96,7 @@ class _NoMethods:
     "kwargs, error, message",
     [
         ({"offload_host_budget": "1 gigabyte"}, ValueError, r"offload_host_budget must be a size like"),
-        ({"offload_host_budget": -1}, ValueError, r"offload_host_budget must be >= 0"),
+        ({"offload_host_budget": -1}, ValueError, r"offload_host_budget must be at least 0 bytes, got -1"),
         ({"offload_host_budget": 1.5}, TypeError, r"offload_host_budget must be a number of bytes"),
         ({"offload_transport": _NoMethods()}, TypeError, r"offload_transport must provide .*lacks handles"),
         ({"swap_mover": _NoMethods()}, TypeError, r"swap_mover must provide host_copy, fetch; _NoMethods lacks"),

@@ -292,8 +292,9 @@ def test_bad_budgets_scopes_and_a_step_scope_without_optimizer_are_refused_by_th
     ]:
         with pytest.raises(error, match=match):
             profile.plan(budget)
-    with pytest.raises(ValueError, match="more than 0 bytes"):
-        profile.plan(0)
+    for given in (0, -5, "0.5"):  # one wording, the value as given
+        with pytest.raises(ValueError, match=rf"budget must be at least 1 byte, got {given!r}"):
+            profile.plan(given)
     with pytest.raises(ValueError, match="optimizer"):
         profile.plan("1GiB", scope="step")
     with pytest.raises(ValueError, match="scope"):

@@ -25,16 +25,15 @@ MAX_COUNT = 2**63 - 1
 """The largest byte or token count accepted (int64, as torch counts): more would overflow float arithmetic."""
 
 
-def parse_bytes(value: Any, name: str) -> int:
-    """A byte count from an int or a string with a unit (`_SIZE_HELP`); a TypeError or ValueError names `name`."""
+def parse_bytes(value: Any, name: str, least: int = 0) -> int:
+    """A byte count of at least `least` from an int or a string with a unit (`_SIZE_HELP`); a TypeError or
+    ValueError names `name` and the value as given ("0.5" is refused as "0.5", not as the 0 bytes it rounds to)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number of bytes (int) or a size like '8GiB', got {value!r}")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise ConfigTypeError(f"{name} must be a number of bytes (int) or {_SIZE_HELP}; got {value!r}")
     if isinstance(value, int):
-        if value < 0:
-            raise ConfigError(f"{name} must be >= 0 bytes, got {value}")
-        return _at_most(value, name, "bytes")
+        return _at_least(_at_most(value, name, "bytes"), least, name, value)
     match = _SIZE.match(value)
     unit = match.group(2).lower() if match else None
     if match is None or unit not in _UNITS:
@@ -42,7 +41,14 @@ def parse_bytes(value: Any, name: str) -> int:
     size = float(match.group(1)) * _UNITS[unit]
     if not size <= MAX_COUNT:  # hundreds of digits: no size a machine has (and no int a float can give)
         raise ConfigError(f"{name} must be at most {MAX_COUNT} bytes, got {value[:40]!r}{'...' * (len(value) > 40)}")
-    return int(size)
+    return _at_least(int(size), least, name, value)
+
+
+def _at_least(size: int, least: int, name: str, given: Any) -> int:
+    if size < least:
+        why = ": every map holds something" if least > 0 else ""
+        raise ConfigError(f"{name} must be at least {least} byte{'s' * (least != 1)}, got {given!r}{why}")
+    return size
 
 
 def parse_count(value: Any, name: str, what: str) -> int:

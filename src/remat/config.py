@@ -204,8 +204,7 @@ class CheckpointConfig:
                 )
         _check_in("budget_scope", self.budget_scope, BUDGET_SCOPES)
         if self.budget is not None:
-            if parse_bytes(self.budget, "CheckpointConfig.budget") <= 0:
-                raise ConfigError(f"CheckpointConfig.budget must be more than 0 bytes, got {self.budget!r}")
+            parse_bytes(self.budget, "CheckpointConfig.budget", least=1)
             if self.layer_policies:
                 raise ConfigError(
                     "CheckpointConfig(budget=...) chooses every layer's policy, so layer_policies would be overruled: "

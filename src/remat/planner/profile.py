@@ -218,10 +218,7 @@ class Profile:
 
 def _budget_bytes(budget: Size) -> int:
     """A budget in bytes, for `plan` and `plot` alike (`plot(budget=0)` drew a line that `plan(0)` refused)."""
-    limit = parse_bytes(budget, "budget")
-    if limit <= 0:
-        raise ConfigError(f"budget must be more than 0 bytes, got {limit}: every map holds something")
-    return limit
+    return parse_bytes(budget, "budget", least=1)
 
 
 class _WeakSource(LocalRef[Any]):
