@@ -47,6 +47,42 @@ def test_reentrant_gradients_equal_no_checkpointing(arch, lora):
     assert_same_grads(ref, got)
 
 
+@pytest.mark.parametrize("asked_by", ["config", "keyword"])
+def test_reentrant_refuses_where_it_would_lose_the_routers_aux_loss_gradient_and_is_exact_elsewhere(asked_by):
+    """transformers 5 (not 4.57's Qwen2-MoE) records an MoE's router logits by hooks inside the layers, which a
+    reentrant checkpoint runs without gradients: the aux loss then trains no router. Where transformers' own
+    reentrant checkpointing shows that loss, remat refuses before the forward, and the step after works; elsewhere
+    its reentrant gradients, the aux loss's included, are exact."""
+    config_flag = asked_by == "config"
+    model = tiny_model("qwen2_moe", output_router_logits=config_flag, router_aux_loss_coef=0.5)
+    data = batch() | ({} if config_flag else {"output_router_logits": True})
+    named = list(model.named_parameters())
+    native = tiny_model("qwen2_moe", output_router_logits=config_flag, router_aux_loss_coef=0.5)
+    native.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    _, native_grads = step_grads(native, list(native.named_parameters()), data)
+    ref_loss, ref = step_grads(model, named, data)
+    assert model(**data).aux_loss is not None  # the aux loss is in the loss
+    loses = any(not torch.allclose(native_grads[n], ref[n], rtol=1e-5, atol=1e-7) for n in ref)
+
+    cm = CheckpointedModel(model, CheckpointConfig(use_reentrant=True))
+    if not loses:
+        loss, got = step_grads(cm, named, data)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+        assert_same_grads(ref, got)
+        return
+    counter = RecomputeCounter(decoder_layers(model))
+    with pytest.raises(ValueError, match="use_reentrant=True would lose the gradient of the router_logits"):
+        step_grads(cm, named, data)
+    assert sum(counter.counts) == 0 and all(p.grad is None for _, p in named)  # refused before anything ran
+    _, got = step_grads(cm, named, data | {"output_router_logits": False})  # not asked: reentrant runs
+    assert counter.recomputed() == [0, 1, 2, 3] and got
+    counter.remove()
+    cm.enable(cm.checkpoint_config.replace(use_reentrant=False))
+    loss, got = step_grads(cm, named, data)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert_same_grads(ref, got)
+
+
 def test_reentrant_lora_learns_with_frozen_embeddings():
     """Reentrant checkpointing of a layer whose input does not require grad must still give LoRA
     weights inside it a gradient (the inputs are made to require grad)."""

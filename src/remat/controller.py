@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .budget import BudgetState
+from .compat.transformers_compat import outputs_recorded_inside_layers
 from .config import CheckpointConfig
 from .errors import ConfigError, ReplacedWrapperError, StateError
 from .head import ChunkedHead, HeadPlan, plan_head
@@ -23,7 +24,7 @@ from .offload import Offloader
 from .persistence import SaveLoadOverrides, stray_adapter_layers
 from .plan import CheckpointMap, plan_layers
 from .policies import policy as policy_named
-from .recompute import LayerCheckpoint, run_without_checkpoint
+from .recompute import LayerCheckpoint, distributed_training, run_without_checkpoint
 from .refs import InstancePatches, Ref
 from .routes import describe_changes, install_routes
 from .swap import WeightSwapper, check_swappable, weights_in_use
@@ -422,6 +423,8 @@ class Controller:
             self._say_eval_mode_runs_no_checkpoint()
         if not self._said_stray_adapters and module.training and torch.is_grad_enabled():
             self._say_adapters_unsaved()
+        if self.config.use_reentrant and module.training and torch.is_grad_enabled() and not self.inference:
+            self._refuse_outputs_reentrant_loses(kwargs)
         budget = self.budget
         if self.config.budget is None or self.off_by is not None or budget.measuring or self.inference:
             return
@@ -435,6 +438,21 @@ class Controller:
         handle = module.register_forward_hook(
             lambda m, a, output: (handle.remove(), budget.watch_backward(output))[0], always_call=True
         )
+
+    def _refuse_outputs_reentrant_loses(self, kwargs: dict[str, Any]) -> None:
+        """Reentrant checkpointing runs a layer's forward without gradients, so an output transformers records by a
+        hook inside the layer carries none: an MoE's router logits, which its aux loss is made of, and the router
+        would silently not learn from it (transformers' own reentrant checkpointing does the same)."""
+        if not (self.checkpoint_map.checkpointed or self.config.budget is not None) or distributed_training():
+            return
+        recorded = outputs_recorded_inside_layers(self.model, kwargs)
+        if recorded:
+            raise ConfigError(
+                f"use_reentrant=True would lose the gradient of the {', '.join(recorded)} this forward records: "
+                "transformers records them by hooks inside the layers, which reentrant checkpointing runs without "
+                f"gradients (an MoE's aux loss would not train its router). Use use_reentrant=False (the default), "
+                f"or do not ask for them ({', '.join(f'output_{k}=False' for k in recorded)})"
+            )
 
     def _say_eval_mode_runs_no_checkpoint(self) -> None:
         """Once per wrapper: a model left in eval mode (as `from_pretrained` returns it) trains without its map."""

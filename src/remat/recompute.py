@@ -59,7 +59,7 @@ class _LayerState:
 _told: set[str] = set()
 
 
-def _distributed() -> bool:
+def distributed_training() -> bool:
     """Whether several processes train together. Reentrant checkpointing runs a backward per layer,
     which DDP sees as parameters marked ready twice; non-reentrant gives the same gradients without
     that, so it is used whenever torch.distributed runs several processes (said once)."""
@@ -136,7 +136,7 @@ class LayerCheckpoint:
 
     def _checkpoint(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rng = self.preserve_rng_state
-        if not self.use_reentrant or _distributed():
+        if not self.use_reentrant or distributed_training():
             return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=rng, **self.options, **kwargs)
         if kwargs:  # torch's reentrant checkpoint takes positional inputs only
             bound, kwargs = function, dict(kwargs)

@@ -85,3 +85,20 @@ def native_every_n() -> tuple[int, ...]:
     routes = [getattr(transformers.PreTrainedModel, name, None) for name in ENABLE_ROUTES]
     takes = any(r is not None and "every_n_layers" in inspect.signature(r).parameters for r in routes)
     return (1, 2, 3, 4) if takes else (1,)
+
+
+def outputs_recorded_inside_layers(model: Any, kwargs: dict[str, Any]) -> list[str]:
+    """The outputs this forward asks transformers to record through forward hooks on modules inside the layers
+    (the model's `_can_record_outputs`: an MoE's router logits, attentions; 5.x everywhere, and 4.57's Mixtral). The
+    hidden states are recorded at the layers' own outputs, so they are not listed. Read per forward: a keyword
+    (`output_router_logits=True`) takes precedence over the config, as transformers reads them."""
+    found: list[str] = []
+    for module in model.modules():
+        recorded = getattr(type(module), "_can_record_outputs", None)
+        config = getattr(module, "config", None)
+        for key in recorded if isinstance(recorded, dict) else ():
+            flag = "output_attentions" if key.endswith("attentions") else f"output_{key}"
+            asked = kwargs[flag] if flag in kwargs else getattr(config, flag, False)
+            if key != "hidden_states" and asked and key not in found:
+                found.append(key)
+    return found
