@@ -174,9 +174,18 @@ class Schedule:
         self._prefetch(order[at + 1 :])
 
     def _end_of_backward(self) -> None:
+        """Run by autograd at the end of a backward that recomputed a swapped layer, in that backward's grad mode:
+        on with `create_graph=True` (a gradient penalty), whose new graph holds the fetched weights, which the
+        release turns back into placeholders: its second backward would read them (wrong gradients, silently)."""
         self._callback_queued = False
         self._phase = None
         self.release_all()
+        if torch.is_grad_enabled():
+            raise BlockSwapError(
+                "a backward with create_graph=True (a gradient penalty, a double backward) went through a swapped "
+                "layer: its weights go back to host memory after the backward, so the graph it made would compute "
+                "wrong gradients. Use a map without swap_layers for double backward"
+            )
 
     def _use(self, index: int) -> None:
         layer = self.layers[index]
