@@ -399,3 +399,71 @@ def test_a_step_planned_far_beyond_the_profiled_tokens_says_it_is_extrapolated(c
     said = [r.getMessage() for r in caplog.records if "steps of up to" in r.getMessage()]
     assert len(said) == 2 and "extrapolated" not in said[0], said
     assert said[1].endswith("(extrapolated 6.0x from the 16 tokens profiled)"), said
+
+
+def _t5():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=128,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.T5ForConditionalGeneration(config).train()
+
+
+def _seq2seq(source, target, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "input_ids": torch.randint(1, 128, (2, source), generator=g),
+        "labels": torch.randint(1, 128, (2, target), generator=g),
+    }
+
+
+def _measured(caplog):
+    return [r.getMessage() for r in caplog.records if "measuring a profile" in r.getMessage()]
+
+
+def test_an_encoder_decoders_longer_targets_are_profiled_as_their_own_kind_not_priced_from_short_ones(caplog):
+    """The bucket counts the source's tokens: a step with 32x longer targets took the short step's plan and held
+    7.8x the budget (T5). The target-to-source ratio is part of the step's kind: another kind is measured (once),
+    and its plan holds within the budget (the allocator's count); the first kind comes back without measuring."""
+    short, long = _seq2seq(32, 4), _seq2seq(32, 128)
+    probe = CheckpointedModel(_t5(), CheckpointConfig())
+    budget = int(activation_bytes(probe, long) * 1.5)  # everything recomputed fits the long step, with room
+    probe.disable()
+    cm = CheckpointedModel(_t5(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**short).loss.backward()
+        cm(**long).loss.backward()
+        assert activation_bytes(cm, long) <= budget
+        cm(**short).loss.backward()
+    first, second = _measured(caplog)  # the short kind's profile served the third step
+    assert "not of the kind profiled (target about 2**2 x the source's length; profiled: 2**-3)" in second
+
+
+def test_a_step_under_another_autocast_is_measured_again_and_holds_within_the_budget(caplog):
+    """Autocast keeps low-precision copies of the weights for backward: a profile measured in fp32 under-priced a
+    bf16 autocast step (1.13x its budget). A step under another autocast is another kind."""
+    data = batch(size=2, seq=16)
+    probe = CheckpointedModel(_model(), CheckpointConfig())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        budget = int(activation_bytes(probe, data) * 1.2)  # all recomputed under autocast fits
+    probe.disable()
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**data).loss.backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cm(**data).loss.backward()
+            assert activation_bytes(cm, data) <= budget
+        cm(**data).loss.backward()
+    first, second = _measured(caplog)
+    assert "autocast cpu bfloat16; profiled: off" in second

@@ -12,6 +12,7 @@ plan, its prediction and (on an accelerator) the allocator's measured peak.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import weakref
 from collections.abc import Mapping
@@ -86,6 +87,8 @@ class BudgetState:
     measuring: bool = False
     without_optimizer: bool = False  # its profile's step peak has no optimizer state
     fresh_key: Any = None  # `_model_key` when the profile was last found to describe the model
+    kind: Any = None  # `step_kind` of the step the profile was measured on
+    profiles: dict[Any, Any] = field(default_factory=dict)  # step kind -> (profile, without_optimizer)
     params: list[Any] = field(default_factory=list)  # the model's parameters then
 
     def __reduce__(self) -> Any:
@@ -164,11 +167,17 @@ class BudgetState:
         reset_peak()
 
     def _plan_for(self, controller: Any, batch: dict[str, Any], tokens: int) -> Any:
-        config, bucket = controller.config, bucket_of(tokens)
-        if self.profile is None:
-            self._measure(controller, batch, tokens, why="the first training step")
-        elif why := self._outgrown(config):
-            self._measure(controller, batch, tokens, why=why)
+        config, bucket, kind = controller.config, bucket_of(tokens), step_kind(controller.model, batch)
+        why = "the first training step" if self.profile is None else None
+        if why is None and kind != self.kind:  # a kind profiled before is planned from its own profile
+            if kind not in self.profiles:
+                why = f"this step is not of the kind profiled ({_kind_change(self.kind, kind)})"
+            else:
+                (self.profile, self.without_optimizer), self.kind = self.profiles[kind], kind
+                self.plans.clear()
+                self.fresh_key = None  # checked against the model below, as any profile planned anew
+        if why := why or self._outgrown(config):
+            self._measure(controller, batch, tokens, why=why, kind=kind)
         # every step: a cached plan is only as good as its profile (the full check when the quick key moves, and
         # for every bucket planned anew)
         if _model_key(controller, self.params) != self.fresh_key or bucket not in self.plans:
@@ -218,10 +227,10 @@ class BudgetState:
             fits, size = size, bucket_of(size + 1)
         return fits
 
-    def _measure(self, controller: Any, batch: dict[str, Any], tokens: int, why: str) -> None:
+    def _measure(self, controller: Any, batch: dict[str, Any], tokens: int, why: str, kind: Any = None) -> None:
         from .planner import ProfileOptions, profile_model
 
-        config = controller.config
+        config, kind = controller.config, kind if kind is not None else self.kind  # the kind, once measured
         if self.saved is not None:
             saved, self.saved = self.saved, None
             changes = saved.differences(controller.model)
@@ -232,6 +241,7 @@ class BudgetState:
                 self.profile, self.without_optimizer = profile, saved.without_optimizer
                 if (outgrown := self._outgrown(config)) is None:
                     logger.info("budget: planning from the saved profile (%s); nothing measured", saved.source)
+                    self.kind, self.profiles[kind] = kind, (self.profile, self.without_optimizer)
                     return
                 changes = [outgrown]
             logger.info("budget: the saved profile is not used (%s): measuring again", "; ".join(changes))
@@ -269,6 +279,7 @@ class BudgetState:
             self.profile.notes += ("step peak: weights, gradients and activations; no optimizer state (none known)",)
         self.plans.clear()
         self.fresh_key = None
+        self.kind, self.profiles[kind] = kind, (self.profile, self.without_optimizer)
 
     def _close_receipt(self) -> None:
         """The step that ran last: its allocator peak into its bucket's receipt (accelerators only)."""
@@ -307,6 +318,37 @@ def agreed_tokens(tokens: int, model: Any) -> int:
     count = torch.tensor([tokens], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     return int(count.item())
+
+
+def step_kind(model: Any, batch: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a step's bytes per token depend on beside the model, which its token count does not say: the tensor
+    inputs it carries (not scalars, such as Trainer's `num_items_in_batch`; pixel_values: a text-only profile
+    priced the vision tower at nothing, 4x over on Qwen2-VL), autocast (its low-precision copies of the weights:
+    1.4x), and an encoder-decoder's target-to-source length ratio, in powers of two (a profile on short targets
+    priced the decoder at their length: 8x over on T5)."""
+    inputs = tuple(sorted(name for name, value in batch.items() if isinstance(value, torch.Tensor) and value.dim()))
+    devices = sorted({"cpu", *(p.device.type for p in model.parameters())})
+    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in devices if torch.is_autocast_enabled(d))
+    source, target = batch.get("input_ids"), batch.get("decoder_input_ids", batch.get("labels"))
+    lengths = [t.numel() for t in (source, target) if isinstance(t, torch.Tensor) and t.numel()]
+    seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False) and len(lengths) == 2
+    return inputs, autocast, round(math.log2(lengths[1] / lengths[0])) if seq2seq else None
+
+
+def _kind_change(before: tuple[Any, ...], now: tuple[Any, ...]) -> str:
+    (inputs, autocast, ratio), (inputs_now, autocast_now, ratio_now) = before, now
+    said = []
+    if inputs != inputs_now:
+        said.append(f"inputs {', '.join(inputs_now)}; profiled: {', '.join(inputs)}")
+    if autocast != autocast_now:
+        said.append(f"autocast {_autocast_text(autocast_now)}; profiled: {_autocast_text(autocast)}")
+    if ratio != ratio_now:
+        said.append(f"target about 2**{ratio_now} x the source's length; profiled: 2**{ratio}")
+    return "; ".join(said)
+
+
+def _autocast_text(autocast: tuple[Any, ...]) -> str:
+    return ", ".join(f"{device} {str(dtype).removeprefix('torch.')}" for device, dtype in autocast) or "off"
 
 
 def _model_key(controller: Any, params: list[Any]) -> tuple[Any, ...]:
