@@ -55,6 +55,15 @@ class SwappedLayer:
     def rest(self) -> None:
         self.point_at(self.placeholders)
 
+    def keep_replaced(self) -> None:
+        """A forward that replaced a weight's data in use (bitsandbytes repacks a 4-bit weight on some CPUs, and its
+        quantization state says so from then on) made that the weight: it becomes the host copy. Put back to rest
+        instead, the next fetch brought the old data under the new state (0.57 off in the logits, for good)."""
+        for i, (param, used) in enumerate(zip(self.params, self.slot or (), strict=False)):
+            if (param.data_ptr(), param.shape, param.dtype) != (used.data_ptr(), used.shape, used.dtype):
+                self.host[i] = self.mover.host_copy(param.data)
+                self.placeholders[i] = placeholder(param.shape, param.dtype, param.device)
+
     def check_frozen(self) -> None:
         """A swapped weight made trainable since (its data a placeholder between uses): an optimizer's step on it
         failed in torch with nothing naming the swap."""
@@ -109,10 +118,12 @@ class SlotPool:
     def release(self, layer: SwappedLayer) -> None:
         if layer.slot is None:
             return
+        layout, nbytes = layer.layout, layer.nbytes  # the slot's (a replaced weight changes the layer's)
+        layer.keep_replaced()
         layer.rest()
-        self._free.setdefault(layer.layout, []).append(layer.slot)
+        self._free.setdefault(layout, []).append(layer.slot)
         layer.slot, layer.ready = None, None
-        self.resident_bytes -= layer.nbytes
+        self.resident_bytes -= nbytes
 
     def keep_only(self, layouts: set[Layout]) -> None:
         for layout in (set(self._count) | set(self._free)) - layouts:
