@@ -57,10 +57,12 @@ class SwappedLayer:
 
     def keep_replaced(self) -> None:
         """A forward that replaced a weight's data in use (bitsandbytes repacks a 4-bit weight on some CPUs, and its
-        quantization state says so from then on) made that the weight: it becomes the host copy. Put back to rest
-        instead, the next fetch brought the old data under the new state (0.57 off in the logits, for good)."""
-        for i, (param, used) in enumerate(zip(self.params, self.slot or (), strict=False)):
-            if (param.data_ptr(), param.shape, param.dtype) != (used.data_ptr(), used.shape, used.dtype):
+        quantization state says so from then on) made that the weight: it becomes the host copy (a slot fetched
+        but not used yet, its weight at rest, is not that). Put back to rest instead, the next fetch brought the
+        old data under the new state (0.57 off in the logits, for good)."""
+        for i, (param, used, rest) in enumerate(zip(self.params, self.slot or (), self.placeholders, strict=False)):
+            now = (param.data_ptr(), param.shape, param.dtype)
+            if now != (used.data_ptr(), used.shape, used.dtype) and now != (rest.data_ptr(), rest.shape, rest.dtype):
                 self.host[i] = self.mover.host_copy(param.data)
                 self.placeholders[i] = placeholder(param.shape, param.dtype, param.device)
 
