@@ -2,6 +2,7 @@
 training step from a profile of its batch, re-planned per token bucket from the same profile, the
 map changing only between steps, a step no plan fits refused before its forward, the receipt."""
 
+import contextlib
 import logging
 import random
 
@@ -467,3 +468,71 @@ def test_a_step_under_another_autocast_is_measured_again_and_holds_within_the_bu
         cm(**data).loss.backward()
     first, second = _measured(caplog)
     assert "autocast cpu bfloat16; profiled: off" in second
+
+
+def test_a_saved_profile_of_another_kind_of_step_is_not_planned_from(tmp_path, caplog):
+    """A save keeps its profile's kind: a resume whose first step runs under autocast after an fp32 profile measures
+    (it was planned from, at 1.05x the budget); one of the same kind still plans without measuring."""
+    _saved(tmp_path, caplog)
+    model = tiny_model(num_hidden_layers=4, attention_dropout=0.0)
+    loaded = CheckpointedModel.from_pretrained(model, tmp_path)
+    with caplog.at_level(logging.INFO, logger="remat"), torch.autocast("cpu", dtype=torch.bfloat16):
+        loaded(**batch(size=2, seq=8)).loss.backward()
+    said = [r.getMessage() for r in caplog.records if "saved profile is not used" in r.getMessage()]
+    assert len(said) == 1 and "another kind of step" in said[0] and "autocast cpu bfloat16" in said[0], said
+    assert len(_measured(caplog)) == 1
+
+
+def test_two_kinds_of_forward_before_one_backward_run_and_each_kind_is_measured_once_then_alternates_freely(caplog):
+    """A forward of a new kind while another's backward is owed cannot be measured (its steps would run beside that
+    graph): it is priced from the profile there is, said once, and measured at the next step that starts clean
+    (each such step was refused). Once both kinds are measured, alternating them neither measures nor plans anew
+    nor adds a receipt (each switch did)."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    data = batch(size=2, seq=16)
+
+    def both():
+        loss = cm(**data).loss
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss + cm(**data).loss
+        loss.backward()
+
+    with caplog.at_level(logging.INFO, logger="remat"):
+        for _ in range(3):
+            both()
+        assert len(_measured(caplog)) == 1
+        owed = [r.getMessage() for r in caplog.records if "backward is owed" in r.getMessage()]
+        assert len(owed) == 1 and "autocast cpu bfloat16" in owed[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            cm(**data).loss.backward()  # starts clean: measured
+        assert len(_measured(caplog)) == 2
+        receipts, lines = len(cm.budget_receipts), len(caplog.records)
+        for step in range(6):
+            with torch.autocast("cpu", dtype=torch.bfloat16) if step % 2 else contextlib.nullcontext():
+                cm(**data).loss.backward()
+            both()
+    assert len(_measured(caplog)) == 2 and len(cm.budget_receipts) == receipts
+    assert not [r.getMessage() for r in caplog.records[lines:] if "budget" in r.getMessage()]
+
+
+def test_the_step_kind_counts_inputs_beyond_the_tokens_and_an_encoder_decoders_ratio_from_any_source():
+    """Tensors shaped as the tokens (an attention mask a collator adds to some batches) and scalars are no new kind;
+    an image is. The target-to-source ratio is counted from `input_features` (Whisper) as from `input_ids`."""
+    from types import SimpleNamespace
+
+    from remat.budget import step_kind
+
+    decoder_only = torch.nn.Linear(2, 2)
+    ids = torch.ones(2, 16, dtype=torch.long)
+    plain = step_kind(decoder_only, {"input_ids": ids, "labels": ids})
+    assert (
+        step_kind(decoder_only, {"input_ids": ids, "attention_mask": ids, "num_items_in_batch": torch.tensor(5)})
+        == plain
+    )
+    assert step_kind(decoder_only, {"input_ids": ids, "pixel_values": torch.ones(4, 12)})[0] == ("pixel_values",)
+    seq2seq = torch.nn.Linear(2, 2)
+    seq2seq.config = SimpleNamespace(is_encoder_decoder=True)
+    features = torch.ones(2, 80, 300)
+    short = step_kind(seq2seq, {"input_features": features, "labels": torch.ones(2, 4, dtype=torch.long)})
+    long = step_kind(seq2seq, {"input_features": features, "labels": torch.ones(2, 128, dtype=torch.long)})
+    assert (short[2], long[2]) == (-4, 1)  # log2(8 / 160), log2(256 / 160): 80 mel rows a step, as batch_tokens counts

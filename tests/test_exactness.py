@@ -11,8 +11,8 @@ from conftest import ARCHS, RecomputeCounter, add_lora, assert_same_grads, batch
 from remat import CheckpointConfig, CheckpointedModel
 
 
-def _reference_and_wrapped(arch, lora, config):
-    model = tiny_model(arch)
+def _reference_and_wrapped(arch, lora, config, **overrides):
+    model = tiny_model(arch, **overrides)
     if lora:
         model = add_lora(model)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -79,6 +79,17 @@ def test_reentrant_refuses_where_it_would_lose_the_routers_aux_loss_gradient_and
     counter.remove()
     cm.enable(cm.checkpoint_config.replace(use_reentrant=False))
     loss, got = step_grads(cm, named, data)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
+    assert_same_grads(ref, got)
+
+
+def test_reentrant_runs_where_outputs_recorded_inside_layers_are_not_the_models_loss():
+    """Attentions are recorded by hooks inside the layers too, but the model's loss is not made of them (and with
+    sdpa none are recorded): `output_attentions=True` in the config does not refuse a reentrant step."""
+    ref_loss, ref, loss, got, counter, _ = _reference_and_wrapped(
+        "llama", True, CheckpointConfig(use_reentrant=True), output_attentions=True
+    )
+    assert counter.recomputed() == [0, 1, 2, 3]
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     assert_same_grads(ref, got)
 

@@ -434,6 +434,8 @@ def test_a_forward_that_replaces_a_swapped_weights_data_keeps_it_as_the_weight()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
     assert_same_grads(ref, got)
     assert _swapped_weight_bytes(model, decoder_layers(model)[1::2]) < 1024  # the new data rests in host memory too
+    pool = controller_of(cm).swapper.pool  # the old layout's slots are freed, not kept beside the new ones for good
+    assert set(pool._free) == {layer.layout for layer in controller_of(cm).swapper.layers.values()}
     cm.disable()
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(**data).logits, reference.eval()(**data).logits, rtol=1e-5, atol=1e-6)

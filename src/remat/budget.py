@@ -78,18 +78,21 @@ class BudgetState:
     plans: dict[int, Any] = field(default_factory=dict)  # bucket -> PlannedConfig, or None: nothing fits
     active: Any = None  # the PlannedConfig the map runs (None: pending, before the first step)
     active_bucket: int | None = None
-    receipts: dict[int, Receipt] = field(default_factory=dict)  # bucket -> the receipt of its current plan
+    receipts: dict[tuple[int, int], Receipt] = field(default_factory=dict)  # (bucket, kind number) -> its receipt
     history: list[Receipt] = field(default_factory=list)  # every receipt, in order: a bucket planned anew has two
     last_bucket: int | None = None
-    unlogged: set[int] = field(default_factory=set)  # buckets of the training forwards since a trainer's last log
+    last_key: tuple[int, int] | None = None  # (bucket, kind number): the receipt of the step that ran last
+    unlogged: set[tuple[int, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
     optimizer: Any = None  # weakref to the trainer's optimizer (scope="step" counts its state)
     measuring: bool = False
     without_optimizer: bool = False  # its profile's step peak has no optimizer state
     fresh_key: Any = None  # `_model_key` when the profile was last found to describe the model
-    kind: Any = None  # `step_kind` of the step the profile was measured on
-    profiles: dict[Any, Any] = field(default_factory=dict)  # step kind -> (profile, without_optimizer)
     params: list[Any] = field(default_factory=list)  # the model's parameters then
+    kind: Any = None  # `step_kind` of the steps the profile above is for
+    profiles: dict[Any, tuple[Any, ...]] = field(default_factory=dict)  # another kind -> its `_kind_state`
+    kind_ids: dict[Any, int] = field(default_factory=dict)  # kind -> a number, in the receipts' keys
+    said_owed_kinds: set[Any] = field(default_factory=set)  # kinds priced from another's profile, said once
 
     def __reduce__(self) -> Any:
         """A copy (deepcopy, pickle) starts afresh: its profile would check and plan another wrapper's model."""
@@ -105,7 +108,8 @@ class BudgetState:
         serves it); a config without a budget (a map by hand, measuring's own steps) leaves the plans as they are."""
         if config.budget is not None and config != self.config:
             self.config = config
-            self.plans.clear()
+            for plans in [self.plans, *(state[2] for state in self.profiles.values())]:
+                plans.clear()
             self.active = self.active_bucket = None
 
     def take_saved(self, data: dict[str, Any] | None, source: str) -> None:
@@ -124,7 +128,13 @@ class BudgetState:
             return {"budget_profile": self.saved.data}  # loaded, not yet used: saved again as read (checked on use)
         if config.budget is None or self.profile is None:
             return {}
-        return {"budget_profile": profile_to_json(self.profile, model, self.without_optimizer)}
+        return {
+            "budget_profile": profile_to_json(self.profile, model, self.without_optimizer) | {"kind": self.kind_text}
+        }
+
+    @property
+    def kind_text(self) -> str:
+        return _kind_text(self.kind)
 
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         self.optimizer = None if optimizer is None else weakref.ref(optimizer)
@@ -151,10 +161,11 @@ class BudgetState:
                 )
             self.active, self.active_bucket = planned, bucket
             controller.replan(config, controller.off_by, f"budget: a step of {tokens} tokens", said=True)
-        receipt, new = self.receipts.get(bucket), _receipt(planned, bucket, controller.checkpoint_map.head)
+        key = (bucket, self.kind_ids.setdefault(self.kind, len(self.kind_ids)))  # a bucket of each kind
+        receipt, new = self.receipts.get(key), _receipt(planned, bucket, controller.checkpoint_map.head)
         plan_of = lambda r: (r.policies, r.head, r.predicted_peak_bytes, r.scope)
         if receipt is None or plan_of(receipt) != plan_of(new):  # said once per plan, not per change of bucket
-            receipt = self.receipts[bucket] = new
+            receipt = self.receipts[key] = new
             self.history.append(receipt)
             receipt.planning_seconds = time.perf_counter() - started
             measured = self.profile.measurements.tokens
@@ -162,20 +173,29 @@ class BudgetState:
             far = far if bucket > EXTRAPOLATED * measured else ""
             logger.info("budget: steps of up to %d tokens run %r%s", bucket, controller.checkpoint_map, far)
         receipt.steps += 1
-        self.last_bucket = bucket
-        self.unlogged.add(bucket)
+        self.last_bucket, self.last_key = bucket, key
+        self.unlogged.add(key)
         reset_peak()
 
     def _plan_for(self, controller: Any, batch: dict[str, Any], tokens: int) -> Any:
         config, bucket, kind = controller.config, bucket_of(tokens), step_kind(controller.model, batch)
         why = "the first training step" if self.profile is None else None
-        if why is None and kind != self.kind:  # a kind profiled before is planned from its own profile
-            if kind not in self.profiles:
-                why = f"this step is not of the kind profiled ({_kind_change(self.kind, kind)})"
+        if why is None and kind != self.kind:  # a kind profiled before plans from its own profile and plans
+            if kind in self.profiles:
+                self.profiles[self.kind], state = self._kind_state(), self.profiles.pop(kind)
+                self.profile, self.without_optimizer, self.plans, self.fresh_key, self.params = state
+                self.kind = kind
+            elif self.owed:  # measuring would run beside the graph an earlier forward holds: the next step measures
+                if kind not in self.said_owed_kinds:
+                    self.said_owed_kinds.add(kind)
+                    logger.info(
+                        "budget: a forward of another kind of step (%s) while an earlier forward's backward is owed: "
+                        "priced from the profile measured on %s; measured at a step that starts after a backward",
+                        _kind_text(kind),
+                        self.kind_text,
+                    )
             else:
-                (self.profile, self.without_optimizer), self.kind = self.profiles[kind], kind
-                self.plans.clear()
-                self.fresh_key = None  # checked against the model below, as any profile planned anew
+                why = f"this step is not of the kind profiled ({_kind_change(self.kind, kind)})"
         if why := why or self._outgrown(config):
             self._measure(controller, batch, tokens, why=why, kind=kind)
         # every step: a cached plan is only as good as its profile (the full check when the quick key moves, and
@@ -202,6 +222,9 @@ class BudgetState:
             except ConfigError as least:
                 raise ConfigError(f"{said}, nor does any shorter step: {least}. This forward did not run") from None
         return planned
+
+    def _kind_state(self) -> tuple[Any, ...]:
+        return self.profile, self.without_optimizer, self.plans, self.fresh_key, self.params
 
     def _outgrown(self, config: Any) -> str | None:
         """Why the profile does not serve `config` although the model is the one measured (None: it does). The
@@ -234,6 +257,8 @@ class BudgetState:
         if self.saved is not None:
             saved, self.saved = self.saved, None
             changes = saved.differences(controller.model)
+            if not changes and saved.data.get("kind", _kind_text(kind)) != _kind_text(kind):  # older saves: none
+                changes = [f"it was measured on another kind of step ({saved.data['kind']}; this: {_kind_text(kind)})"]
             if not changes:  # the machine's and the format's; then the model's, as for any profile
                 profile = saved.profile(controller)
                 changes = [f"the model changed since ({change})" for change in profile.changes()[1]]
@@ -241,7 +266,7 @@ class BudgetState:
                 self.profile, self.without_optimizer = profile, saved.without_optimizer
                 if (outgrown := self._outgrown(config)) is None:
                     logger.info("budget: planning from the saved profile (%s); nothing measured", saved.source)
-                    self.kind, self.profiles[kind] = kind, (self.profile, self.without_optimizer)
+                    self.kind, self.plans = kind, {}
                     return
                 changes = [outgrown]
             logger.info("budget: the saved profile is not used (%s): measuring again", "; ".join(changes))
@@ -267,6 +292,8 @@ class BudgetState:
             if optimizer is WITHOUT_OPTIMIZER
             else "",
         )
+        if kind != self.kind and self.profile is not None:  # the kind that ran keeps its profile and plans
+            self.profiles[self.kind] = self._kind_state()
         self.measuring = True
         try:
             # one timed step per map: seconds scale every price by one rate, so a budget's choices (by bytes, then
@@ -277,13 +304,11 @@ class BudgetState:
         self.without_optimizer = optimizer is WITHOUT_OPTIMIZER
         if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
             self.profile.notes += ("step peak: weights, gradients and activations; no optimizer state (none known)",)
-        self.plans.clear()
-        self.fresh_key = None
-        self.kind, self.profiles[kind] = kind, (self.profile, self.without_optimizer)
+        self.plans, self.fresh_key, self.kind = {}, None, kind
 
     def _close_receipt(self) -> None:
         """The step that ran last: its allocator peak into its bucket's receipt (accelerators only)."""
-        receipt = self.receipts.get(self.last_bucket) if self.last_bucket is not None else None
+        receipt = self.receipts.get(self.last_key) if self.last_key is not None else None
         if receipt is not None and (peak := peak_allocated()) is not None:
             receipt.measured_peak_bytes = max(receipt.measured_peak_bytes or 0, peak)
 
@@ -321,18 +346,37 @@ def agreed_tokens(tokens: int, model: Any) -> int:
 
 
 def step_kind(model: Any, batch: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What a step's bytes per token depend on beside the model, which its token count does not say: the tensor
-    inputs it carries (not scalars, such as Trainer's `num_items_in_batch`; pixel_values: a text-only profile
-    priced the vision tower at nothing, 4x over on Qwen2-VL), autocast (its low-precision copies of the weights:
-    1.4x), and an encoder-decoder's target-to-source length ratio, in powers of two (a profile on short targets
-    priced the decoder at their length: 8x over on T5)."""
-    inputs = tuple(sorted(name for name, value in batch.items() if isinstance(value, torch.Tensor) and value.dim()))
-    devices = sorted({"cpu", *(p.device.type for p in model.parameters())})
-    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in devices if torch.is_autocast_enabled(d))
-    source, target = batch.get("input_ids"), batch.get("decoder_input_ids", batch.get("labels"))
-    lengths = [t.numel() for t in (source, target) if isinstance(t, torch.Tensor) and t.numel()]
-    seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False) and len(lengths) == 2
-    return inputs, autocast, round(math.log2(lengths[1] / lengths[0])) if seq2seq else None
+    """What a step's bytes per token depend on beside the model, which its token count does not say: the inputs it
+    carries beyond its tokens (pixel_values: a text-only profile priced the vision tower at nothing, 4x over on
+    Qwen2-VL; not scalars such as Trainer's `num_items_in_batch`, nor tensors shaped as the tokens, such as an
+    attention mask or position ids, which a collator may add to some batches only), autocast (its low-precision
+    copies of the weights: 1.4x), and an encoder-decoder's target-to-source length ratio, in powers of two (a
+    profile on short targets priced the decoder at their length: 8x over on T5, 3.4x on Whisper)."""
+    from .planner.measuring import batch_tokens
+
+    target = batch.get("decoder_input_ids", batch.get("labels"))
+    ids = batch.get("input_ids")
+    shape = ids.shape if isinstance(ids, torch.Tensor) else None
+    inputs = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != shape))
+    devices = {"cpu", *(p.device.type for p in model.parameters())} & _AUTOCAST_DEVICES
+    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in sorted(devices) if torch.is_autocast_enabled(d))
+    seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    if not (seq2seq and isinstance(target, torch.Tensor) and target.numel()):
+        return inputs, autocast, None
+    source = batch_tokens({k: v for k, v in batch.items() if k not in ("labels", "decoder_input_ids")})
+    return inputs, autocast, round(math.log2(target.numel() / max(source, 1)))
+
+
+# the device types torch keeps an autocast state for (`torch.is_autocast_enabled` raises for others, "meta")
+_AUTOCAST_DEVICES = {"cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "privateuseone"}
+
+
+def _kind_text(kind: tuple[Any, ...] | None) -> str:
+    if kind is None:
+        return "a step of unknown kind"
+    inputs, autocast, ratio = kind
+    text = f"inputs {', '.join(inputs) or 'tokens only'}; autocast {_autocast_text(autocast)}"
+    return text if ratio is None else f"{text}; target about 2**{ratio} x the source's length"
 
 
 def _kind_change(before: tuple[Any, ...], now: tuple[Any, ...]) -> str:

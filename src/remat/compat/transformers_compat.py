@@ -88,17 +88,17 @@ def native_every_n() -> tuple[int, ...]:
 
 
 def outputs_recorded_inside_layers(model: Any, kwargs: dict[str, Any]) -> list[str]:
-    """The outputs this forward asks transformers to record through forward hooks on modules inside the layers
-    (the model's `_can_record_outputs`: an MoE's router logits, attentions; 5.x everywhere, and 4.57's Mixtral). The
-    hidden states are recorded at the layers' own outputs, so they are not listed. Read per forward: a keyword
-    (`output_router_logits=True`) takes precedence over the config, as transformers reads them."""
+    """The router logits this forward asks transformers to record through forward hooks on modules inside the layers
+    (the model's `_can_record_outputs`: 5.x everywhere, and 4.57's Mixtral), which the model's aux loss is made of.
+    Read per forward: a keyword (`output_router_logits=True`) takes precedence over the config, as transformers
+    reads them. (Attentions are recorded so too, but a model's loss is not made of them, and with sdpa none are.)"""
     found: list[str] = []
     for module in model.modules():
         recorded = getattr(type(module), "_can_record_outputs", None)
         config = getattr(module, "config", None)
         for key in recorded if isinstance(recorded, dict) else ():
-            flag = "output_attentions" if key.endswith("attentions") else f"output_{key}"
+            flag = f"output_{key}"
             asked = kwargs[flag] if flag in kwargs else getattr(config, flag, False)
-            if key != "hidden_states" and asked and key not in found:
+            if key.endswith("router_logits") and asked and key not in found:
                 found.append(key)
     return found

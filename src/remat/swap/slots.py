@@ -123,7 +123,7 @@ class SlotPool:
         layout, nbytes = layer.layout, layer.nbytes  # the slot's (a replaced weight changes the layer's)
         layer.keep_replaced()
         layer.rest()
-        self._free.setdefault(layout, []).append(layer.slot)
+        self._free.setdefault(layout, []).append(layer.slot)  # a layout no layer has now goes at `release_all`
         layer.slot, layer.ready = None, None
         self.resident_bytes -= nbytes
 
@@ -147,6 +147,7 @@ class Schedule:
     def release_all(self) -> None:
         for layer in self.layers.values():
             self.pool.release(layer)
+        self.pool.keep_only({layer.layout for layer in self.layers.values()})  # a replaced weight's old layout
 
     def after_forward(self, index: int) -> None:
         if index in self.layers:
