@@ -52,6 +52,7 @@ class HeadChoice(NamedTuple):
     outside: int
     extra: int
     seconds: float
+    extra_none: int | None = None  # the extra with the last layer "none" (None: not measured, `extra` serves)
 
 
 @dataclass(frozen=True)
@@ -72,18 +73,25 @@ class HeadProfile:
     points: tuple[tuple[int, int, int], ...]  # (chunk tokens, outside, extra), ascending
     recompute_seconds: float
     chunk_seconds: float
+    # the extras of (plain, *points) measured with the last layer "none" (None: not measured)
+    extras_none: tuple[int, ...] | None = None
 
     def choices(self) -> list[HeadChoice]:
         own = self._seconds(self.profiled)
         top = math.ceil(math.log2(max(self.counted, 1)))
         sizes = [2**k for k in range(SMALLEST_CHUNK.bit_length() - 1, top) if 2**k < self.counted]
-        out = [HeadChoice("plain", None, *self.plain, -own)]
+        nones = self.extras_none
+        at_none = nones and tuple((x, o, e) for (x, o, _), e in zip(self.points, nones[1:], strict=True))
+        out = [HeadChoice("plain", None, *self.plain, -own, nones[0] if nones else None)]
         for chunk in [*sizes, max(self.counted, 1)]:
-            out.append(HeadChoice("chunked", chunk, *self._bytes(chunk), self._seconds(chunk) - own))
+            none = self._bytes(chunk, at_none)[1] if at_none else None
+            out.append(HeadChoice("chunked", chunk, *self._bytes(chunk), self._seconds(chunk) - own, none))
         return out
 
-    def _bytes(self, chunk: int) -> tuple[int, int]:
-        points = self.points
+    def _bytes(self, chunk: int, points: tuple[tuple[int, int, int], ...] | None = None) -> tuple[int, int]:
+        points = points or self.points
+        if measured := next((point for point in points if point[0] == chunk), None):
+            return measured[1], measured[2]  # a chunk measured: as measured
         if chunk <= points[0][0] or len(points) == 1:
             return points[0][1], points[0][2]
         # the segment that holds `chunk`, or the last one extended beyond the largest point
@@ -103,6 +111,7 @@ class HeadProfile:
             counted=max(1, round(self.counted * ratio)),
             plain=(round(self.plain[0] * ratio), round(self.plain[1] * ratio)),
             recompute_seconds=self.recompute_seconds * ratio,
+            extras_none=self.extras_none and (round(self.extras_none[0] * ratio), *self.extras_none[1:]),
         )
 
 
@@ -330,7 +339,7 @@ def checkpoints(policies: Sequence[str]) -> bool:
 def scoped_bytes(m: Measurements, c: Combination, scope: str) -> float:
     """Held device bytes, or with scope="step" the peak of the whole step (inf: not measured); a map
     that checkpoints nothing is priced by its own run (inf: not offered)."""
-    head_outside, head_extra = (0, 0) if c.head is None else (c.head.outside, c.head.extra)
+    head_outside, head_extra = (0, 0) if c.head is None else (c.head.outside, _head_extra(c))
     if checkpoints(c.policies):
         held = c.device_bytes + c.owed_bytes + m.outside.checkpointing + head_outside
     elif m.alone is None or len(m.alone) != len(c.policies):
@@ -341,6 +350,16 @@ def scoped_bytes(m: Measurements, c: Combination, scope: str) -> float:
         return held
     extra = m.step.extra(c.policies) if m.step is not None else None
     return float("inf") if extra is None else max(held + extra + head_extra, _recompute_floor(m, c))
+
+
+def _head_extra(c: Combination) -> int:
+    """What the map's head adds to the step's extras, as measured with the last layer as the map's: with it
+    recomputed the step may peak in that recompute, with it "none" in the head's own backward; else the larger."""
+    head = c.head
+    assert head is not None
+    if head.extra_none is None or not c.policies or c.policies[-1] == "recompute":
+        return head.extra
+    return head.extra_none if c.policies[-1] == "none" else max(head.extra, head.extra_none)
 
 
 def _recompute_floor(m: Measurements, c: Combination) -> int:
@@ -431,7 +450,7 @@ def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
     held = outside + sum(x.device_bytes for x in choices)
     extra = m.step.extra(c.policies) if m.step is not None else None
     if extra is not None and c.head is not None:
-        extra += c.head.extra
+        extra += _head_extra(c)
     added = sum(x.seconds for x in choices) + (c.head.seconds if c.head is not None else 0.0)
     seconds = max(0.0, m.base_seconds + added)  # never negative, whatever the noise
     spread = None if m.time is None else m.time.seconds_range(added)

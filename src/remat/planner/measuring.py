@@ -221,7 +221,8 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     memory_steps = (1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)) * (1 if short is None else 2)
     timing = repeats * (len(timed_policies(names)) + ("offload" in names))
     counted = head_options(state, batch)
-    head = 1 + len(_head_sizes(counted)) if counted else 0  # plain, and each chunk size `_head_profile` measures
+    # plain, and each chunk size `_head_profile` measures: with every layer recomputed, and again with the last "none"
+    head = (1 + len(_head_sizes(counted))) * (1 + (n - 1 not in swapped)) if counted else 0
     total = memory_steps + 1 + ("selective" in names) + timing + head  # bytes, counting, timing, the head
     with (
         tqdm(total=total, desc="remat: profiling", disable=not options.progress, leave=False) as bar,
@@ -381,17 +382,23 @@ def head_options(state: Controlled, batch: Mapping[str, Any]) -> int:
 
 def _head_sizes(counted: int) -> list[int]:
     profiled = min(DEFAULT_CHUNK_TOKENS, counted)
-    return sorted({min(SMALLEST_CHUNK * 4**k, profiled) for k in range(8) if SMALLEST_CHUNK * 4 ** (k - 1) < profiled})
+    sizes = {min(SMALLEST_CHUNK * 4**k, profiled) for k in range(8) if SMALLEST_CHUNK * 4 ** (k - 1) < profiled}
+    if profiled == counted and (below := 1 << ((counted - 1).bit_length() - 1)) > SMALLEST_CHUNK:
+        # one chunk of all is cheaper than the line through the chunks below it (no second gradient of a trained
+        # head's weight, no gradient of the hidden states assembled from slices): every chunk offered below it is
+        # priced between points of two chunks or more, the largest of them measured
+        sizes.add(below)
+    return sorted(sizes)
 
 
 def _head_profile(steps: _Steps, counted: int, prices: TimePrices, notes: list[str]) -> HeadProfile | None:
     """The head's bytes with every layer recomputed, less those of the chunk the profile ran: "plain", and "chunked"
     in steps of 4x from the smallest chunk up to that one (16, 64, 256, 1024 tokens at most); seconds by counts."""
 
-    def measured(head: dict[str, Any]) -> tuple[int, int] | None:
+    def measured(head: dict[str, Any], policies: Mapping[int, str] | None = None) -> tuple[int, int] | None:
         saved, steps.extras = steps.extras, {}
         try:
-            report = steps.held({}, head)
+            report = steps.held(policies or {}, head)
         finally:
             extras, steps.extras = steps.extras, saved
         return None if report is None else (report.outside_device_bytes, next(iter(extras.values()), 0))
@@ -400,10 +407,18 @@ def _head_profile(steps: _Steps, counted: int, prices: TimePrices, notes: list[s
     profiled = sizes[-1]  # the chunk the profile ran
     found = {size: measured({"head_chunk_tokens": size}) for size in sizes}
     plain = measured({"head": "plain", "head_chunk_tokens": None})
-    if plain is None or any(value is None for value in found.values()):
+    # With every layer recomputed the step peaks in the last layer's recompute, which can hide the head's own
+    # backward (where a plain head's logits and a chunk's buffers peak): each option again with the last layer
+    # "none", priced for maps ending so (`HeadChoice.extra_none`)
+    last = steps.n - 1
+    swapped = any(plan.swapped for plan in steps.state.checkpoint_map if plan.index == last)
+    heads = [{"head": "plain", "head_chunk_tokens": None}] + [{"head_chunk_tokens": size} for size in sizes]
+    at_none = [] if swapped else [measured(head, {last: "none"}) for head in heads]
+    if plain is None or any(value is None for value in [*found.values(), *at_none]):
         notes.append("head: a step ran out of memory measuring the head's options: the plan keeps remat's chunk")
         return None
     own = found[profiled]
+    own_none = at_none[1 + sizes.index(profiled)][1] if at_none else 0  # type: ignore[index]
     less = lambda pair: (pair[0] - own[0], pair[1] - own[1])  # type: ignore[index]
     head = causal_lm(steps.model).get_output_embeddings()
     weight = getattr(head, "weight", None)
@@ -417,6 +432,7 @@ def _head_profile(steps: _Steps, counted: int, prices: TimePrices, notes: list[s
         points=tuple((size, *less(found[size])) for size in sizes),  # type: ignore[misc]
         recompute_seconds=rate * 2 * counted * (weight.numel() if weight is not None else 0),
         chunk_seconds=rate * HEAD_CHUNK_OPS * balance.flops_per_op,
+        extras_none=tuple(extra - own_none for _, extra in at_none) if at_none else None,  # type: ignore[misc]
     )
 
 
