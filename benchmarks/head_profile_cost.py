@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from head import PRESET, build, make_batch  # noqa: E402
+from head import PRESET, build, make_batch
 
-from remat import CheckpointConfig, CheckpointedModel  # noqa: E402
-from remat.testing import measure_step_peak  # noqa: E402
+from remat import CheckpointConfig, CheckpointedModel
+from remat.testing import measure_step_peak
 
 
 def main() -> None:
