@@ -202,7 +202,9 @@ def test_a_load_plans_from_the_saved_profile_without_measuring(tmp_path, caplog)
     assert any("planning from the saved profile" in m for m in said) and not any("measuring" in m for m in said)
 
 
-@pytest.mark.parametrize("damage", ["another machine", "malformed", "another model dtype", "negative", "nan"])
+@pytest.mark.parametrize(
+    "damage", ["another machine", "malformed", "another model dtype", "negative", "nan", "format 1 (head under-priced)"]
+)
 def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_again(tmp_path, caplog, damage):
     """Said once, why: a saved profile of another model state was announced as planned from, then measured again."""
     import json
@@ -211,6 +213,8 @@ def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_
     data = json.loads(file.read_text())
     if damage == "another machine":
         data["budget_profile"]["machine"]["device"] = "NVIDIA H200"
+    elif damage.startswith("format 1"):  # before the head's options were measured with the last layer kept
+        data["budget_profile"]["format"] = 1
     elif damage == "malformed":
         data["budget_profile"]["measurements"] = {"type": "Measurements", "fields": {"layers": 3}}
     elif damage in ("negative", "nan"):  # numbers no measurement gives (a crafted file): planned from, before
@@ -228,7 +232,8 @@ def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_
     file.write_text(json.dumps(data))
     dtype = torch.float64 if damage == "another model dtype" else torch.float32
     said = _first_step_after_loading(tmp_path, caplog, dtype)
-    reason = {"another machine": "measured on", "another model dtype": "dtypes were"}.get(damage, "malformed")
+    reasons = {"another machine": "measured on", "another model dtype": "dtypes were", "format 1": "format 1"}
+    reason = reasons.get(damage.split(" (")[0], "malformed")
     assert any("saved profile is not used" in m and reason in m for m in said), said
     assert sum("measuring a profile" in m for m in said) == 1
     assert not any("planning from the saved profile" in m for m in said), said
@@ -536,3 +541,48 @@ def test_the_step_kind_counts_inputs_beyond_the_tokens_and_an_encoder_decoders_r
     short = step_kind(seq2seq, {"input_features": features, "labels": torch.ones(2, 4, dtype=torch.long)})
     long = step_kind(seq2seq, {"input_features": features, "labels": torch.ones(2, 128, dtype=torch.long)})
     assert (short[2], long[2]) == (-4, 1)  # log2(8 / 160), log2(256 / 160): 80 mel rows a step, as batch_tokens counts
+
+
+def test_a_measuring_that_fails_after_a_saved_profile_was_outgrown_leaves_the_next_step_measuring(
+    tmp_path, caplog, monkeypatch
+):
+    """A saved profile that cannot serve the scope was kept as the profile while measuring again; a measuring that
+    failed then (out of memory, an interrupt) left it with no kind, and every later step raised a TypeError."""
+    import remat.planner
+
+    _saved(tmp_path, caplog)
+    loaded = CheckpointedModel.from_pretrained(tiny_model(num_hidden_layers=4, attention_dropout=0.0), tmp_path)
+    loaded.enable(budget_scope="step")
+    real, failures = remat.planner.profile_model, [1]
+
+    def failing_once(*args, **kwargs):
+        if failures[0]:
+            failures[0] -= 1
+            raise RuntimeError("injected: out of memory while measuring")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(remat.planner, "profile_model", failing_once)
+    with pytest.raises(RuntimeError, match="injected"):
+        loaded(**batch(size=2, seq=8)).loss.backward()
+    with caplog.at_level(logging.INFO, logger="remat"):
+        loaded(**batch(size=2, seq=8)).loss.backward()
+    assert len(_measured(caplog)) == 1 and failures == [0]
+
+
+def test_a_model_change_found_by_one_kind_measures_every_other_kind_again(caplog):
+    """Each kind keeps its profile; a change one kind's check finds (a resized vocabulary) is the others' too: a
+    kind switched back to planned from its stale profile, its quick key unmoved."""
+    cm = CheckpointedModel(tiny_model(num_hidden_layers=4, attention_dropout=0.0), CheckpointConfig(budget="64MiB"))
+    small, large = batch(size=2, seq=8), batch(size=2, seq=16)
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    cm(**small).loss.backward()
+    with bf16():
+        cm(**small).loss.backward()
+    cm.model.resize_token_embeddings(200, mean_resizing=False)
+    cm.model.zero_grad(set_to_none=True)  # the old gradients are of the old shape
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**large).loss.backward()  # a new bucket: the full check finds the change
+        with bf16():
+            cm(**small).loss.backward()  # a bucket the other kind planned before the change
+    first, second = _measured(caplog)
+    assert "the model changed" in first and "not of the kind profiled" in second

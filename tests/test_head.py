@@ -685,3 +685,14 @@ def test_no_plan_that_chooses_the_head_predicts_less_than_memtracker_measures(vo
                 (planned.choices, planned.head, planned.head_chunk_tokens, measured - planned.predicted_peak_bytes)
             )
     assert not over, over
+
+
+def test_a_head_of_four_counted_tokens_is_profiled():
+    """`_head_sizes(4)` gave no chunk size, and the profile failed with an IndexError."""
+    cm = CheckpointedModel(tiny_model(num_hidden_layers=2), CheckpointConfig(head="chunked"))
+    data = batch(size=1, seq=5)  # 4 counted tokens (the labels shift by one)
+    profile = cm.profile(data, repeats=1, progress=False)
+    assert {(o.policy, o.chunk_tokens) for o in profile.measurements.head.choices()} >= {
+        ("chunked", 4),
+        ("plain", None),
+    }

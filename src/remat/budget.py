@@ -203,6 +203,7 @@ class BudgetState:
         if _model_key(controller, self.params) != self.fresh_key or bucket not in self.plans:
             if changes := self.profile.changes()[1]:
                 why = f"the model changed since its profile ({'; '.join(changes)})"
+                self.profiles.clear()  # every other kind's profile is of the model before that change too
                 self._measure(controller, batch, tokens, why=why)
             self.params = list(controller.model.parameters())
             self.fresh_key = _model_key(controller, self.params)
@@ -268,6 +269,7 @@ class BudgetState:
                     logger.info("budget: planning from the saved profile (%s); nothing measured", saved.source)
                     self.kind, self.plans = kind, {}
                     return
+                self.profile, self.without_optimizer = None, False  # not taken: a failed measuring leaves none
                 changes = [outgrown]
             logger.info("budget: the saved profile is not used (%s): measuring again", "; ".join(changes))
         from .planner.peak import WITHOUT_OPTIMIZER
@@ -292,7 +294,7 @@ class BudgetState:
             if optimizer is WITHOUT_OPTIMIZER
             else "",
         )
-        if kind != self.kind and self.profile is not None:  # the kind that ran keeps its profile and plans
+        if kind != self.kind and self.profile is not None and self.kind is not None:  # the kind that ran keeps its own
             self.profiles[self.kind] = self._kind_state()
         self.measuring = True
         try:
@@ -355,8 +357,10 @@ def step_kind(model: Any, batch: Mapping[str, Any]) -> tuple[Any, ...]:
     from .planner.measuring import batch_tokens
 
     target = batch.get("decoder_input_ids", batch.get("labels"))
-    ids = batch.get("input_ids")
-    shape = ids.shape if isinstance(ids, torch.Tensor) else None
+    ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
+    shape = (
+        ids.shape if isinstance(ids, torch.Tensor) else embeds.shape[:-1] if isinstance(embeds, torch.Tensor) else None
+    )
     inputs = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != shape))
     devices = {"cpu", *(p.device.type for p in model.parameters())} & _AUTOCAST_DEVICES
     autocast = tuple((d, torch.get_autocast_dtype(d)) for d in sorted(devices) if torch.is_autocast_enabled(d))

@@ -383,6 +383,7 @@ def head_options(state: Controlled, batch: Mapping[str, Any]) -> int:
 def _head_sizes(counted: int) -> list[int]:
     profiled = min(DEFAULT_CHUNK_TOKENS, counted)
     sizes = {min(SMALLEST_CHUNK * 4**k, profiled) for k in range(8) if SMALLEST_CHUNK * 4 ** (k - 1) < profiled}
+    sizes.add(profiled)  # at least the chunk the profile runs (4 counted tokens gave none: an IndexError)
     if profiled == counted and (below := 1 << ((counted - 1).bit_length() - 1)) > SMALLEST_CHUNK:
         # one chunk of all is cheaper than the line through the chunks below it (no second gradient of a trained
         # head's weight, no gradient of the hidden states assembled from slices): every chunk offered below it is

@@ -20,7 +20,7 @@ from ..policies import LayerProfile
 from .chooser import HeadProfile, Measurements, Outside, StepMemory, TimePrices
 from .state import ModelState, attention_of
 
-FORMAT = 1
+FORMAT = 2  # 2: the head's options measured with the last layer kept too (1 under-priced some plans: measure again)
 _TYPES: dict[str, Any] = {
     cls.__name__: cls for cls in (Measurements, LayerProfile, Outside, StepMemory, TimePrices, HeadProfile, ModelState)
 }
