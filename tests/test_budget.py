@@ -453,7 +453,7 @@ def test_an_encoder_decoders_longer_targets_are_profiled_as_their_own_kind_not_p
         assert activation_bytes(cm, long) <= budget
         cm(**short).loss.backward()
     first, second = _measured(caplog)  # the short kind's profile served the third step
-    assert "not of the kind profiled (target about 2**2 x the source's length; profiled: 2**-3)" in second
+    assert "2**2 x the source's length; profiled: inputs labels; autocast off; target about 2**-3 x" in second
 
 
 def test_a_step_under_another_autocast_is_measured_again_and_holds_within_the_budget(caplog):
@@ -472,7 +472,7 @@ def test_a_step_under_another_autocast_is_measured_again_and_holds_within_the_bu
             assert activation_bytes(cm, data) <= budget
         cm(**data).loss.backward()
     first, second = _measured(caplog)
-    assert "autocast cpu bfloat16; profiled: off" in second
+    assert "this: inputs tokens only; autocast cpu bfloat16; profiled: inputs tokens only; autocast off" in second
 
 
 def test_a_saved_profile_of_another_kind_of_step_is_not_planned_from(tmp_path, caplog):

@@ -80,7 +80,6 @@ class BudgetState:
     active_bucket: int | None = None
     receipts: dict[tuple[int, int], Receipt] = field(default_factory=dict)  # (bucket, kind number) -> its receipt
     history: list[Receipt] = field(default_factory=list)  # every receipt, in order: a bucket planned anew has two
-    last_bucket: int | None = None
     last_key: tuple[int, int] | None = None  # (bucket, kind number): the receipt of the step that ran last
     unlogged: set[tuple[int, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
@@ -129,12 +128,13 @@ class BudgetState:
         if config.budget is None or self.profile is None:
             return {}
         return {
-            "budget_profile": profile_to_json(self.profile, model, self.without_optimizer) | {"kind": self.kind_text}
+            "budget_profile": profile_to_json(self.profile, model, self.without_optimizer)
+            | {"kind": _kind_text(self.kind)}
         }
 
     @property
-    def kind_text(self) -> str:
-        return _kind_text(self.kind)
+    def last_bucket(self) -> int | None:
+        return None if self.last_key is None else self.last_key[0]
 
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         self.optimizer = None if optimizer is None else weakref.ref(optimizer)
@@ -173,7 +173,7 @@ class BudgetState:
             far = far if bucket > EXTRAPOLATED * measured else ""
             logger.info("budget: steps of up to %d tokens run %r%s", bucket, controller.checkpoint_map, far)
         receipt.steps += 1
-        self.last_bucket, self.last_key = bucket, key
+        self.last_key = key
         self.unlogged.add(key)
         reset_peak()
 
@@ -192,10 +192,11 @@ class BudgetState:
                         "budget: a forward of another kind of step (%s) while an earlier forward's backward is owed: "
                         "priced from the profile measured on %s; measured at a step that starts after a backward",
                         _kind_text(kind),
-                        self.kind_text,
+                        _kind_text(self.kind),
                     )
             else:
-                why = f"this step is not of the kind profiled ({_kind_change(self.kind, kind)})"
+                why = f"this step is not of the kind profiled (this: {_kind_text(kind)}; "
+                why += f"profiled: {_kind_text(self.kind)})"
         if why := why or self._outgrown(config):
             self._measure(controller, batch, tokens, why=why, kind=kind)
         # every step: a cached plan is only as good as its profile (the full check when the quick key moves, and
@@ -362,8 +363,7 @@ def step_kind(model: Any, batch: Mapping[str, Any]) -> tuple[Any, ...]:
         ids.shape if isinstance(ids, torch.Tensor) else embeds.shape[:-1] if isinstance(embeds, torch.Tensor) else None
     )
     inputs = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != shape))
-    devices = {"cpu", *(p.device.type for p in model.parameters())} & _AUTOCAST_DEVICES
-    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in sorted(devices) if torch.is_autocast_enabled(d))
+    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
     seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     if not (seq2seq and isinstance(target, torch.Tensor) and target.numel()):
         return inputs, autocast, None
@@ -371,8 +371,9 @@ def step_kind(model: Any, batch: Mapping[str, Any]) -> tuple[Any, ...]:
     return inputs, autocast, round(math.log2(target.numel() / max(source, 1)))
 
 
-# the device types torch keeps an autocast state for (`torch.is_autocast_enabled` raises for others, "meta")
-_AUTOCAST_DEVICES = {"cpu", "cuda", "xpu", "mps", "hpu", "xla", "ipu", "mtia", "privateuseone"}
+# the device types torch keeps an autocast state for (`torch.is_autocast_enabled` raises for others, "meta"): each
+# asked, a few C calls a step, rather than walking the model's parameters for the ones it uses
+_AUTOCAST_DEVICES = ("cpu", "cuda", "hpu", "ipu", "mps", "mtia", "privateuseone", "xla", "xpu")
 
 
 def _kind_text(kind: tuple[Any, ...] | None) -> str:
@@ -381,18 +382,6 @@ def _kind_text(kind: tuple[Any, ...] | None) -> str:
     inputs, autocast, ratio = kind
     text = f"inputs {', '.join(inputs) or 'tokens only'}; autocast {_autocast_text(autocast)}"
     return text if ratio is None else f"{text}; target about 2**{ratio} x the source's length"
-
-
-def _kind_change(before: tuple[Any, ...], now: tuple[Any, ...]) -> str:
-    (inputs, autocast, ratio), (inputs_now, autocast_now, ratio_now) = before, now
-    said = []
-    if inputs != inputs_now:
-        said.append(f"inputs {', '.join(inputs_now)}; profiled: {', '.join(inputs)}")
-    if autocast != autocast_now:
-        said.append(f"autocast {_autocast_text(autocast_now)}; profiled: {_autocast_text(autocast)}")
-    if ratio != ratio_now:
-        said.append(f"target about 2**{ratio_now} x the source's length; profiled: 2**{ratio}")
-    return "; ".join(said)
 
 
 def _autocast_text(autocast: tuple[Any, ...]) -> str:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .budget import BudgetState
-from .compat.transformers_compat import outputs_recorded_inside_layers
+from .compat.transformers_compat import router_logits_recorded_inside_layers
 from .config import CheckpointConfig
 from .errors import ConfigError, ReplacedWrapperError, StateError
 from .head import ChunkedHead, HeadPlan, plan_head
@@ -445,13 +445,12 @@ class Controller:
         would silently not learn from it (transformers' own reentrant checkpointing does the same)."""
         if not (self.checkpoint_map.checkpointed or self.config.budget is not None) or distributed_training():
             return
-        recorded = outputs_recorded_inside_layers(self.model, kwargs)
-        if recorded:
+        if router_logits_recorded_inside_layers(self.model, kwargs):
             raise ConfigError(
-                f"use_reentrant=True would lose the gradient of the {', '.join(recorded)} this forward records: "
-                "transformers records them by hooks inside the layers, which reentrant checkpointing runs without "
-                f"gradients (an MoE's aux loss would not train its router). Use use_reentrant=False (the default), "
-                f"or do not ask for them ({', '.join(f'output_{k}=False' for k in recorded)})"
+                "use_reentrant=True would lose the gradient of the router_logits this forward records: transformers "
+                "records them by hooks inside the layers, which reentrant checkpointing runs without gradients (an "
+                "MoE's aux loss would not train its router). Use use_reentrant=False (the default), or do not ask for "
+                "them (output_router_logits=False)"
             )
 
     def _say_eval_mode_runs_no_checkpoint(self) -> None:

@@ -87,18 +87,15 @@ def native_every_n() -> tuple[int, ...]:
     return (1, 2, 3, 4) if takes else (1,)
 
 
-def outputs_recorded_inside_layers(model: Any, kwargs: dict[str, Any]) -> list[str]:
-    """The router logits this forward asks transformers to record through forward hooks on modules inside the layers
-    (the model's `_can_record_outputs`: 5.x everywhere, and 4.57's Mixtral), which the model's aux loss is made of.
-    Read per forward: a keyword (`output_router_logits=True`) takes precedence over the config, as transformers
-    reads them. (Attentions are recorded so too, but a model's loss is not made of them, and with sdpa none are.)"""
-    found: list[str] = []
+def router_logits_recorded_inside_layers(model: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether this forward asks transformers to record router logits, which an MoE's aux loss is made of, through
+    forward hooks on modules inside the layers (the model's `_can_record_outputs`: 5.x everywhere, and 4.57's
+    Mixtral). A keyword (`output_router_logits=True`) takes precedence over the config, as transformers reads them.
+    (Attentions are recorded so too, but no loss of the model's is made of them, and with sdpa none are.)"""
     for module in model.modules():
         recorded = getattr(type(module), "_can_record_outputs", None)
-        config = getattr(module, "config", None)
-        for key in recorded if isinstance(recorded, dict) else ():
-            flag = f"output_{key}"
-            asked = kwargs[flag] if flag in kwargs else getattr(config, flag, False)
-            if key.endswith("router_logits") and asked and key not in found:
-                found.append(key)
-    return found
+        if isinstance(recorded, dict) and "router_logits" in recorded:
+            config = getattr(module, "config", None)
+            if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
+                return True
+    return False
