@@ -22,8 +22,8 @@ from remat.model import controller_of
 from remat.testing import SimulatedTransport
 
 
-def _lora_model(**kwargs):
-    model = add_lora(tiny_model(**kwargs))
+def _lora_model(lora_dropout=0.1, **kwargs):
+    model = add_lora(tiny_model(**kwargs), dropout=lora_dropout)
     return model, [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
@@ -207,10 +207,11 @@ def test_swapping_trainable_base_weights_is_refused_before_anything_moves():
 def test_torch_compile_with_block_swap_trains_exactly_and_still_swaps(how):
     """torch.compile does not trace the swap's hooks (traced, pointing a parameter at a slot is
     a `set_` on a graph input, which inductor refused with an error that never named block
-    swap): the compiled model trains exactly, step after step, and the swapped weights are
-    still fetched before each use and back at rest after the step (read from their storages)."""
-    model, named = _lora_model(attention_dropout=0.0)
-    reference, reference_named = _lora_model(attention_dropout=0.0)
+    swap): the compiled model trains exactly, step after step, and the swapped weights are still
+    fetched before each use and back at rest after the step (read from their storages). Inductor
+    compiles the layers not swapped (1 and 3), drawing dropout masks of its own: dropout is off."""
+    model, named = _lora_model(attention_dropout=0.0, lora_dropout=0.0)  # inductor draws its own dropout masks
+    reference, reference_named = _lora_model(attention_dropout=0.0, lora_dropout=0.0)
     layers = decoder_layers(model)
     cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[0, 2]))
     at_rest = _swapped_weight_bytes(model, [layers[0], layers[2]])
@@ -285,7 +286,7 @@ def test_cuda_swap_is_exact_and_bounded():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_torch_compile_with_block_swap_trains_exactly():
-    model = add_lora(tiny_model(attention_dropout=0.0)).cuda()
+    model = add_lora(tiny_model(attention_dropout=0.0), dropout=0.0).cuda()  # inductor draws its own dropout masks
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     data = {k: v.cuda() for k, v in batch().items()}
     _, expected = step_grads(model, named, data)

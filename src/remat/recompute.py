@@ -111,6 +111,8 @@ class LayerCheckpoint:
         module = self._module
 
         def run(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling() and index not in swapper.schedule.layers:
+                return function(*args, **kwargs)  # traced whole: backward recomputes it in the compiled graph
             calls[0] += 1
             if calls[0] == 1:
                 return state.watch_forward(function, *args, **kwargs)

@@ -43,7 +43,8 @@ class _KeptOutputs:
         self.kept: set[int] = set()
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
-        forward = not getattr(ctx, "is_recompute", False)
+        # compiled, the graph is functional (no op changes a kept output) and its tensors have no storage
+        forward = not getattr(ctx, "is_recompute", False) and not torch.compiler.is_compiling()
         if forward:
             self._refuse_changes_to_kept(op, args, kwargs)
         decision = _keep_projections_and_attention(ctx, op, *args, **kwargs)
