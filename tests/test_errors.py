@@ -116,3 +116,10 @@ def test_the_host_budget_takes_bytes_or_sizes_with_units(size, expected):
     cm = CheckpointedModel(tiny_model(), CheckpointConfig(checkpoint_policy="offload"), offload_host_budget=size)
     assert controller_of(cm).offloader.max_host_bytes == expected
     assert torch.isfinite(cm(**batch()).loss)
+
+
+@pytest.mark.parametrize("progress", ["no", 0, None])
+def test_profile_progress_other_than_true_or_false_is_refused_not_read_as_truthy(progress):
+    cm = CheckpointedModel(tiny_model())
+    with pytest.raises(TypeError, match="progress must be True or False"):
+        cm.profile(batch(), progress=progress)

@@ -59,7 +59,7 @@ def _recomputed(call, model):
     return counter.recomputed()
 
 
-def test_a_replaced_wrapper_refuses_to_come_back_and_the_new_map_is_what_runs():
+def test_a_replaced_wrapper_refuses_to_come_back_and_the_new_map_is_what_runs(tmp_path):
     model = add_lora(tiny_model())
     cm1 = CheckpointedModel(model)
     cm1.disable()
@@ -68,6 +68,10 @@ def test_a_replaced_wrapper_refuses_to_come_back_and_the_new_map_is_what_runs():
         cm1.enable()
     with pytest.raises(RuntimeError, match=r"for_training\(\): another CheckpointedModel took"):
         cm1.for_training()
+    # a save would write cm1's config beside adapters that train under cm2's map: a load would bring it back
+    with pytest.raises(RuntimeError, match=r"save_pretrained\(\): another CheckpointedModel took"):
+        cm1.save_pretrained(tmp_path / "save")
+    assert not (tmp_path / "save").exists()
     assert not cm1.is_enabled
     assert cm2.checkpoint_map.checkpointed == [0, 2]
     assert _recomputed(cm2, model) == [0, 2], "cm2's map, and only it, runs"

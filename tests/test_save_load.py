@@ -171,6 +171,21 @@ def test_inference_load_and_plain_base_model(tmp_path):
     assert again.checkpoint_map.checkpointed == [0, 2]
 
 
+@pytest.mark.parametrize("given", ["False", 0, None, "config"])
+def test_is_trainable_other_than_true_or_false_is_refused_before_the_model_changes(tmp_path, given):
+    """`is_trainable="False"` loaded trainable adapters, 0 failed inside torch after PEFT had started, and a
+    config given by position (the constructor's order) landed in is_trainable: the saved config was used."""
+    _trained_lora().save_pretrained(tmp_path / "lora")
+    model = tiny_model()
+    before = {name: module for name, module in model.named_modules()}
+    with pytest.raises(TypeError, match="is_trainable must be True or False"):
+        value = CheckpointConfig(every_n_layers=4) if given == "config" else given
+        CheckpointedModel.from_pretrained(model, tmp_path / "lora", is_trainable=value)
+    assert dict(model.named_modules()) == before, "no adapter layer was added"
+    with pytest.raises(TypeError, match="positional argument"):
+        CheckpointedModel.from_pretrained(model, tmp_path / "lora", CheckpointConfig(every_n_layers=4))
+
+
 def test_a_save_of_a_wrapper_loaded_for_inference_loads_trainable_when_asked(tmp_path):
     """Every adapter was saved frozen (the wrapper had been loaded with is_trainable=False), so a load with
     is_trainable=True kept it frozen, silently, and the first step failed in torch (no tensor requires grad)."""

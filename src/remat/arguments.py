@@ -58,6 +58,13 @@ def parse_count(value: Any, name: str, what: str) -> int:
     return _at_most(value, name, what)
 
 
+def check_flag(value: Any, name: str) -> bool:
+    """True or False, as given: a string "False" or a config passed where the flag stands is refused, not read."""
+    if not isinstance(value, bool):
+        raise ConfigTypeError(f"{name} must be True or False, got {value!r} ({type(value).__name__})")
+    return value
+
+
 def _at_most(value: int, name: str, what: str) -> int:
     if value > MAX_COUNT:
         shown = str(value) if value < 10**30 else f"an int of {len(str(value))} digits"

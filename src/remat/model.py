@@ -348,12 +348,14 @@ class CheckpointedModel(nn.Module):
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
         """Write the adapters as PEFT does (keywords go to PEFT) and `checkpoint_config.json`,
-        touching no other file; a crash leaves the previous save or this one, never a mix."""
+        touching no other file; a crash leaves the previous save or this one, never a mix. A replaced wrapper
+        refuses: its config no longer runs on the model."""
+        self._controller.check_not_replaced("save_pretrained()")
         save_checkpointed_model(self._controller, save_directory, **kwargs)
 
     @classmethod
     def from_pretrained(
-        cls, model: nn.Module, path: str | os.PathLike, is_trainable: bool = True, **kwargs: Any
+        cls, model: nn.Module, path: str | os.PathLike, *, is_trainable: bool = True, **kwargs: Any
     ) -> CheckpointedModel:
         """Load what `save_pretrained` wrote at `path` into `model` (the base model, or a PeftModel with those
         adapters) and wrap it, refusing before any change. Keywords go to PEFT, except the constructor's own."""

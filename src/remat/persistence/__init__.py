@@ -16,7 +16,7 @@ from typing import Any
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from ..arguments import WrapperOptions
+from ..arguments import WrapperOptions, check_flag
 from ..config import CheckpointConfig
 from ..errors import ConfigError, ConfigTypeError, FolderChangedError, NotSavedError
 from ..refs import InstancePatches
@@ -103,6 +103,7 @@ def load_checkpointed_model(
     cls: Any, model: nn.Module, path: str | os.PathLike, *, is_trainable: bool, **kwargs: Any
 ) -> Any:
     """`cls.from_pretrained`: `cls` is the wrapper class (handed in, so nothing here imports it)."""
+    check_flag(is_trainable, "from_pretrained's is_trainable")
     folder = os.path.abspath(os.fspath(path))
     if not os.path.isdir(folder):
         raise NotSavedError(f"no saved CheckpointedModel at {folder}; save one with cm.save_pretrained(folder)")

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..arguments import check_flag
 from ..compat.accelerator import OUT_OF_MEMORY, empty_cache, synchronize
 from ..config import CheckpointConfig
 from ..errors import ConfigError, ConfigTypeError, PolicyError, StateError
@@ -49,6 +50,7 @@ class ProfileOptions:
     repeats: int
 
     def __post_init__(self) -> None:
+        check_flag(self.progress, "progress")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ConfigError(f"repeats must be an int >= 1, got {self.repeats!r}")
         if self.optimizer not in (None, WITHOUT_OPTIMIZER) and not isinstance(self.optimizer, torch.optim.Optimizer):
