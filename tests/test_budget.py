@@ -35,11 +35,11 @@ def _recomputed_in_backward(cm):
     """Per step, the layers that ran inside a backward: the map that really ran (not the one shown)."""
     from remat.model import controller_of
 
-    seen, budget = set(), controller_of(cm).budget
+    seen, controller = set(), controller_of(cm)
 
     def hook(index):
         def record(module, args):  # not the steps of the profile measured inside the first step
-            if torch._C._current_graph_task_id() != -1 and not budget.measuring:
+            if torch._C._current_graph_task_id() != -1 and not controller.measuring:
                 seen.add(index)
 
         return record

@@ -77,7 +77,7 @@ def test_grpo_replans_per_bucket_and_keeps_the_map_through_every_generation_togg
     measured = set()  # the forwards whose step measured a profile first (its recompute count has the profile's)
 
     def watch(module, args, kwargs):
-        if module.training and torch.is_grad_enabled() and controller_of(cm).budget.measuring:
+        if module.training and torch.is_grad_enabled() and controller_of(cm).measuring:
             measured.add(len(ran))
         elif module.training and torch.is_grad_enabled():
             ran.append((kwargs["input_ids"].numel(), tuple(p.policy for p in cm.checkpoint_map)))
@@ -161,7 +161,7 @@ def test_a_profile_saved_without_an_optimizer_is_measured_again_on_the_trainers_
     base = tiny_model(num_hidden_layers=6, vocab_size=256, attention_dropout=0.0)
     cm = CheckpointedModel.from_pretrained(base, tmp_path / "saved", is_trainable=True)
     steps = []
-    cm.model.register_forward_pre_hook(lambda *_: steps.append(controller_of(cm).budget.measuring))
+    cm.model.register_forward_pre_hook(lambda *_: steps.append(controller_of(cm).measuring))
     args = TrainingArguments(**_common(tmp_path, max_steps=2, save_strategy="no", per_device_train_batch_size=2))
     trainer = RematTrainer(model=cm, args=args, train_dataset=_rows([12, 12, 12, 12]))
     with caplog.at_level(logging.INFO, logger="remat"):

@@ -78,6 +78,13 @@ def test_training_mode_set_directly_after_for_inference_trains_with_the_map(rema
     step_grads(cm, list(model.named_parameters()), batch())
     assert counter.recomputed() == [0, 2]
     assert "outside for_training" in remat_logs.text
+    for _ in range(3):  # an evaluation loop that does this at every evaluation: said once, each time applied
+        cm.for_inference()
+        model.train()
+        counter.reset()
+        step_grads(cm, list(model.named_parameters()), batch())
+        assert counter.recomputed() == [0, 2]
+    assert remat_logs.text.count("outside for_training") == 1
 
 
 def test_for_inference_keeps_the_map_and_for_training_reapplies_it_after_a_route_change():

@@ -488,3 +488,15 @@ def test_a_full_fine_tunes_step_plans_whose_last_layer_keeps_more_peak_where_eve
     least = profile.plan(profile.frontier(scope="step")[0].planned_budget, scope="step")
     cm.enable(least)
     assert step_peak_bytes(cm, data, optimizer) <= least.planned_budget
+
+
+def test_a_profile_logs_no_map_change_of_its_own_steps(remat_logs):
+    """Each measuring step's map was logged as "enable() changed the checkpoint map" (30 lines for one profile
+    of a 4-layer model), and putting the config back as "profile() (restoring) changed": the user changed nothing."""
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    remat_logs.clear()
+    cm.profile(batch(), repeats=1, progress=False)
+    assert "changed" not in remat_logs.text, remat_logs.text
+    assert cm.checkpoint_config == CheckpointConfig(every_n_layers=2) and cm.checkpoint_map.checkpointed == [0, 2]
+    cm.enable(every_n_layers=1)
+    assert "enable() changed" in remat_logs.text, "the user's own change is still said"

@@ -84,7 +84,6 @@ class BudgetState:
     unlogged: set[tuple[int, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
     optimizer: Any = None  # weakref to the trainer's optimizer (scope="step" counts its state)
-    measuring: bool = False
     without_optimizer: bool = False  # its profile's step peak has no optimizer state
     fresh_key: Any = None  # `_model_key` when the profile was last found to describe the model
     params: list[Any] = field(default_factory=list)  # the model's parameters then
@@ -297,13 +296,9 @@ class BudgetState:
         )
         if kind != self.kind and self.profile is not None and self.kind is not None:  # the kind that ran keeps its own
             self.profiles[self.kind] = self._kind_state()
-        self.measuring = True
-        try:
-            # one timed step per map: seconds scale every price by one rate, so a budget's choices (by bytes, then
-            # by those prices) are the counts' whatever the noise; only the printed seconds are less sure
-            self.profile = profile_model(controller, batch, ProfileOptions(loss_fn, optimizer, True, 1))
-        finally:
-            self.measuring = False
+        # one timed step per map: seconds scale every price by one rate, so a budget's choices (by bytes, then
+        # by those prices) are the counts' whatever the noise; only the printed seconds are less sure
+        self.profile = profile_model(controller, batch, ProfileOptions(loss_fn, optimizer, True, 1))
         self.without_optimizer = optimizer is WITHOUT_OPTIMIZER
         if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
             self.profile.notes += ("step peak: weights, gradients and activations; no optimizer state (none known)",)

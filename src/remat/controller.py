@@ -105,9 +105,11 @@ class Controller:
         self._adopted_from: list[Ref[nn.Module]] = []  # models this one wrapped before `adopt`
         self._has_installed = False
         self._said_eval_mode = False
+        self._said_switched_back = False
         self._said_stray_adapters = False  # adapter layers in a model that is not a PeftModel: said once
         self._said_last: dict[str, tuple[str, str, str]] = {}  # cause -> its last change said (old map, new map)
         self.budget = BudgetState()  # with CheckpointConfig(budget=...): the profile, plans per bucket, receipts
+        self.measuring = False  # a profile's steps run: their maps are not the user's, neither planned nor logged
 
     @property
     def model(self) -> nn.Module:
@@ -262,7 +264,7 @@ class Controller:
         self.budget.config_changed(config)  # another budget config: planned on the next training step
         self._head_planned = head
         change = None
-        if not said and not self.budget.measuring:  # a budget's profile says one line for all its steps
+        if not said and not self.measuring:  # a profile says one line (a budget's) or shows a bar for all its steps
             change = self._log_changes(config, new_map, cause)
         if live:
             self._swap_to(new_map)
@@ -416,7 +418,9 @@ class Controller:
         with a budget, a training forward first gets its bucket's plan (`remat.budget`)."""
         self._mode_before_call = None  # a `with` needs the mode call right before it
         if self.inference and (module.training or any(layer.module.training for layer in self.discovery.layers)):
-            logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
+            if not self._said_switched_back:  # a loop that evaluates this way does it at every evaluation
+                self._said_switched_back = True
+                logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
             self.inference = False
             self.apply_map()
         if not module.training and not self.inference and self.off_by is None and torch.is_grad_enabled():
@@ -426,7 +430,7 @@ class Controller:
         if self.config.use_reentrant and module.training and torch.is_grad_enabled() and not self.inference:
             self._refuse_outputs_reentrant_loses(kwargs)
         budget = self.budget
-        if self.config.budget is None or self.off_by is not None or budget.measuring or self.inference:
+        if self.config.budget is None or self.off_by is not None or self.measuring or self.inference:
             return
         if not (module.training and torch.is_grad_enabled()):
             return

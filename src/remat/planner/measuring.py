@@ -62,6 +62,7 @@ class Controlled(Measured, Protocol):
 
     config: CheckpointConfig
     off_by: str | None
+    measuring: bool
 
     @property
     def is_enabled(self) -> bool: ...
@@ -470,6 +471,7 @@ def _left_as_it_was(state: Controlled) -> Iterator[None]:
     """Put back, whatever happens, what `model_left_as_it_was` does, the config, the on/off state
     and the counters (the optimizer's state: after each step, by `StepPeak`)."""
     config, off_by = state.config, state.off_by
+    state.measuring = True  # the steps' maps (and the way back) are not logged as the user's changes
     try:
         with (
             counters_left_as_they_were(state),
@@ -477,4 +479,7 @@ def _left_as_it_was(state: Controlled) -> Iterator[None]:
         ):
             yield
     finally:  # runs even when putting the model or the counters back failed
-        state.replan(config, off_by=off_by, cause="profile() (restoring)")
+        try:
+            state.replan(config, off_by=off_by, cause="profile() (restoring)")
+        finally:
+            state.measuring = False
