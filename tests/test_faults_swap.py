@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import RecomputeCounter, add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
 
-from remat import CheckpointConfig, CheckpointedModel
+from remat import BlockSwapError, CheckpointConfig, CheckpointedModel
 from remat.model import controller_of
 from remat.testing import SimulatedTransport
 from remat.transport import CpuTransport
@@ -127,6 +127,39 @@ def test_a_layer_whose_weights_a_pending_backward_holds_cannot_join_the_swap(for
     del loss
     cm.enable(wanted)  # once the graph is gone, the layer may join
     assert_same_grads(_reference_grads(), step_grads(cm, _trainable(model), batch())[1])
+
+
+def _state(model, *controllers):
+    """What a refused swap must leave as it was: where every weight's data lives, each wrapper's map and config."""
+    storages = {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
+    return storages, [(repr(c.checkpoint_map), c.config, c.is_enabled, list(c.swapper.layers)) for c in controllers]
+
+
+@pytest.mark.parametrize("first", ["disabled", "dropped"])
+@pytest.mark.parametrize("swap_from", ["a new wrapper", "its enable()"])
+def test_a_forward_owed_by_an_earlier_wrapper_keeps_another_from_swapping_its_layers(first, swap_from):
+    """A forward under the first wrapper recomputes its layers in backward with that wrapper's swapper, which does
+    not fetch weights another wrapper moved out (its recompute read placeholders, 0.1 off, silently): the swap is
+    refused, changing nothing, until that backward has run. A second wrapper without swap meanwhile is exact."""
+    cm1, model = _wrapped(CheckpointConfig())  # every layer recomputed, nothing swapped
+    first_controller = controller_of(cm1)
+    loss = _forward(cm1, model)
+    if first == "disabled":
+        cm1.disable()
+    del cm1  # dropped: its controller, still installed, is taken over by the next wrapper
+    wrap = lambda config: CheckpointedModel(model, config, offload_transport=SimulatedTransport())
+    cm2 = wrap(CheckpointConfig()) if swap_from == "its enable()" else None
+    controllers = [first_controller] + ([controller_of(cm2)] if cm2 is not None else [])
+    before = _state(model, *controllers)
+    with pytest.raises(BlockSwapError, match=r"swapping layers \[1, 3\].*Run that backward first"):
+        wrap(SWAP) if cm2 is None else cm2.enable(SWAP)
+    assert _state(model, *controllers) == before
+    loss.backward()
+    assert_same_grads(_reference_grads(), _grads(model))
+    del loss
+    cm2 = wrap(SWAP) if cm2 is None else cm2.enable(SWAP)  # that backward ran: the layers may join
+    assert list(controller_of(cm2).swapper.layers) == [1, 3]
+    assert_same_grads(_reference_grads(), step_grads(cm2, _trainable(model), batch())[1])
 
 
 class CountingMover(CpuTransport):

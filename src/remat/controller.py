@@ -16,7 +16,7 @@ from torch import nn
 from .budget import BudgetState
 from .compat.transformers_compat import router_logits_recorded_inside_layers
 from .config import CheckpointConfig
-from .errors import ConfigError, ReplacedWrapperError, StateError
+from .errors import BlockSwapError, ConfigError, ReplacedWrapperError, StateError
 from .head import ChunkedHead, HeadPlan, plan_head
 from .install import FlagInstall, ForwardInstall, installer_for
 from .layers import DiscoveredLayer, Discovery
@@ -24,7 +24,7 @@ from .offload import Offloader
 from .persistence import SaveLoadOverrides, stray_adapter_layers
 from .plan import CheckpointMap, plan_layers
 from .policies import policy as policy_named
-from .recompute import LayerCheckpoint, distributed_training, run_without_checkpoint
+from .recompute import LayerCheckpoint, distributed_training, run_without_checkpoint, swappers_owed
 from .refs import InstancePatches, Ref
 from .routes import describe_changes, install_routes
 from .swap import WeightSwapper, check_swappable, weights_in_use
@@ -305,6 +305,16 @@ class Controller:
             self.swapper.layers[index].check_frozen()
         joining = [t for t in targets if t[0] not in self.swapper.layers]
         check_swappable(joining, self.model)
+        # A forward checkpointed under another wrapper (disabled, dropped or replaced since) recomputes the layer with
+        # that wrapper's swapper, which would not fetch the weights this one moves out: the recompute would read
+        # placeholders. This wrapper's own forwards fetch them (the swapper is asked at recompute time).
+        if owed := [t[0] for t in joining if any(s is not self.swapper for s in swappers_owed(t[2]))]:
+            raise BlockSwapError(
+                f"cannot start swapping layers {owed} now: a forward made under another CheckpointedModel on this "
+                "model (disabled, dropped or replaced since) still owes its backward, whose recompute of those layers "
+                "would read the weights moved out and compute wrong gradients. Run that backward first (or drop that "
+                "forward's outputs), then swap; nothing was changed"
+            )
         if held := joining and weights_in_use(joining, self.model):  # (walks every parameter: only when one joins)
             raise StateError(
                 f"cannot start swapping layers {[t[0] for t in joining]} now: {held[0]} (and {len(held) - 1} more) is "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,27 @@ def distributed_training() -> bool:
     return True
 
 
+class OwedRecompute:
+    """A recompute that a checkpointed forward of a layer owes its backward, and the swapper it will ask for the
+    layer's weights. Only that forward's recompute function holds it, so a graph dropped unrun owes nothing."""
+
+    __slots__ = ("__weakref__", "swapper")
+
+    def __init__(self, swapper: WeightSwapper):
+        self.swapper = swapper
+
+
+# layer -> the recomputes its checkpointed forwards owe, whichever wrapper ran them (weakly: a disabled or dropped
+# wrapper leaves nothing on the layer, and its forward's backward must still find the layer's weights where it looks)
+_OWED: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[OwedRecompute]] = weakref.WeakKeyDictionary()
+
+
+def swappers_owed(module: nn.Module) -> list[WeightSwapper]:
+    """The swappers the layer's owed recomputes will fetch its weights from (a weight another swapper moved out
+    would be recomputed from its placeholder)."""
+    return [owed.swapper for owed in _OWED.get(module, ())]
+
+
 class LayerCheckpoint:
     """Checkpoint one layer as its policy (`remat.policies`) says. With `use_reentrant=True`, a layer whose
     inputs do not require grad (a frozen embedding under LoRA) would give an output with no grad_fn, and its
@@ -108,14 +130,19 @@ class LayerCheckpoint:
         recomputes, which fetch swapped weights first and leave the layer's buffers and counters as
         the forward left them (an MoE router's token counts must not grow twice)."""
         swapper, index, state, policy, calls = self.swapper, self.index, self.state, self.policy, [0]
-        module = self._module
+        module, owed = self._module, OwedRecompute(swapper)
 
         def run(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_compiling() and index not in swapper.schedule.layers:
                 return function(*args, **kwargs)  # traced whole: backward recomputes it in the compiled graph
             calls[0] += 1
+            layer = module()
             if calls[0] == 1:
+                if layer is not None:  # owed until its first recompute (`Controller._check_swap_change` asks)
+                    _OWED.setdefault(layer, weakref.WeakSet()).add(owed)
                 return state.watch_forward(function, *args, **kwargs)
+            if layer is not None and layer in _OWED:
+                _OWED[layer].discard(owed)
             # remat's bookkeeping runs outside torch's dispatch modes ("selective" expects exactly the
             # forward's ops, and a memory measurement must not count weights as activations).
             around = contextlib.ExitStack()
