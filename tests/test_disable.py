@@ -1,8 +1,22 @@
 """disable() leaves the model exactly as it was before wrapping."""
 
+import gc
+import io
+import pickle
+import weakref
+
 import pytest
 import torch
-from conftest import RecomputeCounter, add_lora, batch, decoder_layers, hook_snapshot, step_grads, tiny_model
+from conftest import (
+    RecomputeCounter,
+    add_lora,
+    assert_same_grads,
+    batch,
+    decoder_layers,
+    hook_snapshot,
+    step_grads,
+    tiny_model,
+)
 
 from remat import CheckpointConfig, CheckpointedModel
 
@@ -120,3 +134,87 @@ def test_a_deep_copy_of_a_wrapper_disables_its_own_model_and_leaves_the_original
     assert "gradient_checkpointing_enable" in cm.model.__dict__  # the original is still wrapped
     cm.disable()
     assert set(cm.model.__dict__) == before
+
+
+class _Around:
+    """A picklable wrapper other code puts around a route (as TRL wraps `gradient_checkpointing_enable`)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+
+def _trainable(model):
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _round_trip(model, how):
+    """The wrapper `torch.save(cm)` / `torch.load` gives back, or `cm.model` pickled and wrapped again."""
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    if how == "pickle(cm.model)":
+        copied = pickle.loads(pickle.dumps(cm.model))
+        return copied.__dict__["_remat_owner"], CheckpointedModel(copied, CheckpointConfig(every_n_layers=2))
+    buffer = io.BytesIO()
+    torch.save(cm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    return loaded._controller, loaded
+
+
+@pytest.mark.parametrize("how", ["torch.save(cm)", "pickle(cm.model)"])
+def test_a_pickled_wrapper_or_model_disables_as_a_never_wrapped_twin_is(how, tmp_path):
+    """After a pickle round trip, `disable()` put back none of the routes nor the `save_pretrained` /
+    `load_adapter` overrides: the patches were remembered by the ids of the pickled values, which the
+    loaded ones do not have, so each looked replaced by other code. The loaded model's instances now end
+    as a never-wrapped twin's, its `save_pretrained` writes no `checkpoint_config.json`, and the
+    controller that set the patches is freed with the wrapper, not kept alive by the model."""
+    model = add_lora(tiny_model(), dropout=0.0)
+    twin = pickle.loads(pickle.dumps(model))  # never wrapped
+    data = batch()
+    expected = step_grads(twin, _trainable(twin), data)[1]
+
+    controller, cm = _round_trip(model, how)
+    controller = weakref.ref(controller)
+    loaded = cm.model
+    counter = RecomputeCounter(decoder_layers(loaded))
+    assert_same_grads(expected, step_grads(cm, _trainable(loaded), data)[1])
+    assert counter.recomputed() == [0, 2]
+    counter.remove()
+    cm.disable()
+
+    assert {n: set(vars(m)) for n, m in loaded.named_modules()} == {n: set(vars(m)) for n, m in twin.named_modules()}
+    assert _public_attrs(loaded) == _public_attrs(twin)
+    assert hook_snapshot(loaded) == hook_snapshot(twin)
+    loaded.save_pretrained(tmp_path / "loaded")
+    twin.save_pretrained(tmp_path / "twin")
+    assert sorted(p.name for p in (tmp_path / "loaded").iterdir()) == sorted(
+        p.name for p in (tmp_path / "twin").iterdir()
+    )
+    assert not (tmp_path / "loaded" / "checkpoint_config.json").exists()
+    counter = RecomputeCounter(decoder_layers(loaded))
+    assert_same_grads(expected, step_grads(loaded, _trainable(loaded), data)[1])
+    assert counter.recomputed() == []
+    del cm
+    gc.collect()
+    assert controller() is None, "the model no longer keeps remat's controller alive"
+
+
+def test_a_route_other_code_replaced_before_a_pickle_stays_after_disable():
+    """The round trip keeps the rule: a route other code wrapped is that code's, and stays."""
+    model = add_lora(tiny_model())
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    inner = model.base_model.model
+    inner.gradient_checkpointing_enable = _Around(inner.gradient_checkpointing_enable)
+    buffer = io.BytesIO()
+    torch.save(cm, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    loaded.disable()
+    kept = loaded.model.base_model.model.__dict__.get("gradient_checkpointing_enable")
+    assert isinstance(kept, _Around)
+    assert "gradient_checkpointing_disable" not in vars(loaded.model.base_model.model)
+    assert "save_pretrained" not in vars(loaded.model)
+    kept()
+    assert loaded.model.base_model.model.is_gradient_checkpointing, "the wrapper reached transformers' method"

@@ -74,6 +74,13 @@ class InstancePatches:
         self._saved.append((Ref(target), name, target.__dict__.get(name, MISSING), id(value)))
         object.__setattr__(target, name, value)  # kept out of nn.Module's parameter/buffer bookkeeping
 
+    @staticmethod
+    def _still_set(ref: Ref[Any], name: str, value_id: int) -> Any:
+        """remat's value where it is still set; `MISSING` where other code replaced it or the target is gone."""
+        target = ref()
+        value = MISSING if target is None else target.__dict__.get(name, MISSING)
+        return value if id(value) == value_id else MISSING
+
     def __deepcopy__(self, memo: dict[int, Any]) -> InstancePatches:
         """A copy that undoes on the copied targets: the ids it remembers are those of the copied values."""
         copied = type(self).__new__(type(self))
@@ -85,14 +92,26 @@ class InstancePatches:
             if target is None:
                 continue
             twin = copy.deepcopy(target, memo)  # may be half-built here: its value is found through memo
-            value = target.__dict__.get(name, MISSING)
-            twin_id = id(copy.deepcopy(value, memo)) if id(value) == value_id else 0
+            value = self._still_set(ref, name, value_id)
+            twin_id = 0 if value is MISSING else id(copy.deepcopy(value, memo))
             copied._saved.append((Ref(twin), name, copy.deepcopy(previous, memo), twin_id))
         return copied
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled with the values still set, not their ids (a loaded value has another): pickle loads each as the
+        very object its loaded target holds, so `__setstate__` remembers the loaded ids and `undo()` finds them."""
+        state = dict(self.__dict__)
+        state["_saved"] = [(ref, n, previous, self._still_set(ref, n, i)) for ref, n, previous, i in self._saved]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Back to ids once loaded (the values held would make a cycle); 0, no object's id, for a replaced one."""
+        saved = state.pop("_saved")
+        self.__dict__.update(state)
+        self._saved = [(ref, n, previous, 0 if v is MISSING else id(v)) for ref, n, previous, v in saved]
+
     def undo(self) -> None:
         for ref, name, previous, value_id in reversed(self._saved):
-            target = ref()
-            if target is not None and id(target.__dict__.get(name, MISSING)) == value_id:
+            if (target := ref()) is not None and self._still_set(ref, name, value_id) is not MISSING:
                 restore_attributes(target, {name: previous})
         self._saved.clear()
