@@ -1,8 +1,11 @@
 """Block swap survives faults: exceptions in forward and in recompute, swap-set changes between
-forward and backward, dtype moves, load_state_dict and PEFT merges; and a long run keeps host
-memory flat. Every fault is followed by training that is checked against an unwrapped model."""
+forward and backward, dtype moves, load_state_dict and PEFT merges (on the model and on a module
+inside a swapped layer); and a long run keeps host memory flat. Every fault is followed by
+training that is checked against an unwrapped model."""
 
+import copy
 import gc
+import io
 import os
 
 import pytest
@@ -214,6 +217,90 @@ def test_load_state_dict_writes_swapped_weights_and_assign_is_refused():
     with pytest.raises(RuntimeError, match=r"assign=True\) would replace the parameters of layers \[1, 3\]"):
         model.load_state_dict(add_lora(tiny_model(seed=6)).state_dict(), assign=True)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+
+
+# Modules inside a swapped layer: layers[1].mlp is called without layers[1], and behaves as it does.
+INSIDE = ("mlp", "self_attn", "mlp.down_proj", "mlp.down_proj.base_layer", "self_attn.k_proj", "input_layernorm")
+
+
+def _modules_as_they_are(model):
+    """Each module's attributes (by identity) and the keys of its hook dicts: what remat set on any of them."""
+    return {
+        name: (
+            {k: id(v) for k, v in vars(module).items()},
+            {k: tuple(v) for k, v in vars(module).items() if k.endswith("hooks") and isinstance(v, dict)},
+        )
+        for name, module in model.named_modules()
+    }
+
+
+def test_a_module_inside_a_swapped_layer_reads_its_true_weights_and_refuses_copies():
+    cm, model = _wrapped()
+    twin = add_lora(tiny_model())
+    layer, twin_layer = decoder_layers(model)[1], decoder_layers(twin)[1]
+    for name in INSIDE:
+        state, expected = layer.get_submodule(name).state_dict(), twin_layer.get_submodule(name).state_dict()
+        assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in expected), name
+        for copies in (copy.deepcopy, lambda m: torch.save(m, io.BytesIO())):
+            with pytest.raises(TypeError, match=r"block swap keeps the frozen weights of layer 1"):
+                copies(layer.get_submodule(name))
+    adapter = copy.deepcopy(layer.self_attn.q_proj.lora_A)  # holds no swapped weight: copied as usual
+    assert torch.equal(adapter.default.weight, twin_layer.self_attn.q_proj.lora_A.default.weight)
+    whole = dict(model.named_parameters())
+    name = next(n for n in whole if ".layers.1.mlp.up_proj." in n)
+    # keep_vars too reads the true values (the Parameter holds a placeholder at rest: a save of it would be zeros)
+    assert torch.equal(model.state_dict(keep_vars=True)[name], twin.state_dict()[name])
+    assert torch.equal(model.state_dict()[name], twin.state_dict()[name])
+    assert_same_grads(_reference_grads(), step_grads(cm, _trainable(model), batch())[1])
+
+
+def test_load_state_dict_into_a_module_inside_a_swapped_layer_loads_exactly_and_assign_is_refused():
+    model = add_lora(tiny_model())
+    before = _modules_as_they_are(model)
+    cm = CheckpointedModel(model, SWAP, offload_transport=SimulatedTransport())
+    other = decoder_layers(add_lora(tiny_model(seed=5)))
+    loads = [(1, "mlp"), (1, "self_attn.q_proj"), (3, "mlp.down_proj.base_layer"), (3, "post_attention_layernorm")]
+
+    def load(m):
+        for index, name in loads:
+            decoder_layers(m)[index].get_submodule(name).load_state_dict(other[index].get_submodule(name).state_dict())
+
+    load(model)
+    for index, name in loads:
+        state, expected = (layers[index].get_submodule(name).state_dict() for layers in (decoder_layers(model), other))
+        assert all(torch.equal(state[k], v) for k, v in expected.items()), name
+    assert_same_grads(_reference_grads(prepare=load), step_grads(cm, _trainable(model), batch())[1])
+    mlp = decoder_layers(model)[1].mlp
+    params, state = list(mlp.parameters()), {k: v.clone() for k, v in mlp.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"assign=True\) would replace the parameters of layers \[1\]"):
+        mlp.load_state_dict(other[2].mlp.state_dict(), assign=True)
+    assert all(a is b for a, b in zip(mlp.parameters(), params, strict=True))
+    assert all(torch.equal(mlp.state_dict()[k], v) for k, v in state.items())
+    cm.disable()
+    assert _modules_as_they_are(model) == before
+
+
+def test_to_dtype_on_a_module_inside_a_swapped_layer_converts_its_host_copies():
+    model = add_lora(tiny_model())
+    before = _modules_as_they_are(model)
+    cm = CheckpointedModel(model, SWAP, offload_transport=SimulatedTransport())
+    mlp = decoder_layers(model)[1].mlp
+    mlp.to(torch.float64)
+    dtypes = {k: v.dtype for k, v in model.state_dict().items() if ".layers.1." in k}
+    assert {d for k, d in dtypes.items() if ".mlp." in k} == {torch.float64}
+    assert {d for k, d in dtypes.items() if ".mlp." not in k} == {torch.float32}
+    with torch.no_grad(), pytest.raises(RuntimeError):  # float32 activations into float64 weights, as unwrapped
+        cm(**batch())
+    assert {p.dtype for p in mlp.parameters()} == {torch.float64}, "the fetch kept the new dtype"
+
+    def round_trip(m):
+        decoder_layers(m)[1].mlp.to(torch.bfloat16).to(torch.float32)
+
+    round_trip(model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert_same_grads(_reference_grads(prepare=round_trip), step_grads(cm, _trainable(model), batch())[1])
+    cm.disable()
+    assert _modules_as_they_are(model) == before
 
 
 @pytest.mark.parametrize("merge", ["merge_and_unload", "merge_adapter"])

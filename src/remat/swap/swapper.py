@@ -2,7 +2,8 @@
 can fail, so a refusal changes nothing), and its guards on a swapped layer (and on the model), undone when it leaves:
 forward hooks fetch its weights (eagerly under `torch.compile`: inductor cannot compile a `set_` on a graph input);
 `state_dict()`, `load_state_dict()` and `.to()` work on the host copies; copies, pickling, DataParallel, `assign=True`
-loads and PEFT merges are refused."""
+loads and PEFT merges are refused. All but the forward hooks sit on every module of the layer holding swapped weights
+(`layer.mlp` is called without the layer), each working on the weights the module holds itself."""
 
 from __future__ import annotations
 
@@ -115,47 +116,62 @@ class WeightSwapper:
     def _keep_used_slots(self) -> None:
         self.pool.keep_only({layer.layout for layer in self.layers.values()})
 
-    def apply_to_layer(self, index: int, original_apply: Any, fn: Any, recurse: bool) -> Any:
-        """`module.to(...)` and friends on a swapped layer: the host copies and placeholders follow."""
+    def apply_to_layer(self, index: int, module: nn.Module, original_apply: Any, fn: Any, recurse: bool) -> Any:
+        """`module.to(...)` and friends on a module of a swapped layer: the host copies and placeholders of the swapped
+        weights it holds itself follow (those of its children follow in their own `_apply`, which torch calls)."""
         layer = self.layers[index]
+        own = {id(p) for p in module.parameters(recurse=False)}
+        mine = [i for i, p in enumerate(layer.params) if id(p) in own]
+        if not mine:
+            return original_apply(fn, recurse)
         self.pool.release(layer)
         # What `fn` does is read off empty tensors: applied to a placeholder it would allocate the full tensor.
-        probes = [fn(torch.empty(0, dtype=ph.dtype, device=ph.device)) for ph in layer.placeholders]
-        for param in layer.params:
+        probes = {i: fn(layer.placeholders[i].new_empty(0)) for i in mine}
+        for i in mine:
+            param = layer.params[i]
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)  # hidden from torch's loop
         try:
             result = original_apply(fn, recurse)
         except BaseException:
             layer.rest()
             raise
-        hosts, placeholders = [], []
-        for host, old, probe in zip(layer.host, layer.placeholders, probes, strict=True):
+        for i, probe in probes.items():
+            host, old = layer.host[i], layer.placeholders[i]
             converted = host.to(dtype=probe.dtype)
             if probe.device.type != old.device.type or (host.is_pinned() and not converted.is_pinned()):
                 # e.g. .cuda(), or a dtype change of a pinned copy: the new copy is made (pinned) by the mover
                 converted = self._mover_for(probe.device).host_copy(converted)
-            hosts.append(converted)
-            placeholders.append(placeholder(old.shape, probe.dtype, probe.device))
-        layer.host, layer.placeholders, layer.mover = hosts, placeholders, self._mover_for(probes[0].device)
-        layer.rest()
+            layer.host[i], layer.placeholders[i] = converted, placeholder(old.shape, probe.dtype, probe.device)
+            layer.params[i].data = layer.placeholders[i]  # only these: a parent's own weights may still be hidden
+        layer.mover = self._mover_for(probe.device)  # where these went (a layer's weights share one device)
         self._keep_used_slots()
         return result
 
 
 def guard_layer(swapper: WeightSwapper, layer: SwappedLayer, module: nn.Module) -> None:
+    """Forward hooks on the layer; the other guards on it and on every module inside it holding swapped weights (in it
+    or below), which torch and users call without the layer's: `layer.mlp.state_dict()` read placeholder zeros, its
+    `.to(dtype)` was undone at the next fetch, its copies held zeros."""
     guard = _LayerGuard(swapper, layer.index, layer.name, module)
     layer.handles += [
         module.register_forward_pre_hook(torch.compiler.disable(guard.before_forward)),
         module.register_forward_hook(torch.compiler.disable(guard.after_forward), always_call=True),
-        # torch marks this hook with an attribute, which a bound method cannot take: a partial can
-        module.register_state_dict_post_hook(functools.partial(_LayerGuard.state_dict_reads_host_copies, guard)),
-        module.register_load_state_dict_pre_hook(guard.load_writes_host_copies),
-        module.register_load_state_dict_post_hook(guard.load_done),
     ]
-    layer.patches.set(module, "_apply", guard.apply)
-    layer.patches.set(module, "__deepcopy__", guard.deepcopy)
-    layer.patches.set(module, "__reduce_ex__", guard.pickle)
-    layer.patches.set(module, "_replicate_for_data_parallel", guard.replicate)
+    swapped = {id(p) for p in layer.params}
+    for inner in module.modules():
+        if not any(id(p) in swapped for p in inner.parameters()):
+            continue
+        guard = _LayerGuard(swapper, layer.index, layer.name, inner)
+        layer.handles += [
+            # torch marks this hook with an attribute, which a bound method cannot take: a partial can
+            inner.register_state_dict_post_hook(functools.partial(_LayerGuard.state_dict_reads_host_copies, guard)),
+            inner.register_load_state_dict_pre_hook(guard.load_writes_host_copies),
+            inner.register_load_state_dict_post_hook(guard.load_done),
+        ]
+        layer.patches.set(inner, "_apply", guard.apply)
+        layer.patches.set(inner, "__deepcopy__", guard.deepcopy)
+        layer.patches.set(inner, "__reduce_ex__", guard.pickle)
+        layer.patches.set(inner, "_replicate_for_data_parallel", guard.replicate)
 
 
 def _unhook(handles: list[Any], patches: InstancePatches) -> None:
@@ -204,23 +220,31 @@ class _LayerGuard:
             self.swapper.schedule.after_forward(self.index)
 
     def state_dict_reads_host_copies(self, module: nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        """The module's own swapped weights (its children's hooks do theirs) read from their host copies, with
+        `keep_vars=True` too: the `Parameter` objects hold placeholders at rest, and a save of them would be zeros."""
         layer = self.swapper.layers[self.index]
         hosts = {id(p): host for p, host in zip(layer.params, layer.host, strict=True)}
-        for name, param in module.named_parameters(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if id(param) in hosts and prefix + name in state_dict:
                 state_dict[prefix + name] = hosts[id(param)]
 
     def load_writes_host_copies(self, module: nn.Module, state_dict: dict, prefix: str, meta: dict, *args: Any) -> None:
+        """torch copies the loaded values into `p.data` of the module's own weights (its children's hooks run before
+        theirs): pointed at the host copies for the load. `assign=True` is refused at the first module the load
+        reaches whose swapped weights (in it or below) are loaded, before any of them is."""
         layer = self.swapper.layers[self.index]
-        mine = {id(p) for p in layer.params}
-        names = [prefix + n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in mine]
-        if not any(name in state_dict for name in names):
-            return  # nothing of this layer's swapped weights is loaded (adapter weights, say)
-        if meta.get("assign_to_params_buffers"):
+        hosts = {id(p): host for p, host in zip(layer.params, layer.host, strict=True)}
+        if meta.get("assign_to_params_buffers") and any(
+            id(p) in hosts and prefix + n in state_dict for n, p in module.named_parameters(remove_duplicate=False)
+        ):
             raise StateError(assign_refusal([layer.index]))
-        # torch copies the loaded values into `p.data`: point it at the host copy for the load.
+        own = module.named_parameters(recurse=False, remove_duplicate=False)
+        loaded = [(p, hosts[id(p)]) for n, p in own if id(p) in hosts and prefix + n in state_dict]
+        if not loaded:
+            return  # nothing of this module's swapped weights is loaded (adapter weights, say)
         self.swapper.pool.release(layer)
-        layer.point_at(layer.host)
+        for param, host in loaded:
+            param.data = host
 
     def load_done(self, module: nn.Module, incompatible_keys: Any) -> None:
         layer = self.swapper.layers.get(self.index)
@@ -229,7 +253,7 @@ class _LayerGuard:
 
     def apply(self, fn: Any, recurse: bool = True) -> Any:  # what `.to()`, `.half()`, `.cuda()` call
         module = self.module()
-        return self.swapper.apply_to_layer(self.index, type(module)._apply.__get__(module), fn, recurse)
+        return self.swapper.apply_to_layer(self.index, module, type(module)._apply.__get__(module), fn, recurse)
 
     def deepcopy(self, memo: Any = None) -> Any:
         raise ConfigTypeError(refusal(self.index, self.name, "copy.deepcopy this model"))
