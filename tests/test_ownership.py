@@ -214,3 +214,20 @@ def test_a_layer_copied_alone_carries_no_wrapper_and_a_freed_layer_does_not_stop
     assert "_remat_owner" not in vars(model) and not cm.is_enabled and owners_of(model) == []
     assert "layers" in repr(cm.checkpoint_map)
     CheckpointedModel(model).disable()  # the model can be wrapped again
+
+
+def test_a_trainer_of_a_replaced_wrapper_refuses_to_save_its_stale_config(tmp_path):
+    """RematTrainer(model=cm1) kept saving cm1's config after cm2 took the model over (review of the refusal)."""
+    from transformers import TrainingArguments
+
+    from remat import RematTrainer
+
+    model = add_lora(tiny_model())
+    cm1 = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, save_strategy="no")
+    trainer = RematTrainer(model=cm1, args=args)
+    cm1.disable()
+    CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    with pytest.raises(RuntimeError, match=r"RematTrainer's save: another CheckpointedModel took"):
+        trainer.save_model(str(tmp_path / "saved"))
+    assert not (tmp_path / "saved" / "checkpoint_config.json").exists()

@@ -112,7 +112,9 @@ class _RematTrainerMixin:
                 '"stage3_gather_16bit_weights_on_model_save": true in the DeepSpeed config to save them here',
                 output_dir,
             )
-        save_model_pair(controller_of_wrapper(cm), output_dir, lambda to: base_save(to, state_dict=state_dict))
+        controller = controller_of_wrapper(cm)
+        controller.check_not_replaced("RematTrainer's save")  # its config no longer runs on the model
+        save_model_pair(controller, output_dir, lambda to: base_save(to, state_dict=state_dict))
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`resume_from_checkpoint=True` resumes from the newest checkpoint that Trainer finished writing: a save
