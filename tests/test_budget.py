@@ -135,8 +135,10 @@ def test_a_step_no_plan_fits_is_refused_before_its_forward_and_the_next_one_runs
 
 def test_a_budget_no_step_fits_names_the_smallest_budget_that_would():
     cm = CheckpointedModel(_model(), CheckpointConfig(budget=1000))
-    with pytest.raises(ConfigError, match=r"nor does any shorter step: no map fits .* the smallest is \d+ bytes"):
+    with pytest.raises(ConfigError, match=r"nor does any shorter step: no map fits .* the smallest is \d+ bytes") as no:
         cm(**batch(size=2, seq=8))
+    # no optimizer known (a plain loop): what no policy changes holds none of its state (it said it did)
+    assert "weights, gradients and backward's temporaries" in str(no.value) and "optimizer" not in str(no.value)
 
 
 def _largest(cm, tokens):

@@ -123,3 +123,37 @@ def test_profile_progress_other_than_true_or_false_is_refused_not_read_as_truthy
     cm = CheckpointedModel(tiny_model())
     with pytest.raises(TypeError, match="progress must be True or False"):
         cm.profile(batch(), progress=progress)
+
+
+@pytest.mark.parametrize("option", ["offload_host_budget", "layer_class", "offload_transport", "swap_mover"])
+def test_a_wrapper_option_given_to_enable_says_it_is_fixed_when_the_wrapper_is_built(option):
+    """`cm.enable(offload_host_budget="1G")` suggested `offload_min_bytes=`, `layer_class=` suggested `layer_policies=`:
+    fields that do something else."""
+    cm = CheckpointedModel(tiny_model(), CheckpointConfig(every_n_layers=2))
+    with pytest.raises(TypeError, match=rf"{option} is the wrapper's own, fixed when it is built") as refused:
+        cm.enable(**{option: None})
+    assert "did you mean" not in str(refused.value)
+    assert cm.checkpoint_config == CheckpointConfig(every_n_layers=2)
+
+
+def test_layer_policies_on_a_wrapper_with_a_budget_names_the_call_that_works():
+    cm = CheckpointedModel(tiny_model(), CheckpointConfig(budget="1GiB"))
+    with pytest.raises(ValueError, match=r"cm\.enable\(budget=None, layer_policies=\.\.\.\)"):
+        cm.enable(layer_policies={0: "none"})
+    cm.enable(budget=None, layer_policies={0: "none"})
+    assert cm.checkpoint_map[0].policy == "none"
+
+
+def test_a_wrong_optimizer_or_folder_type_is_a_remat_error_naming_what_it_takes(tmp_path):
+    """`measure_step_peak(cm, batch, "adam")` failed inside it (`'str' object has no attribute 'state'`), and
+    `save_pretrained(None)` in `os.fspath`: neither a RematError, neither naming what they take."""
+    from remat import RematError
+    from remat.testing import measure_step_peak
+
+    cm = CheckpointedModel(tiny_model())
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got str") as wrong:
+        measure_step_peak(cm, batch(), "adam")
+    assert isinstance(wrong.value, RematError)
+    with pytest.raises(TypeError, match=r"save_pretrained needs a folder \(a str or a path\), got None") as wrong:
+        cm.save_pretrained(None)
+    assert isinstance(wrong.value, RematError)

@@ -128,3 +128,23 @@ def test_no_eval_mode_warning_where_a_route_turned_checkpointing_off(remat_logs)
     model.gradient_checkpointing_enable()
     step_grads(cm, list(model.named_parameters()), batch())
     assert remat_logs.text.count("in eval mode") == 1
+
+
+def test_the_wrappers_training_flag_is_the_models_mode(tmp_path):
+    """`cm.training` read True inside `for_inference()` and False after `cm.eval(); cm.for_training()`."""
+    model = add_lora(tiny_model())
+    cm = CheckpointedModel(model)
+    assert cm.training and model.training
+    with cm.for_inference():
+        assert not cm.training and not model.training
+    assert cm.training
+    cm.eval()
+    assert not cm.training and not model.training
+    cm.for_training()
+    assert cm.training and model.training
+    cm.train(False)
+    assert not cm.training and not model.training
+    cm.train()
+    cm.save_pretrained(tmp_path)
+    loaded = CheckpointedModel.from_pretrained(tiny_model(), tmp_path, is_trainable=False)
+    assert not loaded.training and not loaded.model.training

@@ -1,5 +1,7 @@
 """remat: an authoritative per-layer activation checkpoint map for Hugging Face models."""
 
+from typing import TYPE_CHECKING
+
 from .config import CheckpointConfig
 from .errors import (
     BlockSwapError,
@@ -19,6 +21,10 @@ from .errors import (
 )
 from .plan import CheckpointMap, HeadPlan, LayerPlan
 from .version import __version__
+
+if TYPE_CHECKING:  # what `__getattr__` loads on first use, named for type checkers (py.typed)
+    from .model import CheckpointedModel
+    from .trainer import RematTrainer, remat_trainer_class
 
 __all__ = [
     "BlockSwapError",

@@ -272,7 +272,7 @@ class BudgetState:
                 self.profile, self.without_optimizer = None, False  # not taken: a failed measuring leaves none
                 changes = [outgrown]
             logger.info("budget: the saved profile is not used (%s): measuring again", "; ".join(changes))
-        from .planner.peak import WITHOUT_OPTIMIZER
+        from .planner.peak import NO_OPTIMIZER_NOTE, WITHOUT_OPTIMIZER
 
         if self.owed:  # its steps would run beside the graph an earlier forward still holds
             raise StateError(
@@ -301,7 +301,7 @@ class BudgetState:
         self.profile = profile_model(controller, batch, ProfileOptions(loss_fn, optimizer, True, 1))
         self.without_optimizer = optimizer is WITHOUT_OPTIMIZER
         if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
-            self.profile.notes += ("step peak: weights, gradients and activations; no optimizer state (none known)",)
+            self.profile.notes += (NO_OPTIMIZER_NOTE,)
         self.plans, self.fresh_key, self.kind = {}, None, kind
 
     def _close_receipt(self) -> None:

@@ -208,7 +208,8 @@ class CheckpointConfig:
             if self.layer_policies:
                 raise ConfigError(
                     "CheckpointConfig(budget=...) chooses every layer's policy, so layer_policies would be overruled: "
-                    "give a budget or layer_policies, not both"
+                    "give a budget or layer_policies, not both (on a wrapper with a budget: "
+                    "cm.enable(budget=None, layer_policies=...))"
                 )
         chosen = {self.checkpoint_policy, *self.layer_policies.values()}
         picky = sorted(name for name in chosen if _policy(name).needs_non_reentrant)

@@ -75,6 +75,11 @@ def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointCo
         )
     if "offload" in fields:
         raise ConfigTypeError(f"{call}(offload=...) is gone: {OFFLOAD_IS_A_POLICY}")
+    if call != "CheckpointedModel" and (fixed := sorted(set(fields) & set(WrapperOptions.names()))):
+        raise ConfigTypeError(
+            f"{call}({fixed[0]}=...): {fixed[0]} is the wrapper's own, fixed when it is built; build another: "
+            f"cm.disable(); cm = CheckpointedModel(cm.model, cm.checkpoint_config, {fixed[0]}=...)"
+        )
     options = tuple(WrapperOptions.names()) if call == "CheckpointedModel" else ()
     refuse_unknown_fields(fields, f"{call}() got an unexpected keyword argument {{first!r}}{{hint}}", "=", options)
     return config.replace(**fields) if fields else config
@@ -175,6 +180,17 @@ class CheckpointedModel(nn.Module):
             "copy.copy(cm) would make a second wrapper sharing cm's model and map; a model has one wrapper. Use cm "
             "itself, or copy.deepcopy(cm) for an independent wrapper over a copy of the model"
         )
+
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        """The wrapped model's mode: `for_inference()`, `for_training()` and a load switch it, not a flag of the
+        wrapper's own (which read True inside `for_inference()`)."""
+        model = self.__dict__.get("_modules", {}).get("model")
+        return self.__dict__.get("_training", True) if model is None else model.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:  # nn.Module's `train()` sets it, then the model's through its children
+        self.__dict__["_training"] = mode
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .compat.transformers_compat import has_activation_checkpointing_names
-from .errors import ConfigError
+from .errors import ConfigError, ConfigTypeError
 from .loss import LossFn, check_step_batch, step_loss
 from .measure import held_bytes_after, weight_storages
 from .transport import CpuTransport, Event, TensorMeta
@@ -57,6 +57,8 @@ def measure_step_peak(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     device = _batch_device(batch, "measure_step_peak")
+    if optimizer is not None and not isinstance(optimizer, Optimizer):
+        raise ConfigTypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
     optimizers = [optimizer] if optimizer is not None else []
     if optimizer is not None and not optimizer.state:
         step_loss(model, batch, loss_fn).backward()

@@ -47,6 +47,8 @@ def stray_adapter_layers(within: nn.Module, model: nn.Module) -> list[str]:
 
 
 def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike, **kwargs: Any) -> None:
+    if not isinstance(save_directory, (str, os.PathLike)):
+        raise ConfigTypeError(f"save_pretrained needs a folder (a str or a path), got {save_directory!r}")
     if os.fspath(save_directory) == "":
         raise ConfigError("save_pretrained needs a folder, got an empty path; pass '.' for the current directory")
     if not kwargs.get("is_main_process", True):

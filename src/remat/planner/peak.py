@@ -17,6 +17,8 @@ from ..measure import LiveStorages
 # For `ProfileOptions.optimizer`: measure the step's peak with no optimizer to step (a budget whose wrapper
 # knows no optimizer plans the whole step all the same, and says its peak has no optimizer state).
 WITHOUT_OPTIMIZER: Any = type("WithoutOptimizer", (), {"__repr__": lambda self: "WITHOUT_OPTIMIZER"})()
+NO_OPTIMIZER_NOTE = "step peak: weights, gradients and activations; no optimizer state (none known)"
+"""A profile measured `WITHOUT_OPTIMIZER` says so in its notes (its printouts and its refusals)."""
 
 
 class StepPeak:

@@ -12,6 +12,7 @@ from ..errors import ConfigError, StaleProfileError
 from ..plan import head_label
 from ..refs import LocalRef
 from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, native_points, smallest
+from .peak import NO_OPTIMIZER_NOTE
 from .state import ModelState
 
 _MIB = 2**20
@@ -127,7 +128,8 @@ class Profile:
             what = "outside the layers (embeddings, logits, loss)"
             fixed = m.outside.checkpointing
             if scope == "step" and m.step is not None:
-                what = "outside the layers and for weights, gradients, optimizer state and backward's temporaries"
+                state = "" if NO_OPTIMIZER_NOTE in self.notes else ", optimizer state"
+                what = f"outside the layers and for weights, gradients{state} and backward's temporaries"
                 fixed += min(m.step.extras.values())
             raise ConfigError(
                 f"no map fits a budget of {limit} bytes ({limit / _MIB:.1f} MiB) for this model and batch: the "
