@@ -151,7 +151,7 @@ def test_a_wrong_optimizer_or_folder_type_is_a_remat_error_naming_what_it_takes(
     from remat.testing import measure_step_peak
 
     cm = CheckpointedModel(tiny_model())
-    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer or None, got str") as wrong:
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer or None, got str") as wrong:
         measure_step_peak(cm, batch(), "adam")
     assert isinstance(wrong.value, RematError)
     with pytest.raises(TypeError, match=r"save_pretrained needs a folder \(a str or a path\), got None") as wrong:
