@@ -373,3 +373,17 @@ def test_adapters_load_into_a_model_with_swapped_layers_even_with_low_cpu_mem_us
     expected = {n.replace(".default.", "."): p for n, p in other.named_parameters() if ".default." in n}
     assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in expected)
     assert_same_grads(_reference_grads(), step_grads(cm, _trainable(model), batch())[1])
+
+
+def test_moving_a_swapped_model_to_the_meta_device_is_refused_and_disable_still_works():
+    """`model.to("meta")` failed in torch inside the swap (`set_data`: incompatible tensor type), leaving the swapped
+    weights half converted, and `disable()` then failed the same way: the model was stuck."""
+    cm, model = _wrapped()
+    with pytest.raises(BlockSwapError, match=r"the meta device cannot hold .* call cm\.disable\(\)"):
+        model.to("meta")
+    cm.disable()  # the swapped weights come home from their host copies
+    twin = add_lora(tiny_model())
+    swapped = [n for n, p in model.named_parameters() if ".layers.1." in n and not p.requires_grad]
+    assert swapped and all(torch.equal(model.get_parameter(n), twin.get_parameter(n)) for n in swapped)
+    model.to("meta")
+    assert {p.device.type for p in model.parameters()} == {"meta"}

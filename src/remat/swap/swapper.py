@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ConfigTypeError, StateError
+from ..errors import BlockSwapError, ConfigTypeError, StateError
 from ..refs import InstancePatches, Ref
 from ..transport import WeightMover, transport_for
 from .checks import check_swappable, own_frozen_params, parameter_owners
@@ -124,9 +124,15 @@ class WeightSwapper:
         mine = [i for i, p in enumerate(layer.params) if id(p) in own]
         if not mine:
             return original_apply(fn, recurse)
-        self.pool.release(layer)
         # What `fn` does is read off empty tensors: applied to a placeholder it would allocate the full tensor.
         probes = {i: fn(layer.placeholders[i].new_empty(0)) for i in mine}
+        if any(probe.device.type == "meta" for probe in probes.values()):  # a host copy cannot follow it there
+            raise BlockSwapError(
+                f"layer {index} is block-swapped: its frozen weights live in host memory, which the meta device "
+                "cannot hold (modules torch converted before it are on the meta device now); call cm.disable() (the "
+                "weights come home), then move the model"
+            )
+        self.pool.release(layer)
         for i in mine:
             param = layer.params[i]
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)  # hidden from torch's loop
