@@ -313,3 +313,14 @@ def test_remat_trainer_given_torch_compile_of_the_wrapper_refuses_naming_what_to
     trainer.train()
     assert counters["frames"]["ok"] > frames, "dynamo compiled the model the trainer trained"
     assert trainer.model is cm.model and counter.counts == [2, 1]
+
+
+@pytest.mark.parametrize("trainer", ["RematTrainer", "a subclass of it"])
+def test_remat_trainer_given_a_model_no_wrapper_wraps_says_it_trains_without_remat(tmp_path, caplog, trainer):
+    """`RematTrainer(model=peft_model)` (the wrapping forgotten) trained as Trainer without a word."""
+    cls = RematTrainer if trainer == "RematTrainer" else type("MyTrainer", (RematTrainer,), {})
+    with caplog.at_level("WARNING", logger="remat"):
+        built = cls(model=add_lora(tiny_model()), args=_plain_args(tmp_path))
+    (said,) = [r.getMessage() for r in caplog.records if "no CheckpointedModel wraps" in r.getMessage()]
+    assert f"{cls.__name__} was given a PeftModel" in said and "trains as Trainer does" in said
+    assert "CheckpointedModel(model, ...)" in said and built.checkpointed_model is None

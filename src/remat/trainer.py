@@ -50,6 +50,15 @@ class _RematTrainerMixin:
         controller = controller_of_wrapper(model)
         self.checkpointed_model = cm = model if controller is not None else None
         if cm is None:
+            if isinstance(model, torch.nn.Module):  # (a name or None, TRL's and model_init's: no wrapper to expect)
+                logger.warning(
+                    "%s was given a %s that no CheckpointedModel wraps: it trains as %s does, with no checkpoint map "
+                    "and no checkpoint_config.json in its saves; to checkpoint with remat, pass "
+                    "CheckpointedModel(model, ...)",
+                    type(self).__name__,
+                    type(model).__name__,
+                    (mro := type(self).__mro__)[mro.index(_RematTrainerMixin) + 1].__name__,
+                )
             super().__init__(*args, **kwargs)
             return
         own_config, own_map = controller.config, controller.checkpoint_map
