@@ -10,11 +10,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 
 # One intra-op thread, here and in every process a test starts (they inherit the environment): the
 # tiny models' ops are too small to share among threads, and two threads spend several times the
 # CPU on handing them over (six times on a busy 2-core machine), which only slows the suite.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed compiles a C++ op on first use into torch's extension cache, keyed by its sources' paths: one cache
+# shared by the three environments (`make test`, `make compat`) rebuilt it at each switch (30 s alone, 60-90 s
+# inside a suite). Each environment keeps its own.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 import pytest
 import torch
