@@ -8,8 +8,12 @@ outside it as it was. The choosing itself is tested without a model in test_choo
 import copy
 import itertools
 import json
+import os
 import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -500,3 +504,27 @@ def test_a_profile_logs_no_map_change_of_its_own_steps(remat_logs):
     assert cm.checkpoint_config == CheckpointConfig(every_n_layers=2) and cm.checkpoint_map.checkpointed == [0, 2]
     cm.enable(every_n_layers=1)
     assert "enable() changed" in remat_logs.text, "the user's own change is still said"
+
+
+def test_the_profiling_bar_is_shown_unless_turned_off_by_the_argument_or_tqdms_own_switch(capsys, tmp_path):
+    """A budget's profile always asks for the bar, which `TQDM_DISABLE=1` (tqdm's switch, for logs and CI: read
+    when tqdm is imported, so in a process of its own here) did not turn off."""
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    cm.profile(batch(), repeats=1)
+    assert "remat: profiling" in capsys.readouterr().err
+    cm.profile(batch(), repeats=1, progress=False)
+    assert "remat: profiling" not in capsys.readouterr().err
+    script = tmp_path / "budget.py"
+    tests = str(Path(__file__).parent)
+    script.write_text(
+        f"import sys; sys.path.insert(0, {tests!r})\n"
+        "from conftest import add_lora, batch, tiny_model\n"
+        "from remat import CheckpointedModel\n"
+        "cm = CheckpointedModel(add_lora(tiny_model()), budget='1GiB')\n"
+        "cm(**batch()).loss.backward()\n"
+        "print(cm.budget_receipts[0].policies)\n"
+    )
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip(), done.stderr[-2000:]
+    assert "remat: profiling" not in done.stderr, done.stderr[-2000:]

@@ -227,8 +227,9 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     # plain, and each chunk size `_head_profile` measures: with every layer recomputed, and again with the last "none"
     head = (1 + len(_head_sizes(counted))) * (1 + (n - 1 not in swapped)) if counted else 0
     total = memory_steps + 1 + ("selective" in names) + timing + head  # bytes, counting, timing, the head
+    shown = {} if options.progress else {"disable": True}  # shown: tqdm's own switch holds (TQDM_DISABLE=1)
     with (
-        tqdm(total=total, desc="remat: profiling", disable=not options.progress, leave=False) as bar,
+        tqdm(total=total, desc="remat: profiling", leave=False, **shown) as bar,
         _left_as_it_was(state),
         _young_garbage_only(),
     ):
