@@ -9,7 +9,7 @@ import safetensors.torch
 import torch
 from conftest import RecomputeCounter, add_lora, decoder_layers, tiny_model
 from test_trainer import _dataset
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from remat import CheckpointConfig, CheckpointedModel, RematTrainer, remat_trainer_class
 from remat.testing import trainer_checkpointing_args
@@ -253,6 +253,35 @@ def test_load_best_model_at_end_loads_the_best_adapters_and_the_config(tmp_path)
     for name, tensor in best.items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
     assert cm.checkpoint_config == SAVED and trainer.model is cm.model and trainer.checkpointed_model is cm
+
+
+def test_load_best_model_at_end_loads_a_named_adapter_from_its_subfolder_with_its_map(tmp_path):
+    """An adapter with a name of its own is saved in a subfolder, which Trainer's best-model load does not read: it
+    kept the last step's adapters (saying it could not locate the best model), and remat applied the best
+    checkpoint's map to them: a mix that `save_model()` then wrote."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(seed=3), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]), adapter_name="sft")
+    cm = CheckpointedModel(model, SAVED)
+
+    class ChangeTheMap(TrainerCallback):  # after the best checkpoint: the map at the end is another
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                cm.enable(CheckpointConfig(every_n_layers=1))
+
+    extra = {"eval_strategy": "steps", "eval_steps": 2, "load_best_model_at_end": True}
+    extra |= {"metric_for_best_model": "loss", "greater_is_better": True}  # the loss falls: the best is the first
+    rows, args = _dataset(), _args(tmp_path, 4, True, **extra)
+    trainer = RematTrainer(model=cm, args=args, train_dataset=rows, eval_dataset=rows, callbacks=[ChangeTheMap()])
+    trainer.train()
+    assert trainer.state.best_model_checkpoint == str(tmp_path / "checkpoint-2")
+    best = safetensors.torch.load_file(tmp_path / "checkpoint-2" / "sft" / "adapter_model.safetensors")
+    last = safetensors.torch.load_file(tmp_path / "checkpoint-4" / "sft" / "adapter_model.safetensors")
+    assert any(not torch.equal(best[name], last[name]) for name in best)
+    loaded = {n.replace(".sft", ""): p for n, p in _trainable(cm.model).items()}
+    for name, tensor in best.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+    assert cm.checkpoint_config == SAVED and cm.model.active_adapters == ["sft"]
 
 
 def test_any_trainer_subclass_gets_the_same_saving(tmp_path):

@@ -159,6 +159,12 @@ class _RematTrainerMixin:
 
     def _load_best_model(self) -> None:
         cm, best = self.checkpointed_model, self.state.best_model_checkpoint  # type: ignore[attr-defined]
+        if cm is not None and best is not None and _adapters_in_subfolders_only(cm, best):
+            # Trainer's best-model load reads the top of the folder only: it loaded nothing (logging that it could
+            # not locate the model) and the best checkpoint's map was applied to the last step's adapters
+            logger.info("%s: the adapters are in subfolders, which Trainer's best-model load skips: loading them", best)
+            self._load_from_checkpoint(best)
+            return
         if cm is not None and best is not None and _saved_whole(cm, best):
             self.model = cm  # Trainer loads into self.model; the folder holds the wrapper's names
             try:
@@ -311,6 +317,15 @@ def _resume_main_adapter(cm: Any, folder: str) -> None:
     logger.info("%s: Trainer resumed only the adapters in subfolders; loading the main adapter 'default' too", folder)
     model.load_adapter(folder, "default", is_trainable=active == "default")
     model.set_adapter(active)
+
+
+def _adapters_in_subfolders_only(cm: Any, folder: str) -> bool:
+    """A PeftModel's save whose adapters all have names of their own (PEFT writes each in a subfolder)."""
+    weights = (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
+    if not is_peft_model(cm.model) or any(os.path.isfile(os.path.join(folder, name)) for name in weights):
+        return False
+    inside = [os.path.join(folder, sub) for sub in os.listdir(folder) if os.path.isdir(os.path.join(folder, sub))]
+    return any(os.path.isfile(os.path.join(sub, name)) for sub in inside for name in weights)
 
 
 def _apply_saved_config(cm: Any, folder: str | None, cause: str) -> None:
