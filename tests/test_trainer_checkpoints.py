@@ -101,6 +101,29 @@ def test_resuming_restores_the_map_and_continues_like_the_bare_model(tmp_path):
         torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=0, msg=name)
 
 
+def test_the_training_arguments_options_apply_over_a_resumed_map_on_every_release(tmp_path, caplog):
+    """transformers 5 turns checkpointing on before loading a resumed checkpoint and 4.57 after, so the arguments'
+    `every_n_layers` lost to the saved map on one release and won on the other (and a WARNING named the loser)."""
+    _train(RematTrainer, CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED), tmp_path, steps=2)
+    resumed = CheckpointedModel(add_lora(tiny_model(seed=3)), SAVED)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2, save_strategy="no",
+        report_to=[], use_cpu=True, seed=7, data_seed=7, **trainer_checkpointing_args(True, {"every_n_layers": 3}),
+    )  # fmt: skip
+    counter = RecomputeCounter(decoder_layers(resumed.model))
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        trainer = RematTrainer(model=resumed, args=args, train_dataset=_dataset())
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    assert resumed.checkpoint_config == SAVED.replace(every_n_layers=3)
+    assert counter.counts == [2, 1, 1, 2], "the one step after resuming ran the arguments' map over the saved one"
+    said = [r.getMessage() for r in caplog.records if "apply over the resumed checkpoint's map" in r.getMessage()]
+    assert (
+        len(said) == 1
+        and "every_n_layers 2 -> 3" in said[0]
+        and said[0].endswith("recompute [0, 3], offload [], none [1, 2], swapped [], head plain)")
+    )
+
+
 def test_a_plain_base_model_saves_its_weights_and_resume_restores_the_map(tmp_path):
     cm = CheckpointedModel(tiny_model(seed=3), SAVED)
     _train(RematTrainer, cm, tmp_path, steps=2)

@@ -148,6 +148,7 @@ class _RematTrainerMixin:
             if model is None:
                 _resume_main_adapter(cm, folder)
             _apply_saved_config(cm, folder, "resuming")
+            _arguments_over_the_resumed_map(cm, self.args)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Every resume calls this once the model is loaded. Under DeepSpeed the engine loads the model from its
@@ -317,6 +318,29 @@ def _resume_main_adapter(cm: Any, folder: str) -> None:
     logger.info("%s: Trainer resumed only the adapters in subfolders; loading the main adapter 'default' too", folder)
     model.load_adapter(folder, "default", is_trainable=active == "default")
     model.set_adapter(active)
+
+
+def _arguments_over_the_resumed_map(cm: Any, args: Any) -> None:
+    """The training arguments' checkpointing options apply over a resumed checkpoint's map, as over the wrapper's
+    own: transformers 5 turns checkpointing on (the route) before it loads the checkpoint, 4.57 after, so they lost
+    to the saved map on one release and won on the other."""
+    controller = controller_of_wrapper(cm)
+    if not (trainer_asks_for_checkpointing(args) and controller.is_enabled):
+        return
+    try:
+        asked = config_from_route(controller.config, "the training arguments", trainer_checkpointing_kwargs(args), {})
+    except (TypeError, ValueError):
+        return  # the route refuses these options itself, with the reason
+    if asked != controller.config:
+        before, changes = controller.checkpoint_map, describe_changes(controller.config, asked)
+        controller.enable(asked, cause="the training arguments")
+        logger.warning(
+            "the training arguments' checkpointing options apply over the resumed checkpoint's map (%s): the map "
+            "was %r, it is now %r",
+            changes,
+            before,
+            controller.checkpoint_map,
+        )
 
 
 def _adapters_in_subfolders_only(cm: Any, folder: str) -> bool:
