@@ -440,3 +440,31 @@ def test_a_forward_that_replaces_a_swapped_weights_data_keeps_it_as_the_weight()
     cm.disable()
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(**data).logits, reference.eval()(**data).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_frozen_adapter_on_a_swapped_layer_stays_in_place_to_train_again_and_be_read():
+    """An adapter frozen by `set_adapter` was swapped as if it were a base weight: setting it back failed the next
+    step ("made trainable"), and `add_weighted_adapter` read its placeholders (zeros) into the new adapter."""
+    from peft import LoraConfig
+
+    def build():
+        model = add_lora(tiny_model(attention_dropout=0.0), dropout=0.0)
+        torch.manual_seed(11)
+        model.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+        model.set_adapter("b")  # "default" is frozen now
+        return model
+
+    reference, model = build(), build()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2, swap_layers=[1]))
+    for each in (model, reference):
+        each.add_weighted_adapter(["default", "b"], [1.0, 1.0], "w", combination_type="cat")
+    for name, param in reference.named_parameters():
+        if ".w." in name:
+            assert torch.equal(model.get_parameter(name), param), name
+    for adapter in ("default", "b"):  # each trains again, exactly, with layer 1's base weights still swapped
+        for each in (model, reference):
+            each.set_adapter(adapter)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        expected = step_grads(reference, [(n, p) for n, p in reference.named_parameters() if p.requires_grad], batch())
+        assert_same_grads(expected[1], step_grads(cm, named, batch())[1])
+    assert 1 in cm.swap_stats

@@ -39,7 +39,21 @@ def weights_in_use(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -
 
 def own_frozen_params(layer: nn.Module, name: str, owners: dict[int, set[str]]) -> list[nn.Parameter]:
     inside = {name} | {f"{name}.{n}" for n, _ in layer.named_modules() if n}
-    return [p for p in layer.parameters() if not p.requires_grad and owners[id(p)] <= inside]
+    adapters = _adapter_params(layer)
+    return [p for p in layer.parameters() if not p.requires_grad and owners[id(p)] <= inside and id(p) not in adapters]
+
+
+def _adapter_params(layer: nn.Module) -> set[int]:
+    """A PEFT adapter's weights, trainable or not: one frozen by `set_adapter` trains again when set back, and
+    `add_weighted_adapter` reads it outside any forward (swapped, it read placeholders: zeros)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    found: set[int] = set()
+    for tuner in (m for m in layer.modules() if isinstance(m, BaseTunerLayer)):
+        for attribute in tuner.adapter_layer_names:
+            if isinstance(held := getattr(tuner, attribute, None), nn.Module):
+                found.update(id(p) for p in held.parameters())
+    return found
 
 
 def parameter_owners(model: nn.Module) -> dict[int, set[str]]:
