@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import assert_same_grads, batch, hook_snapshot, step_grads, tiny_model
 from peft import PeftModel, PeftType, get_peft_model
 from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
 from peft.utils import get_peft_model_state_dict
@@ -140,7 +140,9 @@ def test_a_save_of_every_tuner_loads_into_its_own_base_model(tmp_path, peft_type
     config = _config(peft_type, tmp_path)
     model = _trained(get_peft_model(_base(), config))
     trained = {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
-    cm = CheckpointedModel(model)
+    # prefix tuning's cache is dropped in a checkpointed layer: such a map is refused (the test below)
+    prefix = peft_type in ("PREFIX_TUNING", "CARTRIDGE")
+    cm = CheckpointedModel(model, CheckpointConfig(layer_policies={0: "none", 1: "none"}) if prefix else None)
     cm.save_pretrained(tmp_path / "save")
 
     if config.is_prompt_learning:
@@ -225,3 +227,28 @@ def test_a_prompt_learning_save_loads_trainable_into_a_peftmodel_that_has_the_ad
     loaded = CheckpointedModel.from_pretrained(into, tmp_path / "save")
     _assert_same_tensors(get_peft_model_state_dict(model), get_peft_model_state_dict(loaded.model))
     assert _trainable(loaded.model) == _trainable(model) == ["prompt_encoder.default.embedding.weight"]
+
+
+def test_prefix_tuning_with_a_checkpointed_layer_is_refused_and_trains_exactly_with_none():
+    """Prefix tuning's virtual keys and values reach each layer as the cache, which transformers drops in a
+    checkpointed layer: a shape error on transformers 5 and, on 4.57, wrong gradients without a word (the prefix
+    ignored by every other layer). Refused, changing nothing; with no layer checkpointed it trains exactly."""
+    from peft import PrefixTuningConfig, TaskType, get_peft_model
+
+    def build():
+        return get_peft_model(tiny_model(), PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
+
+    model = build()
+    before = hook_snapshot(model)
+    with pytest.raises(ValueError, match=r"prefix_tuning passes its virtual tokens .*\(layers \[0, 1, 2, 3\]"):
+        CheckpointedModel(model, CheckpointConfig())
+    assert hook_snapshot(model) == before and not model.base_model.is_gradient_checkpointing
+    none = CheckpointConfig(layer_policies=dict.fromkeys(range(4), "none"))
+    cm = CheckpointedModel(model, none)
+    with pytest.raises(ValueError, match="prefix_tuning passes its virtual tokens"):
+        cm.enable(every_n_layers=2, layer_policies={})
+    assert cm.checkpoint_config == none
+    reference = build()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    expected = step_grads(reference, [(n, p) for n, p in reference.named_parameters() if p.requires_grad], batch())
+    assert_same_grads(expected[1], step_grads(cm, named, batch())[1])

@@ -50,6 +50,19 @@ def owners_of(model: nn.Module) -> list[Controller]:
     return list(found.values())
 
 
+def _refuse_prefix_tuning_checkpointed(model: nn.Module, new_map: CheckpointMap) -> None:
+    """Prefix tuning hands every layer its virtual keys and values as the cache, which transformers drops in a
+    checkpointed layer: a shape error on transformers 5, silently wrong gradients on 4.57 (native checkpointing too)."""
+    peft_type = str(getattr(getattr(model, "active_peft_config", None), "peft_type", ""))
+    if new_map.checkpointed and peft_type.rsplit(".", 1)[-1] in ("PREFIX_TUNING", "CARTRIDGE"):
+        raise ConfigError(
+            f"{peft_type.rsplit('.', 1)[-1].lower()} passes its virtual tokens to every layer as the cache "
+            f"(past_key_values), which transformers drops in a checkpointed layer (layers {new_map.checkpointed} "
+            "here): a shape error or wrong gradients. Checkpoint no layer (layer_policies={i: 'none' for i in "
+            "range(n)}) or train another PEFT method (prompt tuning, LoRA); nothing was changed"
+        )
+
+
 def controller_of_wrapper(obj: Any) -> Controller | None:
     """The controller of a `CheckpointedModel`, else None (for rooms below `remat.model`)."""
     controller = obj.__dict__.get("_controller") if isinstance(obj, nn.Module) else None
@@ -260,6 +273,7 @@ class Controller:
         live = installing or self.is_enabled
         if live:
             self._check_swap_change(new_map)
+            _refuse_prefix_tuning_checkpointed(self.model, new_map)
         # nothing refuses from here: what the new config plans is kept
         self.budget.config_changed(config)  # another budget config: planned on the next training step
         self._head_planned = head
