@@ -186,6 +186,22 @@ def test_is_trainable_other_than_true_or_false_is_refused_before_the_model_chang
         CheckpointedModel.from_pretrained(model, tmp_path / "lora", CheckpointConfig(every_n_layers=4))
 
 
+def test_an_adapter_saved_while_another_trains_loads_trainable_as_peft_loads_it(tmp_path):
+    """`set_adapter("b")` freezes "default"; a save of "default" alone wrote it "trainable": false, so the load
+    (is_trainable=True) kept it frozen and the first backward failed in torch. PEFT's own load trains it."""
+    from peft import LoraConfig, PeftModel
+
+    cm = _trained_lora()
+    cm.model.add_adapter("b", LoraConfig(r=2, target_modules=["k_proj"]))
+    cm.model.set_adapter("b")
+    cm.save_pretrained(tmp_path / "save", selected_adapters=["default"])
+    by_peft = PeftModel.from_pretrained(tiny_model(), tmp_path / "save", is_trainable=True)
+    loaded = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "save")
+    trainable = lambda model: sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trainable(loaded.model) == trainable(by_peft) != []
+    step_grads(loaded, [(n, p) for n, p in loaded.model.named_parameters() if p.requires_grad], batch())
+
+
 def test_a_save_of_a_wrapper_loaded_for_inference_loads_trainable_when_asked(tmp_path):
     """Every adapter was saved frozen (the wrapper had been loaded with is_trainable=False), so a load with
     is_trainable=True kept it frozen, silently, and the first step failed in torch (no tensor requires grad)."""

@@ -311,9 +311,12 @@ def save_model_pair(
         names = [plan.name for plan in owner.checkpoint_map]
         payload["layers"] = relative_names(model, names)
         payload["architecture"] = architecture_of(model, len(names))
-        # a wrapper loaded for inference, or a model nothing of which trains, says nothing of what trains: a load
-        # with is_trainable=True kept such a save's adapters frozen (the first step failed in torch)
-        training = not getattr(owner, "inference", False) and any(p.requires_grad for p in model.parameters())
+        # a wrapper loaded for inference, or a save nothing of which trains (the adapters saved, not the one another
+        # adapter's `set_adapter` left training), says nothing of what trains: a load with is_trainable=True kept such
+        # a save's adapters frozen (the first step failed in torch)
+        saved = (selected or list(model.peft_config)) if is_peft_model(model) else []
+        params = [p for name in saved for p in adapter_parameters(model, name)] if saved else model.parameters()
+        training = not getattr(owner, "inference", False) and any(p.requires_grad for p in params)
         payload["adapters"] = fingerprints(model, staging, selected, training)
         if is_peft_model(model):
             active = [name for name in model.active_adapters if name in payload["adapters"]]
