@@ -445,13 +445,19 @@ def test_a_forward_that_replaces_a_swapped_weights_data_keeps_it_as_the_weight()
 def test_a_frozen_adapter_on_a_swapped_layer_stays_in_place_to_train_again_and_be_read():
     """An adapter frozen by `set_adapter` was swapped as if it were a base weight: setting it back failed the next
     step ("made trainable"), and `add_weighted_adapter` read its placeholders (zeros) into the new adapter."""
-    from peft import LoraConfig
+    from peft import LoraConfig, get_peft_model
 
-    def build():
-        model = add_lora(tiny_model(attention_dropout=0.0), dropout=0.0)
+    def build(copies=()):  # modules_to_save: a copy of down_proj, by a PEFT wrapper that is no tuner layer
+        torch.manual_seed(0)
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0, modules_to_save=list(copies))
+        model = get_peft_model(tiny_model(attention_dropout=0.0), lora)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name or "modules_to_save.default" in name:
+                    param.add_(0.1)  # zeros read from placeholders would show
         torch.manual_seed(11)
         model.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
-        model.set_adapter("b")  # "default" is frozen now
+        model.set_adapter("b")  # "default" and its copy are frozen now
         return model
 
     reference, model = build(), build()
@@ -461,6 +467,9 @@ def test_a_frozen_adapter_on_a_swapped_layer_stays_in_place_to_train_again_and_b
     for name, param in reference.named_parameters():
         if ".w." in name:
             assert torch.equal(model.get_parameter(name), param), name
+    cm.disable()
+    reference, model = build(["down_proj"]), build(["down_proj"])
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2, swap_layers=[1]))
     for adapter in ("default", "b"):  # each trains again, exactly, with layer 1's base weights still swapped
         for each in (model, reference):
             each.set_adapter(adapter)

@@ -324,3 +324,7 @@ def test_remat_trainer_given_a_model_no_wrapper_wraps_says_it_trains_without_rem
     (said,) = [r.getMessage() for r in caplog.records if "no CheckpointedModel wraps" in r.getMessage()]
     assert f"{cls.__name__} was given a PeftModel" in said and "trains as Trainer does" in said
     assert "CheckpointedModel(model, ...)" in said and built.checkpointed_model is None
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="remat"):  # a wrapper's model: its map runs and saves carry the config
+        cls(model=CheckpointedModel(add_lora(tiny_model())).model, args=_plain_args(tmp_path))
+    assert not [r for r in caplog.records if "no CheckpointedModel wraps" in r.getMessage()]

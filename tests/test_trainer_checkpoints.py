@@ -124,6 +124,21 @@ def test_the_training_arguments_options_apply_over_a_resumed_map_on_every_releas
     )
 
 
+def test_a_budgets_resume_says_nothing_of_arguments_that_change_nothing_it_runs(tmp_path, caplog):
+    """Under a budget every layer's policy is planned: `every_n_layers` in the arguments changes nothing that runs,
+    which the trainer's construction stays quiet about, but the resume warned of a map change that did not happen."""
+    _train(RematTrainer, CheckpointedModel(add_lora(tiny_model(seed=3)), budget="1GiB"), tmp_path, steps=2)
+    cm = CheckpointedModel(add_lora(tiny_model(seed=3)), budget="1GiB")
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, save_strategy="no", report_to=[],
+        use_cpu=True, disable_tqdm=True, **trainer_checkpointing_args(True, {"every_n_layers": 3}),
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        RematTrainer(model=cm, args=args, train_dataset=_dataset()).train(str(tmp_path / "checkpoint-2"))
+    assert not [r for r in caplog.records if "apply over the resumed" in r.getMessage()]
+    assert cm.checkpoint_config.every_n_layers == 3 and cm.budget_receipts, "applied, and the budget planned"
+
+
 def test_a_plain_base_model_saves_its_weights_and_resume_restores_the_map(tmp_path):
     cm = CheckpointedModel(tiny_model(seed=3), SAVED)
     _train(RematTrainer, cm, tmp_path, steps=2)
@@ -305,6 +320,29 @@ def test_load_best_model_at_end_loads_a_named_adapter_from_its_subfolder_with_it
     for name, tensor in best.items():
         torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
     assert cm.checkpoint_config == SAVED and cm.model.active_adapters == ["sft"]
+
+
+def test_load_best_model_at_end_loads_the_active_named_adapter_beside_default_from_its_subfolder(tmp_path):
+    """ "default" at the top of the folder and "b", active, in `b/`: Trainer's best-model load put the top file
+    (default's weights) into "b", silently; every adapter is loaded from where PEFT saved it."""
+    from peft import LoraConfig
+
+    model = add_lora(tiny_model(seed=3), dropout=0.0, target_modules=("q_proj", "v_proj"))
+    model.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    model.set_adapter("b")
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    extra = {"eval_strategy": "steps", "eval_steps": 2, "load_best_model_at_end": True}
+    extra |= {"metric_for_best_model": "loss", "greater_is_better": True}  # the loss falls: the best is the first
+    trainer = _train(RematTrainer, cm, tmp_path, steps=4, **extra)
+    best = trainer.state.best_model_checkpoint
+    assert best == str(tmp_path / "checkpoint-2")
+    saved_b = safetensors.torch.load_file(tmp_path / "checkpoint-2" / "b" / "adapter_model.safetensors")
+    last_b = safetensors.torch.load_file(tmp_path / "checkpoint-4" / "b" / "adapter_model.safetensors")
+    assert any(not torch.equal(saved_b[name], last_b[name]) for name in saved_b)
+    now = {n.replace(".b.", "."): p for n, p in cm.model.named_parameters() if ".b." in n}
+    for name, tensor in saved_b.items():
+        torch.testing.assert_close(now[name], tensor, rtol=0, atol=0, msg=name)
+    assert cm.model.active_adapters == ["b"]
 
 
 def test_any_trainer_subclass_gets_the_same_saving(tmp_path):

@@ -22,7 +22,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 
 from .compat.transformers_compat import trainer_asks_for_checkpointing, trainer_checkpointing_kwargs
-from .controller import controller_of_wrapper
+from .controller import controller_of_wrapper, owners_of
 from .errors import ConfigError, ConfigTypeError
 from .persistence import apply_saved_config, resume_undone_on_failure
 from .persistence.pair_format import is_peft_model, save_model_pair
@@ -50,7 +50,8 @@ class _RematTrainerMixin:
         controller = controller_of_wrapper(model)
         self.checkpointed_model = cm = model if controller is not None else None
         if cm is None:
-            if isinstance(model, torch.nn.Module):  # (a name or None, TRL's and model_init's: no wrapper to expect)
+            # (a name or None, TRL's and model_init's: no wrapper to expect; cm.model: its wrapper's map runs)
+            if isinstance(model, torch.nn.Module) and not owners_of(model):
                 logger.warning(
                     "%s was given a %s that no CheckpointedModel wraps: it trains as %s does, with no checkpoint map "
                     "and no checkpoint_config.json in its saves; to checkpoint with remat, pass "
@@ -157,13 +158,15 @@ class _RematTrainerMixin:
         cm = self.checkpointed_model
         if cm is not None and checkpoint is not None and getattr(self, "is_deepspeed_enabled", False):
             _apply_saved_config(cm, checkpoint, "resuming")
+            _arguments_over_the_resumed_map(cm, self.args)
 
     def _load_best_model(self) -> None:
         cm, best = self.checkpointed_model, self.state.best_model_checkpoint  # type: ignore[attr-defined]
-        if cm is not None and best is not None and _adapters_in_subfolders_only(cm, best):
-            # Trainer's best-model load reads the top of the folder only: it loaded nothing (logging that it could
-            # not locate the model) and the best checkpoint's map was applied to the last step's adapters
-            logger.info("%s: the adapters are in subfolders, which Trainer's best-model load skips: loading them", best)
+        engine = getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False)
+        if cm is not None and best is not None and not engine and _adapters_in_subfolders(cm, best):
+            # Trainer's best-model load reads the top of the folder only, into the active adapter: a named adapter's
+            # weights were not loaded (or another's were), and the best checkpoint's map went onto them
+            logger.info("%s: adapters in subfolders, which Trainer's best-model load skips: loading them all", best)
             self._load_from_checkpoint(best)
             return
         if cm is not None and best is not None and _saved_whole(cm, best):
@@ -333,7 +336,12 @@ def _arguments_over_the_resumed_map(cm: Any, args: Any) -> None:
         return  # the route refuses these options itself, with the reason
     if asked != controller.config:
         before, changes = controller.checkpoint_map, describe_changes(controller.config, asked)
+        runs = set(controller.config.changed_fields(asked))
+        if asked.budget is not None:  # the budget plans every layer: every_n_layers and the policy change nothing
+            runs -= {"every_n_layers", "checkpoint_policy"}
         controller.enable(asked, cause="the training arguments")
+        if not runs:
+            return
         logger.warning(
             "the training arguments' checkpointing options apply over the resumed checkpoint's map (%s): the map "
             "was %r, it is now %r",
@@ -343,10 +351,10 @@ def _arguments_over_the_resumed_map(cm: Any, args: Any) -> None:
         )
 
 
-def _adapters_in_subfolders_only(cm: Any, folder: str) -> bool:
-    """A PeftModel's save whose adapters all have names of their own (PEFT writes each in a subfolder)."""
+def _adapters_in_subfolders(cm: Any, folder: str) -> bool:
+    """A PeftModel's save with adapters of names of their own (PEFT writes each in a subfolder)."""
     weights = (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
-    if not is_peft_model(cm.model) or any(os.path.isfile(os.path.join(folder, name)) for name in weights):
+    if not is_peft_model(cm.model):
         return False
     inside = [os.path.join(folder, sub) for sub in os.listdir(folder) if os.path.isdir(os.path.join(folder, sub))]
     return any(os.path.isfile(os.path.join(sub, name)) for sub in inside for name in weights)

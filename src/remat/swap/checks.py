@@ -45,11 +45,10 @@ def own_frozen_params(layer: nn.Module, name: str, owners: dict[int, set[str]]) 
 
 def _adapter_params(layer: nn.Module) -> set[int]:
     """A PEFT adapter's weights, trainable or not: one frozen by `set_adapter` trains again when set back, and
-    `add_weighted_adapter` reads it outside any forward (swapped, it read placeholders: zeros)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
+    `add_weighted_adapter` reads it outside any forward (swapped, it read placeholders: zeros). Tuner layers and
+    PEFT's auxiliary wrappers (`modules_to_save` copies, trainable tokens) name them in `adapter_layer_names`."""
     found: set[int] = set()
-    for tuner in (m for m in layer.modules() if isinstance(m, BaseTunerLayer)):
+    for tuner in (m for m in layer.modules() if isinstance(getattr(m, "adapter_layer_names", None), tuple)):
         for attribute in tuner.adapter_layer_names:
             if isinstance(held := getattr(tuner, attribute, None), nn.Module):
                 found.update(id(p) for p in held.parameters())
