@@ -112,6 +112,9 @@ def test_rank0_alone_saves_the_adapters_with_the_map_and_resume_applies_it(zero)
         resumed = rank["recompute"]["resumed"]
         assert resumed["config"]["every_n_layers"] == 2 and resumed["step"] == 3
         assert resumed["counts"] == [COUNTS["recompute"]]
+        # with every_n_layers=3 in the training arguments: they apply over the saved map, as without DeepSpeed
+        argued = rank["recompute"]["resumed_argued"]
+        assert argued["config"]["every_n_layers"] == 3 and argued["counts"] == [[2, 1, 1, 2]]
 
 
 def test_block_swap_of_zero3_partitioned_layers_is_refused_before_anything_moves(zero3):

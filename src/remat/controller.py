@@ -53,10 +53,10 @@ def owners_of(model: nn.Module) -> list[Controller]:
 def _refuse_prefix_tuning_checkpointed(model: nn.Module, new_map: CheckpointMap) -> None:
     """Prefix tuning hands every layer its virtual keys and values as the cache, which transformers drops in a
     checkpointed layer: a shape error on transformers 5, silently wrong gradients on 4.57 (native checkpointing too)."""
-    peft_type = str(getattr(getattr(model, "active_peft_config", None), "peft_type", ""))
-    if new_map.checkpointed and peft_type.rsplit(".", 1)[-1] in ("PREFIX_TUNING", "CARTRIDGE"):
+    peft_type = getattr(getattr(model, "active_peft_config", None), "peft_type", None)  # a str enum
+    if new_map.checkpointed and peft_type in ("PREFIX_TUNING", "CARTRIDGE"):
         raise ConfigError(
-            f"{peft_type.rsplit('.', 1)[-1].lower()} passes its virtual tokens to every layer as the cache "
+            f"{peft_type.value.lower()} passes its virtual tokens to every layer as the cache "
             f"(past_key_values), which transformers drops in a checkpointed layer (layers {new_map.checkpointed} "
             "here): a shape error or wrong gradients. Checkpoint no layer (layer_policies={i: 'none' for i in "
             "range(n)}) or train another PEFT method (prompt tuning, LoRA); nothing was changed"

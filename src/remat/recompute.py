@@ -137,12 +137,13 @@ class LayerCheckpoint:
                 return function(*args, **kwargs)  # traced whole: backward recomputes it in the compiled graph
             calls[0] += 1
             layer = module()
+            owing = _OWED.get(layer) if layer is not None else None
             if calls[0] == 1:
                 if layer is not None:  # owed until its first recompute (`Controller._check_swap_change` asks)
-                    _OWED.setdefault(layer, weakref.WeakSet()).add(owed)
+                    (owing if owing is not None else _OWED.setdefault(layer, weakref.WeakSet())).add(owed)
                 return state.watch_forward(function, *args, **kwargs)
-            if layer is not None and layer in _OWED:
-                _OWED[layer].discard(owed)
+            if owing is not None:
+                owing.discard(owed)
             # remat's bookkeeping runs outside torch's dispatch modes ("selective" expects exactly the
             # forward's ops, and a memory measurement must not count weights as activations).
             around = contextlib.ExitStack()

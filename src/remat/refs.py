@@ -112,6 +112,6 @@ class InstancePatches:
 
     def undo(self) -> None:
         for ref, name, previous, value_id in reversed(self._saved):
-            if (target := ref()) is not None and self._still_set(ref, name, value_id) is not MISSING:
-                restore_attributes(target, {name: previous})
+            if self._still_set(ref, name, value_id) is not MISSING:  # (its target is alive then)
+                restore_attributes(ref(), {name: previous})
         self._saved.clear()

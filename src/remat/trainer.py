@@ -193,18 +193,10 @@ def _refuse_compiled_wrapper(model: Any) -> None:
 
 def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map: Any, args: Any) -> None:
     """A WARNING when the training arguments' checkpointing options replace the wrapper's (the route logs INFO)."""
-    if not trainer_asks_for_checkpointing(args):
+    asked, runs = _arguments_config(own_config, args)
+    if asked is None or not runs:
         return
     kwargs = trainer_checkpointing_kwargs(args)
-    try:
-        asked = config_from_route(own_config, "the training arguments", kwargs, {})
-    except (TypeError, ValueError):
-        return  # the route refuses these options itself, with the reason, when the trainer passes them
-    changed = set(own_config.changed_fields(asked))
-    if asked.budget is not None:  # the budget plans every layer: every_n_layers and the policy change nothing that runs
-        changed -= {"every_n_layers", "checkpoint_policy"}
-    if not changed:
-        return
     becomes = (
         f"the budget ({asked.budget}) plans each step's map with them"
         if asked.budget is not None
@@ -323,22 +315,28 @@ def _resume_main_adapter(cm: Any, folder: str) -> None:
     model.set_adapter(active)
 
 
+def _arguments_config(config: Any, args: Any) -> tuple[Any, set[str]]:
+    """`config` with the training arguments' checkpointing options (None where they ask for none, or for options the
+    route refuses itself, with the reason), and the fields changed that change what runs (under a budget, which plans
+    every layer, `every_n_layers` and the policy do not)."""
+    if not trainer_asks_for_checkpointing(args):
+        return None, set()
+    try:
+        asked = config_from_route(config, "the training arguments", trainer_checkpointing_kwargs(args), {})
+    except (TypeError, ValueError):
+        return None, set()
+    runs = set(config.changed_fields(asked))
+    return asked, runs - {"every_n_layers", "checkpoint_policy"} if asked.budget is not None else runs
+
+
 def _arguments_over_the_resumed_map(cm: Any, args: Any) -> None:
     """The training arguments' checkpointing options apply over a resumed checkpoint's map, as over the wrapper's
     own: transformers 5 turns checkpointing on (the route) before it loads the checkpoint, 4.57 after, so they lost
     to the saved map on one release and won on the other."""
     controller = controller_of_wrapper(cm)
-    if not (trainer_asks_for_checkpointing(args) and controller.is_enabled):
-        return
-    try:
-        asked = config_from_route(controller.config, "the training arguments", trainer_checkpointing_kwargs(args), {})
-    except (TypeError, ValueError):
-        return  # the route refuses these options itself, with the reason
-    if asked != controller.config:
+    asked, runs = _arguments_config(controller.config, args)
+    if asked is not None and controller.is_enabled and asked != controller.config:
         before, changes = controller.checkpoint_map, describe_changes(controller.config, asked)
-        runs = set(controller.config.changed_fields(asked))
-        if asked.budget is not None:  # the budget plans every layer: every_n_layers and the policy change nothing
-            runs -= {"every_n_layers", "checkpoint_policy"}
         controller.enable(asked, cause="the training arguments")
         if not runs:
             return

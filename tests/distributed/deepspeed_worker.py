@@ -55,7 +55,9 @@ def _saves_recorded(cls: type) -> None:
     cls.save_pretrained = save_pretrained
 
 
-def _arguments(output_dir: str, steps: int, zero3: str | dict = ZERO3_CONFIG) -> TrainingArguments:
+def _arguments(
+    output_dir: str, steps: int, zero3: str | dict = ZERO3_CONFIG, checkpointing: dict | None = None
+) -> TrainingArguments:
     zero2 = {
         "train_micro_batch_size_per_gpu": "auto",
         "gradient_accumulation_steps": "auto",
@@ -73,7 +75,7 @@ def _arguments(output_dir: str, steps: int, zero3: str | dict = ZERO3_CONFIG) ->
         seed=7,
         use_cpu=True,
         deepspeed=zero3 if STAGE == 3 else zero2,
-        **trainer_checkpointing_args(True, None),
+        **trainer_checkpointing_args(True, checkpointing),
     )
 
 
@@ -141,7 +143,7 @@ def lora_model():
     return add_lora(tiny_model(seed=3, attention_dropout=0.0), dropout=0.0)
 
 
-def train(policy: str, model, resumed_model) -> dict:
+def train(policy: str, model, resumed_model, argued_model) -> dict:
     output_dir = os.path.join(OUT, policy)
     config = MAPS[policy]
     cm = CheckpointedModel(model, config)
@@ -163,13 +165,17 @@ def train(policy: str, model, resumed_model) -> dict:
     }
     if policy == "recompute":
         result["resumed"] = resume(checkpoint, os.path.join(OUT, "resumed"), resumed_model)
+        # the training arguments' options apply over the saved map (DeepSpeed resumes in another place)
+        argued = os.path.join(OUT, "resumed-argued")
+        result["resumed_argued"] = resume(checkpoint, argued, argued_model, {"every_n_layers": 3})
     return result
 
 
-def resume(checkpoint: str, output_dir: str, model) -> dict:
+def resume(checkpoint: str, output_dir: str, model, checkpointing: dict | None = None) -> dict:
     """A wrapper with no map of its own takes the saved one, and trains on from step 2 with it."""
     cm = CheckpointedModel(model)
-    trainer = RematTrainer(model=cm, args=_arguments(output_dir, 3), train_dataset=ROWS)
+    arguments = _arguments(output_dir, 3, checkpointing=checkpointing)
+    trainer = RematTrainer(model=cm, args=arguments, train_dataset=ROWS)
     instruments = Instruments(trainer, cm)
     trainer.add_callback(instruments)
     trainer.train(resume_from_checkpoint=checkpoint)
@@ -232,7 +238,7 @@ def main() -> None:
     for cls in (PeftModel, PreTrainedModel):
         _saves_recorded(cls)
     rank = int(os.environ["RANK"])
-    models = {policy: (lora_model(), lora_model()) for policy in MAPS}
+    models = {policy: (lora_model(), lora_model(), lora_model()) for policy in MAPS}
     swapped, ungathered = lora_model(), lora_model()
     results = {policy: train(policy, *models[policy]) for policy in MAPS}
     if STAGE == 3:
