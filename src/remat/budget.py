@@ -24,6 +24,7 @@ import torch
 from .compat.accelerator import peak_allocated, reset_peak
 from .errors import ConfigError, StateError
 from .plan import head_label
+from .refs import Ref
 
 logger = logging.getLogger("remat")
 
@@ -83,7 +84,7 @@ class BudgetState:
     last_key: tuple[int, int] | None = None  # (bucket, kind number): the receipt of the step that ran last
     unlogged: set[tuple[int, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
-    optimizer: Any = None  # weakref to the trainer's optimizer (scope="step" counts its state)
+    optimizer: Ref[Any] = field(default_factory=lambda: Ref(None))  # the trainer's (scope="step" counts its state)
     without_optimizer: bool = False  # its profile's step peak has no optimizer state
     fresh_key: Any = None  # `_model_key` when the profile was last found to describe the model
     params: list[Any] = field(default_factory=list)  # the model's parameters then
@@ -136,10 +137,7 @@ class BudgetState:
         return None if self.last_key is None else self.last_key[0]
 
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        self.optimizer = None if optimizer is None else weakref.ref(optimizer)
-
-    def known_optimizer(self) -> torch.optim.Optimizer | None:
-        return None if self.optimizer is None else self.optimizer()
+        self.optimizer = Ref(optimizer)
 
     def before_step(self, controller: Any, batch: dict[str, Any]) -> None:
         """Called in the model's forward pre-hook of a training forward with gradients."""
@@ -233,7 +231,7 @@ class BudgetState:
         (`Profile.changes`); `every_n_layers`, `checkpoint_policy` and the budget itself change none."""
         if config.budget_scope == "step" and self.profile.measurements.step is None:
             return 'budget_scope="step" needs the peak of a whole step, which its profile did not measure'
-        if config.budget_scope == "step" and self.without_optimizer and self.known_optimizer() is not None:
+        if config.budget_scope == "step" and self.without_optimizer and self.optimizer() is not None:
             return "the trainer's optimizer is known now, and its profile counted no optimizer state"
         return None
 
@@ -279,7 +277,7 @@ class BudgetState:
                 f"budget: this forward needs a new profile ({why}), but an earlier forward's backward has not run. "
                 "Call backward (or drop that forward's outputs) first; nothing was changed"
             )
-        optimizer = self.known_optimizer() if config.budget_scope == "step" else None
+        optimizer = self.optimizer() if config.budget_scope == "step" else None
         if optimizer is None and config.budget_scope == "step":
             optimizer = WITHOUT_OPTIMIZER
         loss_fn = None if batch.get("labels") is not None else logits_loss
@@ -375,12 +373,9 @@ def _kind_text(kind: tuple[Any, ...] | None) -> str:
     if kind is None:
         return "a step of unknown kind"
     inputs, autocast, ratio = kind
-    text = f"inputs {', '.join(inputs) or 'tokens only'}; autocast {_autocast_text(autocast)}"
+    autocast_text = ", ".join(f"{device} {str(dtype).removeprefix('torch.')}" for device, dtype in autocast) or "off"
+    text = f"inputs {', '.join(inputs) or 'tokens only'}; autocast {autocast_text}"
     return text if ratio is None else f"{text}; target about 2**{ratio} x the source's length"
-
-
-def _autocast_text(autocast: tuple[Any, ...]) -> str:
-    return ", ".join(f"{device} {str(dtype).removeprefix('torch.')}" for device, dtype in autocast) or "off"
 
 
 def _model_key(controller: Any, params: list[Any]) -> tuple[Any, ...]:
@@ -402,9 +397,9 @@ def logits_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:
-    if isinstance(output, torch.Tensor):
-        return [output]
-    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else ()
+    values = (
+        output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else [output]
+    )
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .arguments import MAX_COUNT, parse_bytes
+from .arguments import MAX_COUNT, check_flag, parse_bytes
 from .errors import ConfigError, ConfigTypeError, FrozenConfigError, NotSavedError, SavedFileError
 from .policies import CHECKPOINT_POLICIES
 from .policies import NAMES as POLICIES
@@ -186,10 +186,7 @@ class CheckpointConfig:
         _check_int("every_n_layers", self.every_n_layers, 1)
         _check_int("offload_min_bytes", self.offload_min_bytes, 0)
         for name in ("use_reentrant", "preserve_rng_state"):
-            if not isinstance(value := getattr(self, name), bool):
-                raise ConfigTypeError(
-                    f"CheckpointConfig.{name} must be True or False, got {value!r} ({type(value).__name__})"
-                )
+            check_flag(getattr(self, name), f"CheckpointConfig.{name}")
         _check_in("swap_placement", self.swap_placement, SWAP_PLACEMENTS)
         object.__setattr__(self, "swap_layers", _validated_swap_layers(self.swap_layers))
         object.__setattr__(self, "layer_policies", _validated_layer_policies(self.layer_policies))
@@ -249,8 +246,7 @@ class CheckpointConfig:
 
     def changed_fields(self, other: CheckpointConfig) -> dict[str, tuple[Any, Any]]:
         """{field: (value here, value in other)} for every field that differs."""
-        pairs = {name: (getattr(self, name), getattr(other, name)) for name in _FIELDS}
-        return {name: (a, b) for name, (a, b) in pairs.items() if a != b}
+        return {name: (a, b) for name, a, b in zip(_FIELDS, self._values(), other._values(), strict=True) if a != b}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values: lists for tuples, string keys for layer indices."""

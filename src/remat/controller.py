@@ -233,8 +233,8 @@ class Controller:
         self.disable(cause=cause, say=False)  # installed again on `model` below
         self._adopted_from.append(self._model)
         self._model, self.discovery = Ref(model), discovery
-        if self.wrapper() is not None:
-            self.wrapper().model = model
+        if (wrapper := self.wrapper()) is not None:
+            wrapper.model = model
         self.replan(self.config, self.off_by, cause, said=True, install=was_enabled)  # the map, under the new names
         logger.info(
             "%s: the CheckpointedModel now wraps the %s built around its model; its layers are %s ... and the map "
@@ -258,13 +258,10 @@ class Controller:
         """The one path of `enable` and re-planning: plan once, run every check that can refuse before
         anything changes, then swap, install (`install`) or re-apply. `said`: the caller logged it."""
         active = self.budget.active_for(config)  # the plan of the current bucket (None: pending, another budget)
-        map_config = config
-        if config.budget is not None and planned is None:
-            map_config = active or config
-        new_map = (
-            plan_layers(map_config, self.discovery.names, checkpointing_off_by=off_by) if planned is None else planned
-        )
-        new_map = budget_reasons(new_map, config, active, self.budget.active_bucket)
+        map_config = (active or config) if config.budget is not None and planned is None else config
+        if planned is None:
+            planned = plan_layers(map_config, self.discovery.names, checkpointing_off_by=off_by)
+        new_map = budget_reasons(planned, config, active, self.budget.active_bucket)
         head = plan_head(map_config.head, map_config.head_chunk_tokens, self.model)
         # the same head planned again (a route, a mode change) keeps the row of what last ran
         shown = self.checkpoint_map.head if head == self._head_planned else None
@@ -385,18 +382,15 @@ class Controller:
         (a budget re-plans inside the model's forward pre-hooks, whose list that call has already read)."""
         if self._head is not None and plan is not None:
             self._head.plan = plan  # "plain": its hooks stand down until a chunked plan comes back
-            return
-        if self._head is not None:
+        elif self._head is not None:
             self._head.remove()
             self._head = None
-        if self._head is None and plan is not None and plan.policy == "chunked":
+        elif plan is not None and plan.policy == "chunked":
             self._head = ChunkedHead(self.model, plan, self._head_ran)
 
     def _head_ran(self, why: str | None) -> None:
         """The head row says what the last training forward ran: the plan, or the model's own head and why."""
-        planned = self._head_planned
-        if planned is None:
-            return
+        planned = self._head_planned  # set by every replan, before a ChunkedHead exists
         shown = planned if why is None else HeadPlan(planned.name, "plain", None, f"{planned.label} planned; {why}")
         if self.checkpoint_map.head != shown:
             self.checkpoint_map = self.checkpoint_map.with_head(shown)
@@ -421,8 +415,8 @@ class Controller:
             )
         self.inference, flags = self._mode_stack.pop()
         for module, training in flags:
-            if module() is not None:
-                module().training = training
+            if (alive := module()) is not None:
+                alive.training = training
         self.apply_map()
 
     def _mode(self) -> _Mode:
@@ -447,18 +441,17 @@ class Controller:
                 logger.info("the model was switched to training outside for_training(); applying the checkpoint map")
             self.inference = False
             self.apply_map()
-        if not module.training and not self.inference and self.off_by is None and torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if not module.training and not self.inference and self.off_by is None and grad:
             self._say_eval_mode_runs_no_checkpoint()
-        if not self._said_stray_adapters and module.training and torch.is_grad_enabled():
+        training = module.training and grad
+        if training and not self._said_stray_adapters:
             self._say_adapters_unsaved()
-        if self.config.use_reentrant and module.training and torch.is_grad_enabled() and not self.inference:
+        if training and self.config.use_reentrant and not self.inference:
             self._refuse_outputs_reentrant_loses(kwargs)
-        budget = self.budget
-        if self.config.budget is None or self.off_by is not None or self.measuring or self.inference:
+        if not training or self.config.budget is None or self.off_by is not None or self.measuring or self.inference:
             return
-        if not (module.training and torch.is_grad_enabled()):
-            return
-        batch = dict(kwargs)
+        budget, batch = self.budget, dict(kwargs)
         if args and isinstance(args[0], torch.Tensor):
             batch.setdefault("input_ids", args[0])
         budget.before_step(self, batch)
@@ -538,18 +531,16 @@ class Controller:
                 "%s: %s took the adapters out of this wrapper; the saved config is not applied", cause, self.unloaded_by
             )
             return
+        own_config, own_map = self.config, self.checkpoint_map
+        self.replan(config, off_by=self.off_by, cause=cause, said=True)  # disabled: planned for enable()
         if not self.is_enabled:
-            changes = describe_changes(self.config, config)
-            self.replan(config, off_by=self.off_by, cause=cause, said=True)  # not installed: planned for enable()
             logger.warning(
                 "%s: checkpointing is disabled and stays off; the saved checkpoint config (%s) applies when "
                 "cm.enable() turns it on",
                 cause,
-                changes,
+                describe_changes(own_config, config),
             )
             return
-        own_config, own_map = self.config, self.checkpoint_map
-        self.replan(config, off_by=self.off_by, cause=cause, said=True)
         logger.warning(
             "%s: the saved checkpoint config replaced this wrapper's own (%s): the map was %r, it is now %r. To keep "
             "your own, apply it again after loading: cm.enable(config) (with a Trainer: README, 'Resuming')",
