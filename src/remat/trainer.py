@@ -11,11 +11,8 @@ import re
 import weakref
 from typing import Any
 
-import safetensors
 import torch
 from accelerate.utils import is_compiled_module
-from peft.utils import SAFETENSORS_WEIGHTS_NAME as ADAPTER_SAFE_WEIGHTS_NAME
-from peft.utils import WEIGHTS_NAME as ADAPTER_WEIGHTS_NAME
 from transformers import Trainer, TrainerCallback
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -25,7 +22,8 @@ from .compat.transformers_compat import trainer_asks_for_checkpointing, trainer_
 from .controller import controller_of_wrapper, owners_of
 from .errors import ConfigError, ConfigTypeError
 from .persistence import apply_saved_config, resume_undone_on_failure
-from .persistence.pair_format import is_peft_model, save_model_pair
+from .persistence.pair_format import ADAPTER_WEIGHTS, is_peft_model, save_model_pair
+from .persistence.peft_loading import tensor_shapes
 from .plan import plan_layers
 from .policies import CHECKPOINTED
 from .policies import NAMES as POLICY_NAMES
@@ -137,11 +135,11 @@ class _RematTrainerMixin:
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         cm, folder = self.checkpointed_model, resume_from_checkpoint
         recover(folder)  # a save killed mid-commit: finished, or its staging removed, before Trainer looks inside
-        if cm is not None and model is None and _saved_whole(cm, folder):
-            logger.info("%s holds the whole wrapper (a plain Trainer(model=cm) wrote it): loading it as is", folder)
-            model = cm
         if cm is None:
             return super()._load_from_checkpoint(folder, model)  # type: ignore[misc]
+        if model is None and _saved_whole(cm, folder):
+            logger.info("%s holds the whole wrapper (a plain Trainer(model=cm) wrote it): loading it as is", folder)
+            model = cm
         if hasattr(loader := cm.model.__dict__.get("load_adapter"), "main_loaded_from"):
             loader.main_loaded_from.clear()  # what this resume loads, not an earlier one (a second resume, a notebook)
         with resume_undone_on_failure(controller_of_wrapper(cm)):  # one adapter refused: none loaded, no map applied
@@ -162,14 +160,16 @@ class _RematTrainerMixin:
 
     def _load_best_model(self) -> None:
         cm, best = self.checkpointed_model, self.state.best_model_checkpoint  # type: ignore[attr-defined]
+        if cm is None or best is None:
+            return super()._load_best_model()  # type: ignore[misc]
         engine = getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False)
-        if cm is not None and best is not None and not engine and _adapters_in_subfolders(cm, best):
+        if not engine and _adapters_in_subfolders(cm, best):
             # Trainer's best-model load reads the top of the folder only, into the active adapter: a named adapter's
             # weights were not loaded (or another's were), and the best checkpoint's map went onto them
             logger.info("%s: adapters in subfolders, which Trainer's best-model load skips: loading them all", best)
             self._load_from_checkpoint(best)
             return
-        if cm is not None and best is not None and _saved_whole(cm, best):
+        if _saved_whole(cm, best):
             self.model = cm  # Trainer loads into self.model; the folder holds the wrapper's names
             try:
                 super()._load_best_model()  # type: ignore[misc]
@@ -177,8 +177,7 @@ class _RematTrainerMixin:
                 self.model = cm.model
         else:
             super()._load_best_model()  # type: ignore[misc]
-        if cm is not None:
-            _apply_saved_config(cm, best, "loading the best model")
+        _apply_saved_config(cm, best, "loading the best model")
 
 
 def _refuse_compiled_wrapper(model: Any) -> None:
@@ -288,23 +287,18 @@ _CHECKPOINT = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 def _saved_whole(cm: Any, folder: str) -> bool:
     """Whether the folder's weights are `cm.state_dict()`, as `Trainer(model=cm)` writes them: loaded
     into `cm.model` they would match no name and silently keep untrained weights."""
-    file = os.path.join(folder, SAFE_WEIGHTS_NAME)  # single-file weights, names read without the tensors
-    if os.path.isfile(file):
-        with safetensors.safe_open(file, framework="pt") as saved:
-            names = set(saved.keys())
-    elif os.path.isfile(file := os.path.join(folder, WEIGHTS_NAME)):
-        names = set(torch.load(file, map_location="meta", weights_only=True))
-    else:
-        return False
-    wrapped = set(cm.model.state_dict())
-    return not names <= wrapped and names <= {"model." + name for name in wrapped}
+    for weights in (SAFE_WEIGHTS_NAME, WEIGHTS_NAME):  # single-file weights
+        if os.path.isfile(file := os.path.join(folder, weights)):
+            names, wrapped = set(tensor_shapes(file)), set(cm.model.state_dict())
+            return not names <= wrapped and names <= {"model." + name for name in wrapped}
+    return False
 
 
 def _resume_main_adapter(cm: Any, folder: str) -> None:
     """transformers 5.17 and older resume a checkpoint of several adapters from their subfolders only: the main one,
     which PEFT saves at the top ("default"), was left as it was (untrained), silently. Loaded here as 5.24 does."""
     model, loader = cm.model, cm.model.__dict__.get("load_adapter")
-    top = any(os.path.isfile(os.path.join(folder, name)) for name in (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME))
+    top = any(os.path.isfile(os.path.join(folder, name)) for name in ADAPTER_WEIGHTS)
     if not (top and is_peft_model(model) and "default" in model.peft_config and hasattr(loader, "main_loaded_from")):
         return
     if os.path.abspath(folder) in loader.main_loaded_from:
@@ -351,19 +345,16 @@ def _arguments_over_the_resumed_map(cm: Any, args: Any) -> None:
 
 def _adapters_in_subfolders(cm: Any, folder: str) -> bool:
     """A PeftModel's save with adapters of names of their own (PEFT writes each in a subfolder)."""
-    weights = (ADAPTER_SAFE_WEIGHTS_NAME, ADAPTER_WEIGHTS_NAME)
-    if not is_peft_model(cm.model):
-        return False
-    inside = [os.path.join(folder, sub) for sub in os.listdir(folder) if os.path.isdir(os.path.join(folder, sub))]
-    return any(os.path.isfile(os.path.join(sub, name)) for sub in inside for name in weights)
+    return is_peft_model(cm.model) and any(
+        os.path.isfile(os.path.join(folder, sub, name)) for sub in os.listdir(folder) for name in ADAPTER_WEIGHTS
+    )
 
 
-def _apply_saved_config(cm: Any, folder: str | None, cause: str) -> None:
+def _apply_saved_config(cm: Any, folder: str, cause: str) -> None:
     """Apply the folder's checkpoint config, checked, unless remat's `load_adapter` applied it
     already (read again, a save committed in between would pair its config with older adapters)."""
-    if folder is not None:
-        recover(folder)  # a save that crashed mid-commit may not have its config in place yet
-    if folder is None or not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
+    recover(folder)  # a save that crashed mid-commit may not have its config in place yet
+    if not os.path.isfile(os.path.join(folder, CONFIG_NAME)):
         logger.warning("%s from %s: no %s there, the current checkpoint map stays", cause, folder, CONFIG_NAME)
         return
     loader = cm.model.__dict__.get("load_adapter")

@@ -106,7 +106,7 @@ def check_peft_load(model: Any, loaded: Loaded, is_trainable: bool, *, settings:
                 "get the saved adapter as it was. Nothing was loaded"
             )
         expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model, adapter_name=adapter.name).items()}
-        found = _tensor_shapes(loaded.snapshot.path(adapter.file()))
+        found = tensor_shapes(loaded.snapshot.path(adapter.file()))
         if expected != found:
             diff = sorted(set(expected.items()) ^ set(found.items()))[:3]
             raise SavedFileError(
@@ -142,7 +142,8 @@ def _comparable(value: Any) -> Any:
     return value
 
 
-def _tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """The names and shapes of the tensors in a weights file (safetensors or torch's), read without the tensors."""
     if path.endswith(".safetensors"):
         with safetensors.safe_open(path, framework="pt") as saved:
             return {k: tuple(saved.get_slice(k).get_shape()) for k in saved.keys()}  # noqa: SIM118
