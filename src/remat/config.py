@@ -294,7 +294,7 @@ class CheckpointConfig:
         remat load (`remat.saving.folder.read_pair`): locked, after a crashed save is finished or cleaned."""
         if os.path.isdir(path):
             with read_pair(path) as snapshot:
-                file = snapshot.name(CONFIG_NAME)
+                file = snapshot.path(CONFIG_NAME)
                 if snapshot.config is None:
                     raise NotSavedError(f"no checkpoint config at {file}; save one with save_pretrained")
                 return cls.from_dict(snapshot.config, source=file)

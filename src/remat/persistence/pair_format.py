@@ -54,11 +54,6 @@ def adapter_parameters(model: Any, name: str) -> list[Any]:
     return list(found.values())
 
 
-def _unloaded(model: Any) -> bool:
-    """A PeftModel none of whose adapters has a weight left to save (what PEFT's merge_and_unload leaves)."""
-    return not any(get_peft_model_state_dict(model, adapter_name=name) for name in model.peft_config)
-
-
 def original_method(model: Any, name: str) -> Any:
     """The method as the class defines it, even while remat's override sits on the instance."""
     return getattr(type(model), name).__get__(model)
@@ -299,7 +294,8 @@ def save_model_pair(
 ) -> list[str]:
     """Save `owner`'s pair into `target`; `write(staging)` writes the model's own files."""
     model, written = owner.model, {}
-    if is_peft_model(model) and _unloaded(model):  # cm's and Trainer's saves; cm.merge_and_unload() or PEFT's own
+    # cm's and Trainer's saves; no adapter has a weight left after merge_and_unload() (cm's or PEFT's own)
+    if is_peft_model(model) and not any(get_peft_model_state_dict(model, adapter_name=n) for n in model.peft_config):
         raise StateError(
             "save_pretrained: cm.model is a PeftModel that holds no adapter weight any more (merge_and_unload() or "
             "unload() took the adapters out), so the save would write an empty adapter. Save the model that call "
@@ -308,9 +304,8 @@ def save_model_pair(
 
     def config_text(staging: str) -> str:
         payload = json.loads(owner.config.to_json_string())
-        names = [plan.name for plan in owner.checkpoint_map]
-        payload["layers"] = relative_names(model, names)
-        payload["architecture"] = architecture_of(model, len(names))
+        expected = Expected.for_owner(owner)  # what a load checks
+        payload["layers"], payload["architecture"] = expected.layers, expected.architecture
         # a wrapper loaded for inference, or a save nothing of which trains (the adapters saved, not the one another
         # adapter's `set_adapter` left training), says nothing of what trains: a load with is_trainable=True kept such
         # a save's adapters frozen (the first step failed in torch)
@@ -319,8 +314,7 @@ def save_model_pair(
         training = not getattr(owner, "inference", False) and any(p.requires_grad for p in params)
         payload["adapters"] = fingerprints(model, staging, selected, training)
         if is_peft_model(model):
-            active = [name for name in model.active_adapters if name in payload["adapters"]]
-            payload["active_adapters"] = active
+            payload["active_adapters"] = [name for name in model.active_adapters if name in payload["adapters"]]
         payload.update(getattr(owner, "save_extras", dict)())  # a budget's profile
         written.update(payload["adapters"])
         return json.dumps(payload, indent=2, sort_keys=True) + "\n"

@@ -290,8 +290,6 @@ class Snapshot:
     def path(self, relative: str) -> str:
         return os.path.join(self.folder, relative)
 
-    name = path  # for messages
-
     def has(self, relative: str) -> bool:
         return relative in self._opened
 
