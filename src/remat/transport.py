@@ -248,7 +248,7 @@ class CpuTransport:
         return torch.empty(nbytes, dtype=torch.uint8)
 
     def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().clone()
+        return tensor.detach().to("cpu", copy=True)
 
     def return_freed_host_memory(self) -> None: ...
 
@@ -270,9 +270,6 @@ class NoTransport(CpuTransport):
 
     def __init__(self, reason: str):
         self.reason = reason
-
-    def host_copy(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach().to("cpu", copy=True)
 
 
 _TRANSPORTS: dict[torch.device, Transport] = {}
