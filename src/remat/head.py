@@ -204,7 +204,20 @@ class _Call:
         self.aux_coef = getattr(base, "router_aux_loss_coef", getattr(base.config, "router_aux_loss_coef", None))
         self.hidden: torch.Tensor | None = None
         self.autocast: dict[str, Any] = {}  # the autocast the head was called under (accelerate's is inside forward)
-        self.handle: Any = None
+        self.handle: Any = self.head.register_forward_pre_hook(self.capture)
+
+    def capture(self, head: nn.Module, args: tuple[Any, ...]) -> Any:
+        """The head's pre-hook: keeps the hidden states (the first call's) and hands the head none of them."""
+        if self.hidden is not None:
+            return None
+        self.hidden = args[0]
+        kind = args[0].device.type
+        self.autocast = {
+            "device_type": kind,
+            "enabled": torch.is_autocast_enabled(kind),
+            "dtype": torch.get_autocast_dtype(kind),
+        }
+        return (args[0][..., :0, :], *args[1:])  # the head's own call runs on no tokens
 
 
 class ChunkedHead:
@@ -249,30 +262,13 @@ class ChunkedHead:
             return None
         self.ran(None)
         kwargs = dict(kwargs)
-        self.call = call = _Call(kwargs, base)
-        call.handle = call.head.register_forward_pre_hook(self._capture(call))
+        self.call = _Call(kwargs, base)
         return args, kwargs
 
     def remove_call(self) -> None:
         if self.call is not None:
             self.call.handle.remove()
             self.call = None
-
-    @staticmethod
-    def _capture(call: _Call) -> Callable[..., Any]:
-        def hook(_: nn.Module, args: tuple[Any, ...]) -> Any:
-            if call.hidden is not None:
-                return None
-            call.hidden = args[0]
-            kind = args[0].device.type
-            call.autocast = {
-                "device_type": kind,
-                "enabled": torch.is_autocast_enabled(kind),
-                "dtype": torch.get_autocast_dtype(kind),
-            }
-            return (args[0][..., :0, :], *args[1:])  # the head's own call runs on no tokens
-
-        return hook
 
     def _after(self, module: nn.Module, args: Any, *rest: Any) -> Any:
         """`rest`: (kwargs, output); (None,) when the forward raised (torch then passes no kwargs)."""
