@@ -6,7 +6,7 @@ that does not continue the current pass (forward ascending, backward descending)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,8 +127,9 @@ class SlotPool:
         layer.slot, layer.ready = None, None
         self.resident_bytes -= nbytes
 
-    def keep_only(self, layouts: set[Layout]) -> None:
-        for layout in (set(self._count) | set(self._free)) - layouts:
+    def keep_only(self, layers: Iterable[SwappedLayer]) -> None:
+        """Forget the slots of every layout none of `layers` has (a layer gone, a replaced weight's old layout)."""
+        for layout in (set(self._count) | set(self._free)) - {layer.layout for layer in layers}:
             self._free.pop(layout, None)
             self._count.pop(layout, None)
 
@@ -147,7 +148,7 @@ class Schedule:
     def release_all(self) -> None:
         for layer in self.layers.values():
             self.pool.release(layer)
-        self.pool.keep_only({layer.layout for layer in self.layers.values()})  # a replaced weight's old layout
+        self.pool.keep_only(self.layers.values())
 
     def after_forward(self, index: int) -> None:
         if index in self.layers:

@@ -77,7 +77,7 @@ class WeightSwapper:
         self.layers.update(ordered)  # the same dict: the schedule holds it
         swapped = {id(p) for layer in self.layers.values() for p in layer.params}
         self.swapped_names = [n for n, p in model.named_parameters(remove_duplicate=False) if id(p) in swapped]
-        self._keep_used_slots()
+        self.pool.keep_only(self.layers.values())
         if self.layers:
             self._model_guards.install(model)
         else:
@@ -88,7 +88,7 @@ class WeightSwapper:
         """Bring every weight home (`update()` swaps again)."""
         for index in list(self.layers):
             self._bring_home(self.layers.pop(index))
-        self._keep_used_slots()
+        self.pool.keep_only(self.layers.values())
         self._model_guards.remove()
         self.schedule.reset()
 
@@ -112,9 +112,6 @@ class WeightSwapper:
             # The host copy is the swapper's own: on a CPU model it becomes the weight itself.
             same_place = host.device == rest.device and not host.is_pinned()
             param.data = host if same_place else host.to(rest.device, copy=True)
-
-    def _keep_used_slots(self) -> None:
-        self.pool.keep_only({layer.layout for layer in self.layers.values()})
 
     def apply_to_layer(self, index: int, module: nn.Module, original_apply: Any, fn: Any, recurse: bool) -> Any:
         """`module.to(...)` and friends on a module of a swapped layer: the host copies and placeholders of the swapped
@@ -150,7 +147,7 @@ class WeightSwapper:
             layer.host[i], layer.placeholders[i] = converted, placeholder(old.shape, probe.dtype, probe.device)
             layer.params[i].data = layer.placeholders[i]  # only these: a parent's own weights may still be hidden
         layer.mover = self._mover_for(probe.device)  # where these went (a layer's weights share one device)
-        self._keep_used_slots()
+        self.pool.keep_only(self.layers.values())
         return result
 
 
@@ -294,11 +291,8 @@ class ModelGuards:
         _unhook(self._handles, self._patches)
 
     def _refuse_assign(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any):
-        swapper = self._swapper()
-        if swapper is None:
-            return
-        swapped_loaded = any(prefix + n in state_dict for n in swapper.swapped_names)
-        if local_metadata.get("assign_to_params_buffers") and swapped_loaded:
+        swapper, assigning = self._swapper(), local_metadata.get("assign_to_params_buffers")
+        if assigning and swapper is not None and any(prefix + n in state_dict for n in swapper.swapped_names):
             raise StateError(assign_refusal(list(swapper.layers)))
 
     def _refuse_merge(self, *args: Any, **kwargs: Any) -> None:
