@@ -212,12 +212,8 @@ class Offloader:
                 stats.keep(tensor.nbytes, KEPT_SHARED)
             return tensor
         route = self._route(tensor)
-        if route is None:
-            why: str | None = self._why_it_stays(tensor.device)
-        else:
-            why = KEPT_SMALL if tensor.nbytes < self.min_bytes else None
-        if why is not None:
-            stats.keep(tensor.nbytes, why)
+        if route is None or tensor.nbytes < self.min_bytes:
+            stats.keep(tensor.nbytes, self._why_it_stays(tensor.device) if route is None else KEPT_SMALL)
             return tensor
         self.checkpoint_started()  # a layer without a shim call first (hooks used directly)
         self._order += 1
@@ -233,8 +229,7 @@ class Offloader:
             self.stats[packed.layer].keep(packed.meta.nbytes, KEPT_LAST)
             self._held_back = _nothing_held
         tensor = packed.fetch()
-        earlier = [o for o in self._live if o < packed.order]
-        candidate = self._live.get(max(earlier)) if earlier else None
+        candidate = self._live.get(max((o for o in self._live if o < packed.order), default=0))  # orders start at 1
         if candidate is not None and candidate.alive:
             candidate.prefetch()  # backward needs the input packed just before this one next
         return tensor
