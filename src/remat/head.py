@@ -53,21 +53,12 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
 
 
-def liger_forward(base: nn.Module) -> bool:
-    """Whether Liger Kernel replaced `base`'s forward (on the instance or on its class) with its own fused loss."""
-    bound = getattr(getattr(base, "forward", None), "__func__", None)
-    owners = (getattr(bound, "__module__", None), getattr(type(base).forward, "__module__", None))
-    return any(str(owner).startswith("liger_kernel") for owner in owners)
-
-
-LIGER = "Liger Kernel replaced the forward: its fused linear cross-entropy computes the loss"
-
-
 def _own_loss_why(base: nn.Module) -> str | None:
     """Why `base` computes a loss remat does not reproduce (None: transformers' causal-LM loss, as `FAMILIES` run
     it). Read at every chunked forward too: a loss function or Liger can come after wrapping."""
-    if liger_forward(base):
-        return LIGER
+    bound = getattr(getattr(base, "forward", None), "__func__", None)  # Liger patches the instance or the class
+    if any(str(getattr(f, "__module__", None)).startswith("liger_kernel") for f in (bound, type(base).forward)):
+        return "Liger Kernel replaced the forward: its fused linear cross-entropy computes the loss"
     family = getattr(getattr(base, "config", None), "model_type", None)
     if family not in FAMILIES:
         return (
