@@ -130,13 +130,6 @@ class PostOps:
         return logits
 
 
-def post_ops(config: Any) -> PostOps:
-    return PostOps(
-        scale=getattr(config, "logit_scale", None) if config.model_type == "cohere" else None,
-        cap=getattr(config, "final_logit_softcapping", None) if config.model_type == "gemma2" else None,
-    )
-
-
 def chunked_loss(
     head: nn.Module,
     hidden: torch.Tensor,
@@ -191,8 +184,12 @@ class _Call:
         self.labels = kwargs.pop("labels")
         self.loss_kwargs = {key: kwargs.pop(key) for key in LOSS_KWARGS if key in kwargs}
         self.head: nn.Module = base.get_output_embeddings()
-        self.post = post_ops(base.config)
-        self.aux_coef = getattr(base, "router_aux_loss_coef", getattr(base.config, "router_aux_loss_coef", None))
+        config = base.config
+        self.post = PostOps(
+            scale=getattr(config, "logit_scale", None) if config.model_type == "cohere" else None,
+            cap=getattr(config, "final_logit_softcapping", None) if config.model_type == "gemma2" else None,
+        )
+        self.aux_coef = getattr(base, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
         self.hidden: torch.Tensor | None = None
         self.autocast: dict[str, Any] = {}  # the autocast the head was called under (accelerate's is inside forward)
         self.handle: Any = self.head.register_forward_pre_hook(self.capture)
