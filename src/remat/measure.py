@@ -98,11 +98,10 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
     return storage.data_ptr(), storage.nbytes()
 
 
-def weight_storages(module: nn.Module, device: torch.device | None = None) -> dict[int, int]:
-    """{data pointer: bytes} of the module's parameters' and buffers' storages, each once (with
-    `device`, only those there: a swapped weight waits on the host)."""
-    keys = ((storage_key(t), t.device) for t in (*module.parameters(), *module.buffers()))
-    return {key[0]: key[1] for key, where in keys if key is not None and key[0] != 0 and _on(where, device)}
+def weight_storages(module: nn.Module) -> dict[int, int]:
+    """{data pointer: bytes} of the module's parameters' and buffers' storages, each once."""
+    keys = (storage_key(t) for t in (*module.parameters(), *module.buffers()))
+    return {key[0]: key[1] for key in keys if key is not None and key[0] != 0}
 
 
 def held_bytes_after(

@@ -51,7 +51,7 @@ class HostBuffers:
     where pinning fails, a buffer is pageable (one warning): copies do not overlap compute, but host memory is never
     exhausted. A GC pass (any thread, mid-method) gives buffers back, so `give_back` only pops (atomic): no lock."""
 
-    def __init__(self, transport: OffloadTransport, max_bytes: int | None = None):
+    def __init__(self, transport: OffloadTransport, max_bytes: int):
         self.transport = transport
         self.max_bytes = max_bytes
         self.pageable_fallbacks = 0
@@ -65,7 +65,7 @@ class HostBuffers:
 
     def take(self, nbytes: int) -> torch.Tensor:
         self._returning = False
-        if self.max_bytes is not None and self.pinned_bytes + nbytes > self.max_bytes:
+        if self.pinned_bytes + nbytes > self.max_bytes:
             return self._pageable(nbytes, f"the host budget of {self.max_bytes} bytes would be exceeded")
         try:
             buffer = self.transport.allocate_host(nbytes)

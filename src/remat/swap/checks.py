@@ -75,8 +75,7 @@ def _check_layer(index: int, name: str, layer: nn.Module, fsdp_units: list[tuple
         )
     adapters = adapter_param_ids(layer)
     for pname, param in layer.named_parameters():
-        sharding = _sharding_of(param)
-        if sharding is not None:
+        if (sharding := _sharding_of(param)) is not None:
             raise BlockSwapError(
                 f"layer {index} ({name}) has a parameter managed by {sharding} ({pname}); block swap cannot move it"
             )
