@@ -80,17 +80,6 @@ def _own_loss_why(base: nn.Module) -> str | None:
     return None
 
 
-def _tuner_with_own_forward(model: nn.Module) -> str | None:
-    """The PEFT tuner class whose forward is not PEFT's plain pass-through (AdaLoRA adds its orthogonal
-    regularization to `outputs.loss`, which the chunked head's loss bypassed: silently another loss)."""
-    from peft.tuners.tuners_utils import BaseTuner
-
-    tuner = getattr(model, "base_model", None)
-    if isinstance(tuner, BaseTuner) and type(tuner).forward is not BaseTuner.forward:
-        return type(tuner).__name__
-    return None
-
-
 def plan_head(head: str, chunk_tokens: int | None, model: nn.Module) -> HeadPlan:
     """The head row for a config's `head` and `head_chunk_tokens` on `model`."""
     base = causal_lm(model)
@@ -106,8 +95,15 @@ def plan_head(head: str, chunk_tokens: int | None, model: nn.Module) -> HeadPlan
         return HeadPlan(name, "plain", None, why)
     if getattr(getattr(model, "active_peft_config", None), "is_prompt_learning", False):
         return HeadPlan(name, "plain", None, "prompt learning adds virtual tokens to the labels: its own head runs")
-    if (tuner := _tuner_with_own_forward(model)) is not None:  # AdaLoRA adds its regularization to the loss
-        return HeadPlan(name, "plain", None, f"PEFT's {tuner} has a forward of its own, which may change the loss")
+    from peft.tuners.tuners_utils import BaseTuner
+
+    # A tuner whose forward is not PEFT's plain pass-through: AdaLoRA adds its orthogonal regularization to
+    # `outputs.loss`, which the chunked head's loss bypassed (silently another loss).
+    tuner = type(getattr(model, "base_model", None))
+    if issubclass(tuner, BaseTuner) and tuner.forward is not BaseTuner.forward:
+        return HeadPlan(
+            name, "plain", None, f"PEFT's {tuner.__name__} has a forward of its own, which may change the loss"
+        )
     if chunk_tokens is None:
         why = f"head_chunk_tokens=None: remat's {DEFAULT_CHUNK_TOKENS}"
         return HeadPlan(name, "chunked", DEFAULT_CHUNK_TOKENS, why)
