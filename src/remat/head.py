@@ -222,6 +222,7 @@ class ChunkedHead:
         self.remove_call()
 
     def _plain(self, why: str) -> None:
+        """This forward runs the model's own head (said once per reason); `_before` returns its None: no change."""
         if why not in self.plain_because:
             self.plain_because.add(why)
             logger.info("head: %s: the model's own head ran", why)
@@ -232,18 +233,14 @@ class ChunkedHead:
         if self.plan.policy != "chunked" or not (module.training and torch.is_grad_enabled()):
             return None  # a plain plan (a budget's, or a config's since these hooks were made): the model's own head
         if kwargs.get("labels") is None:
-            self._plain("a training forward without labels (its caller computes the loss from the logits)")
-            return None
+            return self._plain("a training forward without labels (its caller computes the loss from the logits)")
         if kwargs.get("fused_lm_head"):
-            self._plain("TRL's fused LM head computes the loss (fused_lm_head=True)")
-            return None
+            return self._plain("TRL's fused LM head computes the loss (fused_lm_head=True)")
         if (why := _own_loss_why(base := causal_lm(module))) is not None:
-            self._plain(why)
-            return None
+            return self._plain(why)
         keep = kwargs.get("logits_to_keep")
         if kwargs.get("return_dict") is False or isinstance(keep, torch.Tensor) or keep not in (None, 0):
-            self._plain("the caller asked for return_dict=False or logits_to_keep")
-            return None
+            return self._plain("the caller asked for return_dict=False or logits_to_keep")
         self.ran(None)
         kwargs = dict(kwargs)
         self.call = _Call(kwargs, base)
