@@ -85,8 +85,7 @@ def plan_head(head: str, chunk_tokens: int | None, model: nn.Module) -> HeadPlan
     base = causal_lm(model)
     get_output = getattr(base, "get_output_embeddings", None)
     module = get_output() if callable(get_output) else None
-    names = {id(m): name for name, m in model.named_modules()}
-    name = names.get(id(module), "") if module is not None else ""
+    name = next((n for n, m in model.named_modules() if m is module), "")
     if head == "plain":
         return HeadPlan(name, "plain", None, 'head="plain": the model\'s own head and loss')
     if module is None:
@@ -101,9 +100,8 @@ def plan_head(head: str, chunk_tokens: int | None, model: nn.Module) -> HeadPlan
     # `outputs.loss`, which the chunked head's loss bypassed (silently another loss).
     tuner = type(getattr(model, "base_model", None))
     if issubclass(tuner, BaseTuner) and tuner.forward is not BaseTuner.forward:
-        return HeadPlan(
-            name, "plain", None, f"PEFT's {tuner.__name__} has a forward of its own, which may change the loss"
-        )
+        why = f"PEFT's {tuner.__name__} has a forward of its own, which may change the loss"
+        return HeadPlan(name, "plain", None, why)
     if chunk_tokens is None:
         why = f"head_chunk_tokens=None: remat's {DEFAULT_CHUNK_TOKENS}"
         return HeadPlan(name, "chunked", DEFAULT_CHUNK_TOKENS, why)
