@@ -73,7 +73,7 @@ def _check_layer(index: int, name: str, layer: nn.Module, fsdp_units: list[tuple
             f"layer {index} ({name}) is sharded by FSDP ({kind} on {where}); block swap cannot move sharded "
             "weights. Under FSDP swap no layers (FSDP already keeps only a shard of each weight per rank)"
         )
-    adapters = adapter_param_ids(layer)
+    adapters = _adapter_params(layer)
     for pname, param in layer.named_parameters():
         if (sharding := _sharding_of(param)) is not None:
             raise BlockSwapError(
@@ -89,20 +89,6 @@ def _check_layer(index: int, name: str, layer: nn.Module, fsdp_units: list[tuple
 
 def _contains(outer: str, inner: str) -> bool:
     return outer in ("", inner) or inner.startswith(outer + ".")
-
-
-def adapter_param_ids(module: nn.Module) -> set[int]:
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # no PEFT, no adapters
-        return set()
-    adapters = [
-        getattr(tuner, attribute, None)
-        for tuner in module.modules()
-        if isinstance(tuner, BaseTunerLayer)
-        for attribute in tuner.adapter_layer_names
-    ]
-    return {id(p) for adapter in adapters if isinstance(adapter, nn.Module) for p in adapter.parameters()}
 
 
 def _sharding_of(param: torch.Tensor) -> str | None:
