@@ -219,10 +219,6 @@ class Measurements:
             layers, self.names, self.options, outside, alone, base_seconds, tokens, step, time, head=head
         )
 
-    def head_choices(self) -> list[HeadChoice | None]:
-        """The heads a plan may take (None: the one profiled, with nothing to choose)."""
-        return [None] if self.head is None else list(self.head.choices())
-
 
 def _fit(x1: int, y1: int, x2: int, y2: int, x: int) -> int:
     """A figure measured at sizes x1 < x2, at size x: `a*x + b*x**2` through both when it grows
@@ -245,14 +241,6 @@ class Combination(NamedTuple):
     seconds: float
     policies: tuple[str, ...]
     head: HeadChoice | None = None  # its seconds are in `seconds`; its bytes `scoped_bytes` adds
-
-
-def with_heads(m: Measurements, found: list[Combination]) -> list[Combination]:
-    """Every combination with every head the measurements offer."""
-    heads = m.head_choices()
-    if heads == [None]:
-        return found
-    return [c._replace(seconds=c.seconds + h.seconds, head=h) for c in found for h in heads if h is not None]
 
 
 @dataclass(frozen=True)
@@ -390,23 +378,28 @@ def check_scope(m: Measurements, scope: str) -> None:
         )
 
 
+def _priced(m: Measurements, scope: str) -> list[tuple[float, Combination]]:
+    """Every combination, with every head the measurements offer, and its `scope` bytes."""
+    check_scope(m, scope)
+    found = combinations(m)
+    if m.head is not None:
+        found = [c._replace(seconds=c.seconds + h.seconds, head=h) for c in found for h in m.head.choices()]
+    return [(scoped_bytes(m, c, scope), c) for c in found]
+
+
 def choose(m: Measurements, budget: int, scope: str = "activations") -> Plan | None:
     """The fastest map whose `scope` bytes fit `budget`; None when nothing fits."""
-    check_scope(m, scope)
-    fitting = [c for c in with_heads(m, combinations(m)) if scoped_bytes(m, c, scope) <= budget]
+    fitting = [c for nbytes, c in _priced(m, scope) if nbytes <= budget]
     return _plan(m, min(fitting, key=lambda c: (_time(c), c.device_bytes + c.owed_bytes)), scope) if fitting else None
 
 
 def smallest(m: Measurements, scope: str = "activations") -> float:
-    check_scope(m, scope)
-    return min(scoped_bytes(m, c, scope) for c in with_heads(m, combinations(m)))
+    return min(nbytes for nbytes, _ in _priced(m, scope))
 
 
 def frontier(m: Measurements, scope: str = "activations") -> list[Plan]:
     """Every undominated map: ascending in predicted bytes, each strictly faster than the one before."""
-    check_scope(m, scope)
-    priced = [(scoped_bytes(m, c, scope), c) for c in with_heads(m, combinations(m))]
-    return [_plan(m, c, scope) for c in _each_faster([(b, c) for b, c in priced if b != float("inf")])]
+    return [_plan(m, c, scope) for c in _each_faster([pair for pair in _priced(m, scope) if pair[0] != float("inf")])]
 
 
 def predicted(m: Measurements, policies: Sequence[str], scope: str = "activations") -> Plan:
@@ -448,15 +441,10 @@ def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
     if c.head is not None:
         outside += c.head.outside
     held = outside + sum(x.device_bytes for x in choices)
-    extra = m.step.extra(c.policies) if m.step is not None else None
-    if extra is not None and c.head is not None:
-        extra += _head_extra(c)
-    added = sum(x.seconds for x in choices) + (c.head.seconds if c.head is not None else 0.0)
-    seconds = max(0.0, m.base_seconds + added)  # never negative, whatever the noise
-    spread = None if m.time is None else m.time.seconds_range(added)
-    peak = None if extra is None else int(max(held + extra, _recompute_floor(m, c)))
-    scoped = int(scoped_bytes(m, c, scope))
-    return Plan(tuple(choices), outside, int(held), scoped, seconds, scope, peak, spread, c.head)
+    seconds = max(0.0, m.base_seconds + c.seconds)  # never negative, whatever the noise
+    spread = None if m.time is None else m.time.seconds_range(c.seconds)
+    peak = int(scoped_bytes(m, c, "step")) if m.step is not None and m.step.extras else None
+    return Plan(tuple(choices), outside, held, int(scoped_bytes(m, c, scope)), seconds, scope, peak, spread, c.head)
 
 
 def _layer_choices(m: Measurements, chosen: Sequence[str]) -> list[LayerChoice]:
