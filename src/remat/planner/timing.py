@@ -263,15 +263,11 @@ def _whole(plain: Runs, added: Callable[[dict[int, str]], float]) -> float | Non
     times: dict[tuple[tuple[int, str], ...], list[float]] = {}
     for policies, seconds, _ in plain:
         times.setdefault(tuple(sorted(policies.items())), []).append(seconds)
-    points = [(added(dict(key)), statistics.median(seconds)) for key, seconds in times.items()]
-    if len(points) < 2:
+    try:
+        xs, ys = zip(*((added(dict(key)), statistics.median(seconds)) for key, seconds in times.items()), strict=True)
+        slope = statistics.linear_regression(xs, ys).slope
+    except statistics.StatisticsError:  # fewer than two maps, or all priced alike
         return None
-    mean_x = statistics.fmean(x for x, _ in points)
-    mean_y = statistics.fmean(y for _, y in points)
-    spread = sum((x - mean_x) ** 2 for x, _ in points)
-    if spread <= 0:
-        return None
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread
     return slope if slope > 0 else None
 
 
