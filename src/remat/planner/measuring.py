@@ -235,7 +235,7 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     ):
         refused: dict[int, str] = {}  # the layers "selective" refuses, found by any step
         config = state.config
-        steps = first = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar, refused, config)
+        steps = _Steps(state, own_inputs(batch), loss_fn, optimizer, bar, refused, config)
         found = _bytes(steps, names, rotation, swapped, notes)
         if refused and not found.held.get("selective"):  # no layer takes it: neither counted nor offered
             names = [name for name in names if name != "selective"]
@@ -247,22 +247,20 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
                 f"time: the machine was busy while profiling (the rate's quartiles are {prices.spread():.0%} of it "
                 "apart): predicted seconds are that uncertain; the choice of map depends only on the counts"
             )
-        measured = _measurements(steps, names, found, swapped, seconds, base, prices)
-        if counted:
-            measured = dataclasses.replace(measured, head=_head_profile(steps, counted, prices, notes))
+        head = _head_profile(steps, counted, prices, notes) if counted else None
+        shorter = None
         if short is not None:
             # bytes at a second length, so that `tokens` can model what grows with the square of it
-            steps, known = _Steps(state, own_inputs(short), loss_fn, optimizer, bar, refused, config), len(refused)
-            ratio = batch_tokens(short) / measured.tokens
+            at_short = _Steps(state, own_inputs(short), loss_fn, optimizer, bar, refused, config)
+            ratio = batch_tokens(short) / batch_tokens(batch)
             scaled = {name: {i: t * ratio for i, t in per_layer.items()} for name, per_layer in seconds.items()}
-            found_short = _bytes(steps, names, rotation, swapped, [])
-            shorter = _measurements(steps, names, found_short, swapped, scaled, base * ratio, prices.scaled(ratio))
-            if len(refused) > known:  # refused at this length only: not offered at any length
-                remade = _measurements(first, names, found, swapped, seconds, base, prices)
-                measured = dataclasses.replace(remade, head=measured.head)
-            measured = dataclasses.replace(measured, shorter=shorter)
+            found_short = _bytes(at_short, names, rotation, swapped, [])
+            shorter = _measurements(at_short, names, found_short, swapped, scaled, base * ratio, prices.scaled(ratio))
         else:
             notes.append("tokens: bytes scale in proportion (the batch is not plain text: measured at one length)")
+        # after the shorter length: a layer refused "selective" at that length only is offered it at neither
+        measured = _measurements(steps, names, found, swapped, seconds, base, prices)
+        measured = dataclasses.replace(measured, head=head, shorter=shorter)
     if refused:
         notes.append(note := _refused_note(refused))
         logger.info("profile: %s", note)
