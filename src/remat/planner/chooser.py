@@ -419,8 +419,7 @@ def native_points(m: Measurements, scope: str, every_n: tuple[int, ...]) -> dict
         if any(p not in opts for p, opts in zip(policies, m.options, strict=True)):
             continue  # a swapped layer cannot be "none"
         c = _combination(m, policies)
-        nbytes = scoped_bytes(m, c, scope)
-        if nbytes != float("inf") and (checkpoints(policies) or label == "no checkpointing"):
+        if (nbytes := scoped_bytes(m, c, scope)) != float("inf"):
             out[label] = (nbytes, max(0.0, m.base_seconds + c.seconds))
     return out
 

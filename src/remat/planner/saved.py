@@ -86,9 +86,8 @@ def _impossible(m: Measurements) -> str | None:
         counts += [b for p in each.layers for pair in p.held.values() for b in pair]
         if any(not math.isfinite(c) or c < 0 for c in counts):
             return "a byte or token count below zero or not a number"
-        if not all(
-            math.isfinite(t) for t in (each.base_seconds, *(t for p in each.layers for t in p.seconds.values()))
-        ):
+        times = [each.base_seconds, *(t for p in each.layers for t in p.seconds.values())]
+        if not all(math.isfinite(t) for t in times):
             return "a time that is not a number"
     return None
 
