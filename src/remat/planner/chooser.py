@@ -78,8 +78,7 @@ class HeadProfile:
 
     def choices(self) -> list[HeadChoice]:
         own = self._seconds(self.profiled)
-        top = math.ceil(math.log2(max(self.counted, 1)))
-        sizes = [2**k for k in range(SMALLEST_CHUNK.bit_length() - 1, top) if 2**k < self.counted]
+        sizes = [2**k for k in range(SMALLEST_CHUNK.bit_length() - 1, (self.counted - 1).bit_length())]  # < counted
         nones = self.extras_none
         at_none = nones and tuple((x, o, e) for (x, o, _), e in zip(self.points, nones[1:], strict=True))
         out = [HeadChoice("plain", None, *self.plain, -own, nones[0] if nones else None)]
