@@ -18,7 +18,7 @@ from .state import ModelState
 
 def profile_model(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions) -> Profile:
     """Measure the controller's model on `batch` (`remat.planner.measuring`), refusing first what cannot be."""
-    check_measurable(state, batch, options.loss_fn, "profile")  # (a dict of the model's inputs first)
+    check_measurable(state, batch, options.loss_fn)  # (a dict of the model's inputs first)
     batch = dict(batch)
     config = state.config
     measured = ModelState.of(state.model, config, len(state.checkpoint_map))

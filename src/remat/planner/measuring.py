@@ -72,18 +72,18 @@ class Controlled(Measured, Protocol):
     def replan(self, config: CheckpointConfig, off_by: str | None, cause: str) -> None: ...
 
 
-def check_measurable(state: Controlled, batch: Mapping[str, Any], loss_fn: LossFn | None, what: str) -> None:
-    """Everything that refuses a measurement, before any work."""
+def check_measurable(state: Controlled, batch: Mapping[str, Any], loss_fn: LossFn | None) -> None:
+    """Everything that refuses a profile, before any work."""
     model = state.model
     if not state.is_enabled or state.inference or not model.training:
-        raise StateError(f"{what} measures training steps: call cm.enable() and cm.for_training() first")
+        raise StateError("profile measures training steps: call cm.enable() and cm.for_training() first")
     if stepping := [n for n, p in model.named_parameters() if getattr(p, "_post_accumulate_grad_hooks", None)]:
         raise StateError(
-            f"{what} runs training steps, and {stepping[0]} (and {len(stepping) - 1} more) has a "
+            f"profile runs training steps, and {stepping[0]} (and {len(stepping) - 1} more) has a "
             "post-accumulate-grad hook (an optimizer stepping in backward): measuring would train the model. "
             "Plan before registering those hooks"
         )
-    check_loss_source(model, batch, loss_fn, what)
+    check_loss_source(model, batch, loss_fn, "profile")
 
 
 def batch_tokens(batch: Mapping[str, Any]) -> int:
