@@ -200,14 +200,14 @@ def _rotation(names: list[str]) -> list[str]:
 
 
 def _refused_note(refused: Mapping[int, str]) -> str:
-    layers = sorted(refused)
-    ops = sorted({op for op in refused.values() if op})
-    which = f"layer {layers[0]}" if len(layers) == 1 else f"layers {', '.join(map(str, layers))}"
+    layers, ops = sorted(refused), sorted({op for op in refused.values() if op})
+    one = len(layers) == 1
+    which = f"layer {layers[0]}" if one else f"layers {', '.join(map(str, layers))}"
     changes = f" ({', '.join(ops)})" if ops else ""
     return (
-        f"selective not considered on {which}: {'it changes' if len(layers) == 1 else 'each changes'} in place an "
+        f"selective not considered on {which}: {'it changes' if one else 'each changes'} in place an "
         f"output that selective keeps for backward{changes}, which selective refuses; "
-        f"{'that layer takes' if len(layers) == 1 else 'those layers take'} one of the other policies"
+        f"{'that layer takes' if one else 'those layers take'} one of the other policies"
     )
 
 

@@ -80,17 +80,13 @@ def _step_hooks_held(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):
         if isinstance(hooks := getattr(optimizer, name, None), dict):
             held[name] = dict(hooks)
-            hooks.update(dict.fromkeys(hooks, _stand_aside))
+            hooks.update(dict.fromkeys(hooks, lambda *_: None))
     try:
         yield
     finally:
         for name, saved in held.items():
             hooks = getattr(optimizer, name)
             hooks.update({key: hook for key, hook in saved.items() if key in hooks})
-
-
-def _stand_aside(*_: Any) -> None:
-    return None
 
 
 def _make_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
