@@ -477,3 +477,22 @@ def test_a_frozen_adapter_on_a_swapped_layer_stays_in_place_to_train_again_and_b
         expected = step_grads(reference, [(n, p) for n, p in reference.named_parameters() if p.requires_grad], batch())
         assert_same_grads(expected[1], step_grads(cm, named, batch())[1])
     assert 1 in cm.swap_stats
+
+
+def test_a_trainable_modules_to_save_copy_on_a_swapped_layer_is_an_adapter_not_a_trained_base_weight():
+    """The trainable-weight check exempted tuner layers only: a `modules_to_save` copy that trains (its adapter
+    active) refused construction as "full fine-tuning", though the swap itself leaves such copies in place."""
+    from peft import LoraConfig, get_peft_model
+
+    def build():
+        torch.manual_seed(0)
+        lora = LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.0, modules_to_save=["down_proj"])
+        return get_peft_model(tiny_model(attention_dropout=0.0), lora)
+
+    reference, model = build(), build()
+    assert any("modules_to_save.default" in n and p.requires_grad for n, p in model.named_parameters())
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2, swap_layers=[1]))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    expected = step_grads(reference, [(n, p) for n, p in reference.named_parameters() if p.requires_grad], batch())
+    assert_same_grads(expected[1], step_grads(cm, named, batch())[1])
+    assert 1 in cm.swap_stats
