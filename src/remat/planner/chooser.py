@@ -438,7 +438,7 @@ def _plan(m: Measurements, c: Combination, scope: str) -> Plan:
     outside = m.outside.checkpointing if checkpointing else m.outside.not_checkpointing
     if c.head is not None:
         outside += c.head.outside
-    held = outside + sum(x.device_bytes for x in choices)
+    held = int(outside + sum(x.device_bytes for x in choices))
     seconds = max(0.0, m.base_seconds + c.seconds)  # never negative, whatever the noise
     spread = None if m.time is None else m.time.seconds_range(c.seconds)
     peak = int(scoped_bytes(m, c, "step")) if m.step is not None and m.step.extras else None
