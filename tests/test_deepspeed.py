@@ -117,6 +117,28 @@ def test_rank0_alone_saves_the_adapters_with_the_map_and_resume_applies_it(zero)
         assert argued["config"]["every_n_layers"] == 3 and argued["counts"] == [[2, 1, 1, 2]]
 
 
+def test_zero3_best_model_with_a_named_adapter_is_deepspeeds_load_with_the_best_checkpoints_map(zero3):
+    """load_best_model_at_end where the adapter ("extra") sits in the checkpoint's subfolder: DeepSpeed's engine loads
+    the best checkpoint (Trainer's own best-model load), not remat's load of the subfolders, whose PEFT load into the
+    partitioned parameters is refused (SavedFileError: the model's adapter weights are ZeRO-3's empty (0,) shards);
+    the adapters are then the best checkpoint's file, exactly, and its map (every other layer) replaces the map at
+    the end (every layer), said once as the best model's."""
+    out, ranks = zero3
+    best = out / "best" / "checkpoint-2"
+    saved = load_file(best / "extra" / "adapter_model.safetensors")
+    last = load_file(out / "best" / "checkpoint-4" / "extra" / "adapter_model.safetensors")
+    assert saved.keys() == last.keys() and any(not torch.equal(saved[n], last[n]) for n in saved), "best is the last"
+    for rank in ranks:
+        run = rank["best"]
+        assert run["best"] == str(best) and run["model_kept"]
+        loaded = {n.replace(".extra", ""): p for n, p in run["adapters"].items()}
+        assert loaded.keys() == saved.keys()
+        for name, tensor in saved.items():
+            torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+        assert run["at_end"]["every_n_layers"] == 1 and run["config"]["every_n_layers"] == 2
+        assert len(run["said"]) == 1 and run["said"][0].startswith(f"loading the best model from {best}: "), run["said"]
+
+
 def test_block_swap_of_zero3_partitioned_layers_is_refused_before_anything_moves(zero3):
     _, ranks = zero3
     for rank in ranks:

@@ -11,7 +11,10 @@ step's inputs, loss and whole gradients (DeepSpeed's `safe_get_full_grad` just b
 step), each step's runs per layer, how many frozen parameters DeepSpeed still has gathered when the
 backward is done (its own `ds_status`, just before the engine's step, which partitions everything),
 and what this process saved (save_pretrained calls, files moved into the checkpoint).
-A block swap of the ZeRO-3 engine's partitioned layers is tried last.
+Under ZeRO-3 a LoRA model whose adapter has a name of its own ("extra", saved in a subfolder) trains four steps with
+load_best_model_at_end (the best is the first checkpoint, the map changed after it); the rank writes its adapters
+after the best-model load, its map before and after, and what remat logged about the load. A block swap of the
+ZeRO-3 engine's partitioned layers is tried last.
 """
 
 import json
@@ -56,7 +59,7 @@ def _saves_recorded(cls: type) -> None:
 
 
 def _arguments(
-    output_dir: str, steps: int, zero3: str | dict = ZERO3_CONFIG, checkpointing: dict | None = None
+    output_dir: str, steps: int, zero3: str | dict = ZERO3_CONFIG, checkpointing: dict | None = None, **extra
 ) -> TrainingArguments:
     zero2 = {
         "train_micro_batch_size_per_gpu": "auto",
@@ -76,6 +79,7 @@ def _arguments(
         use_cpu=True,
         deepspeed=zero3 if STAGE == 3 else zero2,
         **trainer_checkpointing_args(True, checkpointing),
+        **extra,
     )
 
 
@@ -188,6 +192,61 @@ def resume(checkpoint: str, output_dir: str, model, checkpointing: dict | None =
     }
 
 
+def named_lora_model():
+    """The test's model with its adapter named "extra": PEFT saves it in the checkpoint's subfolder extra/."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return get_peft_model(tiny_model(seed=3, attention_dropout=0.0), config, adapter_name="extra")
+
+
+class _ChangeTheMap(TrainerCallback):
+    """After the best checkpoint (step 2) every layer is checkpointed: the map at the end is not the saved one."""
+
+    def __init__(self, cm: CheckpointedModel):
+        self.cm, self.at_end = cm, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 2:
+            self.cm.enable(CheckpointConfig(every_n_layers=1))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.at_end = self.cm.checkpoint_config.to_dict()
+
+
+def best_model(model) -> dict:
+    """load_best_model_at_end with an adapter in a subfolder: DeepSpeed's engine loads the best checkpoint (remat's
+    own load of the subfolders, PEFT's into the engine's model, is not taken), and the best checkpoint's map applies.
+    The loss falls, so with greater_is_better=True the best is the first checkpoint of two."""
+    cm = CheckpointedModel(model, MAPS["recompute"])
+    extra = {"eval_strategy": "steps", "eval_steps": 2, "load_best_model_at_end": True}
+    extra |= {"metric_for_best_model": "loss", "greater_is_better": True}
+    arguments = _arguments(os.path.join(OUT, "best"), 4, **extra)
+    change = _ChangeTheMap(cm)
+    trainer = RematTrainer(model=cm, args=arguments, train_dataset=ROWS, eval_dataset=ROWS[:4], callbacks=[change])
+    said = _Warnings(logging.INFO)
+    remat_logger = logging.getLogger("remat")
+    level = remat_logger.level
+    remat_logger.addHandler(said)
+    remat_logger.setLevel(logging.INFO)
+    try:
+        trainer.train()
+    finally:
+        remat_logger.removeHandler(said)
+        remat_logger.setLevel(level)
+    trainable = [(n, p) for n, p in cm.model.named_parameters() if p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in trainable]):  # ZeRO-3's shards, whole
+        adapters = {n: p.detach().clone() for n, p in trainable}
+    return {
+        "best": trainer.state.best_model_checkpoint,
+        "adapters": adapters,
+        "at_end": change.at_end,
+        "config": cm.checkpoint_config.to_dict(),
+        "model_kept": trainer.model is cm.model,
+        "said": [m for m in said.messages if "best" in m or "subfolder" in m],
+    }
+
+
 def save_ungathered(model) -> dict:
     """ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`: what the checkpoint's adapter file holds, and what
     remat warned (transformers 4.57 saves an empty state dict there; 5 gathers the trainable parameters itself)."""
@@ -208,8 +267,8 @@ def save_ungathered(model) -> dict:
 
 
 class _Warnings(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
+    def __init__(self, level: int = logging.WARNING):
+        super().__init__(level)
         self.messages: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -239,9 +298,10 @@ def main() -> None:
         _saves_recorded(cls)
     rank = int(os.environ["RANK"])
     models = {policy: (lora_model(), lora_model(), lora_model()) for policy in MAPS}
-    swapped, ungathered = lora_model(), lora_model()
+    swapped, ungathered, named = lora_model(), lora_model(), named_lora_model()
     results = {policy: train(policy, *models[policy]) for policy in MAPS}
     if STAGE == 3:
+        results["best"] = best_model(named)
         results["ungathered"] = save_ungathered(ungathered)
         results["swap"] = refuse_swap(swapped)
     results["deepspeed"] = deepspeed.__version__
