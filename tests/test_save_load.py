@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, step_grads, tiny_model
 
-from remat import CheckpointConfig, CheckpointedModel, RematError
+from remat import CheckpointConfig, CheckpointedModel, ConfigError, RematError
 
 EVERYTHING = CheckpointConfig(
     every_n_layers=3,
@@ -303,3 +303,35 @@ def test_a_save_made_by_peft_alone_is_refused_naming_how_to_load_and_wrap_it(tmp
     assert not hasattr(model, "peft_config")
     cm = CheckpointedModel(PeftModel.from_pretrained(model, tmp_path / "peft", is_trainable=True))  # as it says
     assert cm.checkpoint_map.checkpointed == [0, 1, 2, 3]
+
+
+def test_accelerates_save_pattern_with_the_wrappers_state_dict_writes_the_adapters(tmp_path):
+    """`accelerator.unwrap_model(cm).save_pretrained(out, state_dict=accelerator.get_state_dict(cm), ...)`, the
+    pattern accelerate documents: the wrapper's names sit under `model.`, where PEFT found no adapter and wrote an
+    empty file that loaded with untrained weights."""
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    prepared = accelerator.prepare(_trained_lora())
+    state_dict = accelerator.get_state_dict(prepared)
+    assert all(key.startswith("model.") for key in state_dict)
+    unwrapped = accelerator.unwrap_model(prepared)
+    unwrapped.save_pretrained(tmp_path, save_function=accelerator.save, state_dict=state_dict)
+    loaded = CheckpointedModel.from_pretrained(tiny_model(), tmp_path)
+    expected = _adapter_weights(unwrapped.model)
+    assert expected and _adapter_weights(loaded.model).keys() == expected.keys()
+    for name, weight in _adapter_weights(loaded.model).items():
+        assert torch.equal(weight, expected[name]), name
+    assert loaded.checkpoint_config == EVERYTHING
+
+
+def test_a_state_dict_that_would_save_nothing_it_holds_is_refused_and_nothing_is_written(tmp_path):
+    """A state dict without the adapters' weights (PEFT wrote an empty adapter), or given for a model without PEFT
+    (remat saves its config alone: the weights were dropped without a word)."""
+    cm = _trained_lora()
+    with pytest.raises(ConfigError, match="none of adapter 'default'"):
+        cm.save_pretrained(tmp_path / "a", state_dict={"other." + k: v for k, v in cm.state_dict().items()})
+    full = CheckpointedModel(tiny_model())
+    with pytest.raises(ConfigError, match="not a PeftModel"):
+        full.save_pretrained(tmp_path / "b", state_dict=full.model.state_dict())
+    assert not os.listdir(tmp_path)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.utils import get_peft_model_state_dict
 from torch import nn
 
 from ..arguments import WrapperOptions, check_flag
@@ -64,6 +65,8 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
     target = os.path.abspath(os.fspath(save_directory))
     if os.path.isfile(target):
         raise ConfigError(f"save_pretrained needs a folder, but {target} is a file: pass a folder")
+    if kwargs.get("state_dict") is not None:
+        kwargs["state_dict"] = _adapters_state_dict(model, kwargs["state_dict"], kwargs.get("selected_adapters"))
 
     def write(staging: str) -> None:
         if peft:  # else the config alone
@@ -72,6 +75,31 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
     committed = save_model_pair(owner, target, write, selected=kwargs.get("selected_adapters"))
     if peft and "README.md" not in committed:
         logger.info("%s already has a README.md: kept it, PEFT's model card was not written", target)
+
+
+def _adapters_state_dict(model: nn.Module, given: Any, selected: list[str] | None) -> dict[str, Any]:
+    """A `state_dict=` for PEFT's save. The wrapper's own (`cm.state_dict()`, accelerate's `get_state_dict(cm)`) has
+    its names under `model.`, where PEFT found no adapter and wrote an empty file: taken from under it. One that still
+    holds none of an adapter's weights, or given for a model without PEFT (whose save is the config alone), would
+    write nothing of what it holds: refused, before anything is written."""
+    if not is_peft_model(model):
+        raise ConfigError(
+            f"save_pretrained(state_dict=...): cm.model is a {type(model).__name__}, not a PeftModel, so remat saves "
+            "checkpoint_config.json alone and the weights would not be written. Save them with the model's own save "
+            "(cm.model.save_pretrained(folder, state_dict=...), names without the wrapper's 'model.'), then "
+            "cm.save_pretrained(folder). Nothing was saved."
+        )
+    own = dict(model.named_parameters(remove_duplicate=False))
+    if given and not own.keys() & given.keys() and all(key.startswith("model.") for key in given):
+        given = {key.removeprefix("model."): value for key, value in given.items()}
+    for name in selected or list(model.peft_config):
+        if not get_peft_model_state_dict(model, state_dict=given, adapter_name=name):
+            raise ConfigError(
+                f"save_pretrained(state_dict=...): the state dict holds none of adapter {name!r}'s weights (its "
+                f"names are those of cm.model, e.g. {next(iter(own))!r}), so PEFT would write an empty adapter. "
+                "Pass cm.model's state dict, or none. Nothing was saved."
+            )
+    return given
 
 
 def _refuse_keywords_peft_would_drop(kwargs: dict[str, Any]) -> None:
