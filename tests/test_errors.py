@@ -88,6 +88,25 @@ def test_wrapping_twice_is_refused():
         CheckpointedModel(cm)
 
 
+def test_wrapping_a_data_parallel_wrapper_is_refused_naming_the_order_and_changes_nothing():
+    """`CheckpointedModel(accelerator.prepare(model))` under DDP trained, but warned that PEFT came after wrapping
+    and refused every save (the PeftModel sat inside DDP's `module`): the order is what to change."""
+    import torch.distributed as dist
+
+    model = tiny_model()
+    before = _fingerprint(model)
+    with pytest.raises(TypeError, match=r"not the DataParallel around it.*cm = CheckpointedModel\(model\)"):
+        CheckpointedModel(nn.DataParallel(model))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(TypeError, match="not the DistributedDataParallel around it"):
+            CheckpointedModel(nn.parallel.DistributedDataParallel(model))
+    finally:
+        dist.destroy_process_group()
+    assert _fingerprint(model) == before
+    assert CheckpointedModel(model).checkpoint_map.checkpointed  # the model itself wraps
+
+
 class _NoMethods:
     pass
 

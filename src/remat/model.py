@@ -65,6 +65,16 @@ def _plain_trainer_refusal(model: nn.Module) -> str:
     return message
 
 
+_ENGINES = ("DataParallel", "DistributedDataParallel", "FullyShardedDataParallel", "DeepSpeedEngine")
+
+
+def _training_engine(model: nn.Module) -> str | None:
+    """The name of the data-parallel wrapper `model` is (torch's, FSDP's first API, DeepSpeed's), None if none:
+    read by class name, so that no engine is imported to ask."""
+    names = [k.__name__ for k in type(model).__mro__ if k.__name__ in _ENGINES]
+    return names[0] if names and isinstance(getattr(model, "module", None), nn.Module) else None
+
+
 def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointConfig:
     """`config`, checked, with the CheckpointConfig fields given as keywords to `call` changed."""
     example = "CheckpointedModel(model, " if call == "CheckpointedModel" else "cm.enable("
@@ -145,6 +155,12 @@ class CheckpointedModel(nn.Module):
             raise ConfigTypeError("this model is already a CheckpointedModel; wrap the original model once")
         if not isinstance(model, nn.Module):
             raise ConfigTypeError(f"CheckpointedModel wraps an nn.Module, got {type(model).__name__}: pass the model")
+        if (engine := _training_engine(model)) is not None:
+            raise ConfigTypeError(
+                f"CheckpointedModel wraps the model itself, not the {engine} around it (accelerator.prepare, DDP and "
+                "DeepSpeed wrap it for training, and a save would not find the PeftModel inside): wrap first, then "
+                "prepare the wrapper: cm = CheckpointedModel(model); cm = accelerator.prepare(cm) (or DDP(cm))"
+            )
         if not any(isinstance(m, pretrained_model_class()) for m in model.modules()):
             raise ConfigTypeError(
                 f"CheckpointedModel wraps a transformers PreTrainedModel or a peft PeftModel over one; "
