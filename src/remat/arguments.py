@@ -103,3 +103,16 @@ class WrapperOptions:
                 )
         budget = self.offload_host_budget
         return None if budget is None else parse_bytes(budget, "offload_host_budget")
+
+
+def check_optimizer(value: Any) -> Any:
+    """A torch optimizer, or None. A wrapper around one (accelerate's `AcceleratedOptimizer`) gives the one inside: the
+    wrapper's `step()` does nothing between accumulation boundaries, so a step measured there counted no optimizer
+    state and a plan for the whole step fitted a budget it exceeds."""
+    import torch
+
+    if isinstance(inner := getattr(value, "optimizer", None), torch.optim.Optimizer):
+        value = inner
+    if value is not None and not isinstance(value, torch.optim.Optimizer):
+        raise ConfigTypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(value).__name__}")
+    return value

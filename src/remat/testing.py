@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from .arguments import check_optimizer
 from .compat.transformers_compat import has_activation_checkpointing_names
-from .errors import ConfigError, ConfigTypeError
+from .errors import ConfigError
 from .loss import LossFn, check_step_batch, step_loss
 from .measure import held_bytes_after, weight_storages
 from .transport import CpuTransport, Event, TensorMeta
@@ -57,8 +58,7 @@ def measure_step_peak(
     from torch.distributed._tools.mem_tracker import MemTracker
 
     device = _batch_device(batch, "measure_step_peak")
-    if optimizer is not None and not isinstance(optimizer, Optimizer):
-        raise ConfigTypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    optimizer = check_optimizer(optimizer)
     optimizers = [optimizer] if optimizer is not None else []
     if optimizer is not None and not optimizer.state:
         step_loss(model, batch, loss_fn).backward()

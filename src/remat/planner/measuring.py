@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 import torch
 
-from ..arguments import check_flag
+from ..arguments import check_flag, check_optimizer
 from ..compat.accelerator import OUT_OF_MEMORY, empty_cache, synchronize
 from ..config import CheckpointConfig
-from ..errors import ConfigError, ConfigTypeError, PolicyError, StateError
+from ..errors import ConfigError, PolicyError, StateError
 from ..head import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, causal_lm, plan_head
 from ..loss import LossFn, check_loss_source, own_inputs, step_loss
 from ..policies import LayerProfile, policy
@@ -53,8 +53,8 @@ class ProfileOptions:
         check_flag(self.progress, "progress")
         if isinstance(self.repeats, bool) or not isinstance(self.repeats, int) or self.repeats < 1:
             raise ConfigError(f"repeats must be an int >= 1, got {self.repeats!r}")
-        if self.optimizer not in (None, WITHOUT_OPTIMIZER) and not isinstance(self.optimizer, torch.optim.Optimizer):
-            raise ConfigTypeError(f"optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        if self.optimizer is not WITHOUT_OPTIMIZER:
+            object.__setattr__(self, "optimizer", check_optimizer(self.optimizer))
 
 
 class Controlled(Measured, Protocol):
