@@ -92,12 +92,13 @@ def _adapters_state_dict(model: nn.Module, given: Any, selected: list[str] | Non
     own = dict(model.named_parameters(remove_duplicate=False))
     if given and not own.keys() & given.keys() and all(key.startswith("model.") for key in given):
         given = {key.removeprefix("model."): value for key, value in given.items()}
+    empty = " (it is empty: ZeRO-3 gathers weights to save only with stage3_gather_16bit_weights_on_model_save)"
     for name in selected or list(model.peft_config):
         if not get_peft_model_state_dict(model, state_dict=given, adapter_name=name):
             raise ConfigError(
                 f"save_pretrained(state_dict=...): the state dict holds none of adapter {name!r}'s weights (its "
                 f"names are those of cm.model, e.g. {next(iter(own))!r}), so PEFT would write an empty adapter. "
-                "Pass cm.model's state dict, or none. Nothing was saved."
+                f"Pass cm.model's state dict, or none{'' if given else empty}. Nothing was saved."
             )
     return given
 
