@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import batch, hook_snapshot, tiny_model
+from conftest import add_lora, batch, hook_snapshot, tiny_model
 from torch import nn
 from transformers import LlamaConfig, PreTrainedModel
 
@@ -99,8 +99,13 @@ def test_wrapping_a_data_parallel_wrapper_is_refused_naming_the_order_and_change
         CheckpointedModel(nn.DataParallel(model))
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        with pytest.raises(TypeError, match="not the DistributedDataParallel around it"):
-            CheckpointedModel(nn.parallel.DistributedDataParallel(model))
+        ddp = nn.parallel.DistributedDataParallel(model)
+        for engine in (ddp, torch.compile(ddp)):  # accelerate compiles after DDP (dynamo_backend)
+            with pytest.raises(TypeError, match="not the DistributedDataParallel around it"):
+                CheckpointedModel(engine)
+        cm = CheckpointedModel(add_lora(tiny_model()))
+        with pytest.raises(TypeError, match="already runs a CheckpointedModel"):
+            CheckpointedModel(nn.parallel.DistributedDataParallel(cm))
     finally:
         dist.destroy_process_group()
     assert _fingerprint(model) == before

@@ -327,11 +327,22 @@ def test_accelerates_save_pattern_with_the_wrappers_state_dict_writes_the_adapte
 
 def test_a_state_dict_that_would_save_nothing_it_holds_is_refused_and_nothing_is_written(tmp_path):
     """A state dict without the adapters' weights (PEFT wrote an empty adapter), or given for a model without PEFT
-    (remat saves its config alone: the weights were dropped without a word)."""
+    (remat saves its config alone: the weights were dropped without a word). A refused save leaves no folder it
+    made (an empty one stayed behind)."""
     cm = _trained_lora()
     with pytest.raises(ConfigError, match="none of adapter 'default'"):
         cm.save_pretrained(tmp_path / "a", state_dict={"other." + k: v for k, v in cm.state_dict().items()})
+    two = _trained_lora()  # another adapter beside it: a selected one's weights are found; PEFT names a wrong name
+    two.model.add_adapter("b", two.model.peft_config["default"])
+    two.save_pretrained(tmp_path / "two", selected_adapters=["b"], state_dict=two.state_dict())
+    assert os.listdir(tmp_path / "two" / "b")
+    with pytest.raises(ValueError, match="invalid `selected_adapters`"):
+        two.save_pretrained(tmp_path / "c" / "in", selected_adapters=["zzz"], state_dict=two.state_dict())
+    merged = CheckpointedModel(add_lora(tiny_model()))
+    merged.model.merge_and_unload()  # PEFT's own: the adapters hold no weight any more, which the save names
+    with pytest.raises(RematError, match="holds no adapter weight any more"):
+        merged.save_pretrained(tmp_path / "d", state_dict=merged.model.state_dict())
     full = CheckpointedModel(tiny_model())
     with pytest.raises(ConfigError, match="not a PeftModel"):
         full.save_pretrained(tmp_path / "b", state_dict=full.model.state_dict())
-    assert not os.listdir(tmp_path)
+    assert os.listdir(tmp_path) == ["two"]

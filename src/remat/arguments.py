@@ -106,12 +106,12 @@ class WrapperOptions:
 
 
 def check_optimizer(value: Any) -> Any:
-    """A torch optimizer, or None. A wrapper around one (accelerate's `AcceleratedOptimizer`) gives the one inside: the
-    wrapper's `step()` does nothing between accumulation boundaries, so a step measured there counted no optimizer
-    state and a plan for the whole step fitted a budget it exceeds."""
+    """A torch optimizer, or None. accelerate's `AcceleratedOptimizer` gives the one inside it: its own `step()` does
+    nothing between accumulation boundaries, so a step measured there counted no optimizer state and a plan for the
+    whole step fitted a budget it exceeds. (Other wrappers keep state of their own: measured as they are.)"""
     import torch
 
-    if isinstance(inner := getattr(value, "optimizer", None), torch.optim.Optimizer):
+    if type(value).__name__ == "AcceleratedOptimizer" and isinstance(inner := value.optimizer, torch.optim.Optimizer):
         value = inner
     if value is not None and not isinstance(value, torch.optim.Optimizer):
         raise ConfigTypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(value).__name__}")

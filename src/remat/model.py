@@ -69,8 +69,9 @@ _ENGINES = ("DataParallel", "DistributedDataParallel", "FullyShardedDataParallel
 
 
 def _training_engine(model: nn.Module) -> str | None:
-    """The name of the data-parallel wrapper `model` is (torch's, FSDP's first API, DeepSpeed's), None if none:
-    read by class name, so that no engine is imported to ask."""
+    """The name of the data-parallel wrapper `model` is (torch's, FSDP's first API, DeepSpeed's), compiled or not (as
+    accelerate compiles after DDP), None if none: read by class name, so that no engine is imported to ask."""
+    model = getattr(model, "_orig_mod", model)
     names = [k.__name__ for k in type(model).__mro__ if k.__name__ in _ENGINES]
     return names[0] if names and isinstance(getattr(model, "module", None), nn.Module) else None
 
@@ -156,10 +157,13 @@ class CheckpointedModel(nn.Module):
         if not isinstance(model, nn.Module):
             raise ConfigTypeError(f"CheckpointedModel wraps an nn.Module, got {type(model).__name__}: pass the model")
         if (engine := _training_engine(model)) is not None:
+            inner = getattr(model, "_orig_mod", model).module
             raise ConfigTypeError(
-                f"CheckpointedModel wraps the model itself, not the {engine} around it (accelerator.prepare, DDP and "
-                "DeepSpeed wrap it for training, and a save would not find the PeftModel inside): wrap first, then "
-                "prepare the wrapper: cm = CheckpointedModel(model); cm = accelerator.prepare(cm) (or DDP(cm))"
+                f"this {engine} already runs a CheckpointedModel: train it as it is, wrap nothing around it again"
+                if isinstance(inner, CheckpointedModel)
+                else f"CheckpointedModel wraps the model itself, not the {engine} around it (accelerator.prepare, DDP "
+                "and DeepSpeed wrap it for training, and a save would not find the PeftModel inside): wrap first, then "
+                "prepare the wrapper: cm = CheckpointedModel(model); prepared = accelerator.prepare(cm) (or DDP(cm))"
             )
         if not any(isinstance(m, pretrained_model_class()) for m in model.modules()):
             raise ConfigTypeError(

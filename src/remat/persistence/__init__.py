@@ -77,24 +77,27 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
         logger.info("%s already has a README.md: kept it, PEFT's model card was not written", target)
 
 
-def _adapters_state_dict(model: nn.Module, given: Any, selected: list[str] | None) -> dict[str, Any]:
+def _adapters_state_dict(model: nn.Module, given: Any, selected: Any) -> dict[str, Any]:
     """A `state_dict=` for PEFT's save. The wrapper's own (`cm.state_dict()`, accelerate's `get_state_dict(cm)`) has
     its names under `model.`, where PEFT found no adapter and wrote an empty file: taken from under it. One that still
     holds none of an adapter's weights, or given for a model without PEFT (whose save is the config alone), would
-    write nothing of what it holds: refused, before anything is written."""
+    write nothing of what it holds: refused, before anything is written. (Names PEFT does not know, and a model
+    whose adapters hold no weight any more, are left to the checks after this one.)"""
     if not is_peft_model(model):
         raise ConfigError(
             f"save_pretrained(state_dict=...): cm.model is a {type(model).__name__}, not a PeftModel, so remat saves "
-            "checkpoint_config.json alone and the weights would not be written. Save them with the model's own save "
-            "(cm.model.save_pretrained(folder, state_dict=...), names without the wrapper's 'model.'), then "
-            "cm.save_pretrained(folder). Nothing was saved."
+            "checkpoint_config.json alone and the weights would not be written. Save them with the model's own save, "
+            "which writes checkpoint_config.json beside them: cm.model.save_pretrained(folder, state_dict=...) "
+            "(names without the wrapper's 'model.'). Nothing was saved."
         )
     own = dict(model.named_parameters(remove_duplicate=False))
     if given and not own.keys() & given.keys() and all(key.startswith("model.") for key in given):
         given = {key.removeprefix("model."): value for key, value in given.items()}
-    empty = " (it is empty: ZeRO-3 gathers weights to save only with stage3_gather_16bit_weights_on_model_save)"
-    for name in selected or list(model.peft_config):
-        if not get_peft_model_state_dict(model, state_dict=given, adapter_name=name):
+    names = list(model.peft_config) if selected is None else selected if isinstance(selected, list) else []
+    empty = " (it is empty: an FSDP full state dict is empty off rank 0; pass is_main_process=...)"
+    for name in [name for name in names if name in model.peft_config]:
+        saved = functools.partial(get_peft_model_state_dict, model, adapter_name=name, save_embedding_layers=False)
+        if saved() and not saved(state_dict=given):
             raise ConfigError(
                 f"save_pretrained(state_dict=...): the state dict holds none of adapter {name!r}'s weights (its "
                 f"names are those of cm.model, e.g. {next(iter(own))!r}), so PEFT would write an empty adapter. "

@@ -92,6 +92,9 @@ def save_pair(
     """`write(staging)` writes the files, `config_text(staging)` returns the config; all is committed into
     `target` but files in `keep` it has. `stale_shards`: `write` is transformers' full-model save."""
     target = os.path.abspath(os.fspath(target))
+    made, folder = [], target  # the folders this save makes, the target first
+    while not os.path.lexists(folder):
+        made, folder = [*made, folder], os.path.dirname(folder)
     os.makedirs(target, exist_ok=True)
     staging, staging_lock = _new_staging(target)
     committing = False
@@ -125,6 +128,9 @@ def save_pair(
     finally:
         _live.discard(staging)
         staging_lock.release()
+        for folder in made if not committing else ():  # a refused save leaves no folder of its own behind
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)  # only if empty: another writer's files stay
     return files
 
 
