@@ -588,3 +588,29 @@ def test_a_model_change_found_by_one_kind_measures_every_other_kind_again(caplog
             cm(**small).loss.backward()  # a bucket the other kind planned before the change
     first, second = _measured(caplog)
     assert "the model changed" in first and "not of the kind profiled" in second
+
+
+def test_trls_generation_toggle_under_a_budget_says_each_move_of_the_map_once(remat_logs):
+    """TRL's own toggle around every generation (GRPO, DPO, KTO, RLOO), batch lengths alternating between two buckets:
+    the map the toggle brings back alternates with the bucket, and two INFO lines a step said it again. Each move is
+    said once; the map still moves each time and the steps run their bucket's plan."""
+    from trl.models.utils import disable_gradient_checkpointing
+
+    budget = _budget_between(tokens_none=48, seq_none=24)
+    remat_logs.clear()
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    recomputed = _recomputed_in_backward(cm)
+    params, maps = list(cm.model.named_parameters()), set()
+    for step in range(8):
+        with torch.no_grad(), disable_gradient_checkpointing(cm.model, {"use_reentrant": False}):
+            assert not cm.checkpoint_map.checkpointed
+            cm.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+        recomputed.clear()
+        step_grads(cm, params, batch(seed=step, size=2, seq=(16, 32)[step % 2]))
+        assert recomputed == set(cm.checkpoint_map.checkpointed)
+        maps.add(tuple(cm.checkpoint_map.checkpointed))
+    assert len(maps) == 2, "the two buckets run two maps"
+    said = [r.getMessage() for r in remat_logs.records if "changed the checkpoint" in r.getMessage()]
+    assert len(said) == len(set(said)) == 4, (
+        said
+    )  # construction's; disable's one move; enable's: the pending map, a plan

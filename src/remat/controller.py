@@ -120,7 +120,8 @@ class Controller:
         self._said_eval_mode = False
         self._said_switched_back = False
         self._said_stray_adapters = False  # adapter layers in a model that is not a PeftModel: said once
-        self._said_last: dict[str, tuple[str, str, str]] = {}  # cause -> its last change said (old map, new map)
+        self._said_last: dict[str, tuple[str, str, str]] = {}  # cause -> (cause, config changes, new map) said last
+        self._said_moves: set[tuple[str, str, str]] = set()  # the map moves said with no config change (routes)
         self.budget = BudgetState()  # with CheckpointConfig(budget=...): the profile, plans per bucket, receipts
         self.measuring = False  # a profile's steps run: their maps are not the user's, neither planned nor logged
 
@@ -291,13 +292,17 @@ class Controller:
             self.offloader.release_host_memory()
         if change is not None:  # made: said
             self._said_last[cause] = change
+            if not change[1]:
+                self._said_moves = self._said_moves if len(self._said_moves) < 256 else set()  # a bound
+                self._said_moves.add(change)
 
     def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> tuple[str, str, str]:
-        """Says the change, unless its cause made the same change last time (TRL's disable and enable around every
-        generation: news the first time); returns the change, which `replan` records once it is made."""
+        """Says the change, unless its cause said these lines last time, or said this move of the map (no config
+        change) ever (TRL's disable and enable around every generation, under a budget to each bucket's map: news the
+        first time); returns the change, which `replan` records once it is made."""
         changes = describe_changes(self.config, config)
-        change = (changes, repr(self.checkpoint_map), repr(new_map))
-        if self._said_last.get(cause) == change:
+        change = (cause, changes, repr(new_map) if new_map != self.checkpoint_map else "")
+        if self._said_last.get(cause) == change or change in self._said_moves:
             return change
         if changes:
             logger.info("%s changed the checkpoint config: %s", cause, changes)
