@@ -329,7 +329,9 @@ def test_a_mismatched_pair_is_a_clear_error_and_changes_nothing(tmp_path):
     shutil.copy(tmp_path / "b" / "adapter_model.safetensors", tmp_path / "a" / "adapter_model.safetensors")
     model = tiny_model()
     before = _model_state(model)
-    with pytest.raises(ValueError, match=r"adapter_model\.safetensors is not the adapter file .* mixes two saves"):
+    with pytest.raises(
+        ValueError, match=r"adapter_model\.safetensors is not the adapter file .* written by another save"
+    ):
         CheckpointedModel.from_pretrained(model, tmp_path / "a")
     assert _model_state(model) == before
 

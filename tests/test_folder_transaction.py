@@ -617,7 +617,7 @@ def test_another_adapter_config_beside_the_weights_is_refused(tmp_path):
     _lora_cm(alpha=8).save_pretrained(tmp_path / "a")
     _lora_cm(alpha=32).save_pretrained(tmp_path / "b")
     (tmp_path / "a" / "adapter_config.json").write_bytes((tmp_path / "b" / "adapter_config.json").read_bytes())
-    with pytest.raises(ValueError, match=r"adapter_config\.json is not the adapter file .* mixes two saves"):
+    with pytest.raises(ValueError, match=r"adapter_config\.json is not the adapter file .* written by another save"):
         CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "a")
     target = _lora_cm(alpha=8)
     with pytest.raises(ValueError, match=r"adapter_config\.json is not the adapter file"):
@@ -690,3 +690,20 @@ def test_a_bad_saved_layer_index_names_the_file_the_field_and_the_fix(tmp_path, 
     message = str(info.value)
     assert str(file) in message and field in message
     assert "save" in message or "remove" in message or "use 0" in message, "the fix"
+
+
+def test_an_adapter_config_edited_by_hand_is_refused_naming_how_to_accept_the_edit(tmp_path):
+    """base_model_name_or_path pointed at a local copy (a usual step before loading offline) was refused as "the folder
+    mixes two saves", with nothing the user could do; the message names the entry that accepts the edit, and with it
+    gone the edited folder loads."""
+    _lora_cm(alpha=8).save_pretrained(tmp_path / "a")
+    config_file = tmp_path / "a" / "adapter_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "base_model_name_or_path": "/models/x"}))
+    with pytest.raises(ValueError, match=r"edited it by hand.*remove adapters\.default\.config_sha256"):
+        CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "a")
+    pair_file = tmp_path / "a" / "checkpoint_config.json"
+    pair = json.loads(pair_file.read_text())
+    del pair["adapters"]["default"]["config_sha256"]
+    pair_file.write_text(json.dumps(pair))
+    loaded = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "a")
+    assert loaded.model.peft_config["default"].base_model_name_or_path == "/models/x"

@@ -263,10 +263,17 @@ def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
                 )
         for relative, expected in checks:
             if expected is not None and (found := sha256_file(snapshot.path(relative))) != expected:
+                edited = (  # an edit of the config (an offline base_model_name_or_path) is the user's to accept
+                    f" If you edited it by hand: remat loads into the model you pass (base_model_name_or_path is not "
+                    f"read); to accept the edit, remove adapters.{adapter.name}.config_sha256 from {saved.file}."
+                    if relative.endswith(ADAPTER_CONFIG)
+                    else ""
+                )
                 raise FolderChangedError(
                     f"{snapshot.path(relative)} is not the adapter file {saved.file} was saved with (sha256 "
-                    f"{found[:12]}..., expected {expected[:12]}...): the folder mixes two saves. Save again, or load "
-                    "the files that were written together. Nothing was loaded"
+                    f"{found[:12]}..., expected {expected[:12]}...): it changed after the save (edited, damaged, or "
+                    f"written by another save into the folder). Save again, or load the files that were written "
+                    f"together.{edited} Nothing was loaded"
                 )
     return list(saved.adapters)
 
