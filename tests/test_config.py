@@ -115,6 +115,24 @@ def test_unknown_keys_from_a_newer_remat_load_with_a_warning(tmp_path, caplog):
     assert c.every_n_layers == 2 and "planner" in caplog.text
 
 
+def test_a_field_every_format_3_save_writes_missing_is_said_and_takes_its_default(tmp_path, caplog):
+    """A hand-edited or damaged save without `every_n_layers` or `swap_layers` ran every layer recomputed, or nothing
+    swapped, without a word. Fields added since format 3 began (head, budget) are missing from older saves: silent."""
+    data = json.loads(CheckpointConfig(every_n_layers=2, swap_layers=1, head="chunked").to_json_string())
+    for name in ("every_n_layers", "swap_layers", "head", "budget"):
+        del data[name]
+    (tmp_path / "checkpoint_config.json").write_text(json.dumps(data))
+    with caplog.at_level("WARNING", logger="remat"):
+        c = CheckpointConfig.from_pretrained(tmp_path)
+    assert (c.every_n_layers, c.swap_layers, c.head) == (1, 0, "plain")
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "['every_n_layers', 'swap_layers'] missing" in said[0], said
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="remat"):  # a dict of the user's own (no format_version): nothing said
+        assert CheckpointConfig.from_dict({"every_n_layers": 2}).every_n_layers == 2
+    assert not caplog.records
+
+
 def test_layer_policies_cannot_be_changed_in_place_by_any_dict_route():
     c = CheckpointConfig(layer_policies={1: "none"})
     before = hash(c)

@@ -273,6 +273,13 @@ class CheckpointConfig:
         data = _without_offload_flag(data, source)
         if unknown := sorted(set(data) - set(_FIELDS) - set(META_KEYS)):
             logger.warning("%s: ignoring keys this remat does not know: %s", source, unknown)
+        if "format_version" in data and version >= 3 and (missing := [n for n in _FORMAT_3_FIELDS if n not in data]):
+            logger.warning(  # (fields added since, e.g. budget and head, are missing from older saves: defaults)
+                "%s: %s missing, which every save of format_version 3 writes (edited by hand, or damaged?): "
+                "the defaults apply",
+                source,
+                missing,
+            )
         try:
             return cls(**{k: v for k, v in data.items() if k in _FIELDS})
         except (TypeError, ValueError) as err:
@@ -303,6 +310,7 @@ class CheckpointConfig:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
+_FORMAT_3_FIELDS = _FIELDS[: _FIELDS.index("head")]  # in every save since format_version 3
 
 
 def _refuse_assignment(config: CheckpointConfig, name: str, *_: Any) -> None:
