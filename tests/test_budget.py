@@ -50,7 +50,11 @@ def _recomputed_in_backward(cm):
 
 
 def test_the_map_is_pending_until_the_first_training_step_then_planned_for_its_bucket(caplog):
-    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    said = [r.getMessage() for r in caplog.records]  # not the placeholder map (every layer), which never runs a step
+    assert said == ["enable(): budget 64MiB: the map is planned on the first training step"], said
+    caplog.clear()
     table = str(cm.checkpoint_map)
     assert "planned on the first training step" in table and "budget 64MiB" in table
     with torch.no_grad():  # evaluation does not plan
@@ -610,7 +614,11 @@ def test_trls_generation_toggle_under_a_budget_says_each_move_of_the_map_once(re
         assert recomputed == set(cm.checkpoint_map.checkpointed)
         maps.add(tuple(cm.checkpoint_map.checkpointed))
     assert len(maps) == 2, "the two buckets run two maps"
-    said = [r.getMessage() for r in remat_logs.records if "changed the checkpoint" in r.getMessage()]
+    said = [
+        m
+        for r in remat_logs.records
+        if "changed the checkpoint" in (m := r.getMessage()) or "planned on the first" in m
+    ]
     assert len(said) == len(set(said)) == 4, (
         said
     )  # construction's; disable's one move; enable's: the pending map, a plan

@@ -31,8 +31,10 @@ def test_remat_trainer_plans_with_its_optimizer_logs_the_receipt_and_resumes_fro
     config = CheckpointConfig(budget="64MiB")  # budget_scope="step": weights, gradients, AdamW's state, activations
     cm = CheckpointedModel(_model(), config)
     args = TrainingArguments(**_common(tmp_path, max_steps=2, save_steps=2, per_device_train_batch_size=2))
-    trainer = RematTrainer(model=cm, args=args, train_dataset=_rows([12, 12, 40, 40]))
     with caplog.at_level(logging.INFO, logger="remat"):
+        trainer = RematTrainer(model=cm, args=args, train_dataset=_rows([12, 12, 40, 40]))
+        (said,) = [r.getMessage() for r in caplog.records if "Trainer leaves it alone" in r.getMessage()]
+        assert "budget 64MiB: planned per step length" in said, said  # not the pending map's "every layer"
         cm(**{k: torch.tensor([v]) for k, v in _rows([12])[0].items()}).loss.backward()  # a check before training
         trainer.train()
     first, again = _measured(caplog)

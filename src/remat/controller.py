@@ -306,7 +306,10 @@ class Controller:
             return change
         if changes:
             logger.info("%s changed the checkpoint config: %s", cause, changes)
-        if new_map != self.checkpoint_map:
+        pending = config.budget is not None and self.budget.active_for(config) is None and new_map.checkpointed
+        if pending and new_map != self.checkpoint_map:  # the map shown until then (every layer) never runs a step
+            logger.info("%s: budget %s: the map is planned on the first training step", cause, config.budget)
+        elif new_map != self.checkpoint_map:
             logger.info("%s changed the checkpoint map: %r", cause, new_map)
         elif changes and config.layer_policies and "layer_policies" not in changes:
             logger.info(  # a planned config names every layer

@@ -71,10 +71,13 @@ class _RematTrainerMixin:
         _warn_if_arguments_change_the_map(controller, own_config, own_map, self.args)
         self.add_callback(_MapInLogs(self))
         if cm.is_enabled and not trainer_asks_for_checkpointing(self.args) and cm.checkpoint_map.checkpointed:
+            budget = cm.checkpoint_config.budget  # the map shown until then is pending: every layer recomputed
             logger.info(
                 "the training arguments do not ask for checkpointing, so Trainer leaves it alone: the wrapper's map "
-                "applies (layers %s checkpointed); cm.disable() trains without checkpointing",
-                cm.checkpoint_map.checkpointed,
+                "applies (%s); cm.disable() trains without checkpointing",
+                f"budget {budget}: planned per step length from the first training step"
+                if budget is not None
+                else f"layers {cm.checkpoint_map.checkpointed} checkpointed",
             )
 
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
