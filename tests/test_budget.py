@@ -479,6 +479,8 @@ def test_a_step_under_another_autocast_is_measured_again_and_holds_within_the_bu
         cm(**data).loss.backward()
     first, second = _measured(caplog)
     assert "this: inputs tokens only; autocast cpu bfloat16; profiled: inputs tokens only; autocast off" in second
+    plans = [m for r in caplog.records if (m := r.getMessage()).startswith("budget: steps of up to")]
+    assert "autocast" not in plans[0] and "(inputs tokens only; autocast cpu bfloat16) run" in plans[1], plans
 
 
 def test_a_saved_profile_of_another_kind_of_step_is_not_planned_from(tmp_path, caplog):

@@ -168,7 +168,8 @@ class BudgetState:
             measured = self.profile.measurements.tokens
             far = f" (extrapolated {bucket / measured:.1f}x from the {measured} tokens profiled)"
             far = far if bucket > EXTRAPOLATED * measured else ""
-            logger.info("budget: steps of up to %d tokens run %r%s", bucket, controller.checkpoint_map, far)
+            kind = f" ({_kind_text(self.kind)})" if len(self.kind_ids) > 1 else ""  # once two kinds plan apart
+            logger.info("budget: steps of up to %d tokens%s run %r%s", bucket, kind, controller.checkpoint_map, far)
         receipt.steps += 1
         self.last_key = key
         self.unlogged.add(key)
