@@ -624,3 +624,31 @@ def test_trls_generation_toggle_under_a_budget_says_each_move_of_the_map_once(re
     assert len(said) == len(set(said)) == 4, (
         said
     )  # construction's; disable's one move; enable's: the pending map, a plan
+
+
+def test_another_budget_says_its_plans_with_receipts_of_their_own(caplog):
+    """The plan under a new budget equal to the old one's was never said (the receipt of that bucket stood), though
+    the change of budget said "planned on the first training step"."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    params = list(cm.model.named_parameters())
+    step_grads(cm, params, batch(size=2, seq=12))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm.enable(budget="1GiB")
+        step_grads(cm, params, batch(size=2, seq=12))
+    said = [m for r in caplog.records if (m := r.getMessage()).startswith(f"budget: steps of up to {bucket_of(24)} ")]
+    assert len(said) == 1, [r.getMessage() for r in caplog.records]
+    assert [r.policies for r in cm.budget_receipts] == [("none",) * 4] * 2
+
+
+def test_a_saved_budget_replacing_a_wrappers_map_is_named_not_its_placeholder(tmp_path, caplog):
+    """The WARNING said the map "is now" every layer recomputed: the placeholder that stands for a budget's map until
+    the first training step plans it, which never runs a step."""
+    from remat.persistence import apply_saved_config
+
+    CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations")).save_pretrained(tmp_path)
+    cm = CheckpointedModel(_model(), CheckpointConfig(every_n_layers=2))
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        apply_saved_config(controller_of(cm), str(tmp_path), "resuming")
+    (said,) = [r.getMessage() for r in caplog.records if "replaced this wrapper's own" in r.getMessage()]
+    assert "it is now the budget's (64MiB: planned on the first training step)" in said, said
+    assert "recompute [0, 2]" in said  # what it was

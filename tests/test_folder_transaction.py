@@ -699,7 +699,7 @@ def test_an_adapter_config_edited_by_hand_is_refused_naming_how_to_accept_the_ed
     _lora_cm(alpha=8).save_pretrained(tmp_path / "a")
     config_file = tmp_path / "a" / "adapter_config.json"
     config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "base_model_name_or_path": "/models/x"}))
-    with pytest.raises(ValueError, match=r"edited it by hand.*remove adapters\.default\.config_sha256"):
+    with pytest.raises(ValueError, match=r"edited it yourself.*remove adapters\.default\.config_sha256"):
         CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "a")
     pair_file = tmp_path / "a" / "checkpoint_config.json"
     pair = json.loads(pair_file.read_text())
@@ -707,3 +707,47 @@ def test_an_adapter_config_edited_by_hand_is_refused_naming_how_to_accept_the_ed
     pair_file.write_text(json.dumps(pair))
     loaded = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "a")
     assert loaded.model.peft_config["default"].base_model_name_or_path == "/models/x"
+
+
+def test_a_refused_save_removes_the_folders_it_made_and_a_save_beside_it_into_that_folder_still_lands(
+    tmp_path, monkeypatch
+):
+    """A refused save removes the empty folders it made (parents too). A second save into the same new folder, which
+    found it made and had not yet made its staging there, failed with FileNotFoundError when the first removed it:
+    it makes the folder again."""
+    target = tmp_path / "new" / "run"
+    first_writing, first_done = threading.Event(), threading.Event()
+    new_staging = transaction._new_staging
+
+    def second_waits(folder, *args):  # the second save, between its makedirs and its staging
+        if threading.current_thread().name == "second":
+            first_done.wait(10)
+        return new_staging(folder, *args)
+
+    def refused(staging):
+        first_writing.set()
+        time.sleep(0.2)  # the second save has found the folder by now
+        raise RuntimeError("refused")
+
+    monkeypatch.setattr(transaction, "_new_staging", second_waits)
+    outcome = {}
+
+    def first():
+        with pytest.raises(RuntimeError, match="refused"):
+            transaction.save_pair(target, lambda staging: "{}", refused)
+        first_done.set()
+
+    def second():
+        first_writing.wait(10)
+        outcome["files"] = transaction.save_pair(target, lambda staging: '{"every_n_layers": 2}')
+
+    threads = [threading.Thread(target=first, name="first"), threading.Thread(target=second, name="second")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcome["files"] == ["checkpoint_config.json"]
+    assert json.loads((target / "checkpoint_config.json").read_text()) == {"every_n_layers": 2}
+    with pytest.raises(RuntimeError, match="refused"):  # alone: nothing of its own left behind
+        transaction.save_pair(tmp_path / "other" / "run", lambda staging: "{}", refused)
+    assert sorted(os.listdir(tmp_path)) == ["new"]

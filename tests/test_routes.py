@@ -301,3 +301,22 @@ def test_a_toggle_repeated_in_a_loop_says_its_change_once_and_still_makes_it(rem
         cm.enable(every_n_layers=every_n)
     enabled = [r.getMessage() for r in remat_logs.records if r.getMessage().startswith("enable() changed the check")]
     assert [m.count("every_n_layers") for m in enabled if "config" in m] == [1, 1, 1], enabled
+
+
+def test_the_users_own_changes_between_a_routes_toggles_are_said_and_make_the_toggle_news_again(remat_logs):
+    """The once-only rule for a route's toggles silenced the user's own enable() after a route's disable (wrapping
+    had said that map), and a route's disable after the user changed the map."""
+    model = tiny_model()
+    cm = CheckpointedModel(model)
+    model.gradient_checkpointing_disable()
+    cm.enable()  # back on, by the user
+    cm.enable(every_n_layers=2)
+    model.gradient_checkpointing_disable()
+    said = [r.getMessage() for r in remat_logs.records]
+    assert [m.split(" changed")[0] for m in said if "changed the checkpoint map" in m] == [
+        "enable()",
+        "gradient_checkpointing_disable()",
+        "enable()",
+        "enable()",
+        "gradient_checkpointing_disable()",
+    ], said

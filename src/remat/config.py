@@ -310,7 +310,16 @@ class CheckpointConfig:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
-_FORMAT_3_FIELDS = _FIELDS[: _FIELDS.index("head")]  # in every save since format_version 3
+_FORMAT_3_FIELDS = (  # in every save since format_version 3 (head and budget came later: older saves lack them)
+    "every_n_layers",
+    "offload_min_bytes",
+    "swap_layers",
+    "swap_placement",
+    "layer_policies",
+    "checkpoint_policy",
+    "use_reentrant",
+    "preserve_rng_state",
+)
 
 
 def _refuse_assignment(config: CheckpointConfig, name: str, *_: Any) -> None:

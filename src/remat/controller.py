@@ -120,8 +120,8 @@ class Controller:
         self._said_eval_mode = False
         self._said_switched_back = False
         self._said_stray_adapters = False  # adapter layers in a model that is not a PeftModel: said once
-        self._said_last: dict[str, tuple[str, str, str]] = {}  # cause -> (cause, config changes, new map) said last
-        self._said_moves: set[tuple[str, str, str]] = set()  # the map moves said with no config change (routes)
+        self._last_change: tuple[str, ...] = ()  # the last change made, by any cause: (cause, config changes, new map)
+        self._said_moves: set[tuple[str, str, str]] = set()  # a route's map moves said since another kind of change
         self.budget = BudgetState()  # with CheckpointConfig(budget=...): the profile, plans per bucket, receipts
         self.measuring = False  # a profile's steps run: their maps are not the user's, neither planned nor logged
 
@@ -291,18 +291,28 @@ class Controller:
             # Nothing offloaded (a route's "off" comes back, and re-pinning costs more than torch's pinned cache).
             self.offloader.release_host_memory()
         if change is not None:  # made: said
-            self._said_last[cause] = change
-            if not change[1]:
-                self._said_moves = self._said_moves if len(self._said_moves) < 256 else set()  # a bound
+            self._last_change = change
+            if not change[1] and "checkpointing_" in cause:  # a route's toggle (TRL's around every generation)
                 self._said_moves.add(change)
+            else:  # the user's own change, or a config's: a route's next toggle is news again
+                self._said_moves.clear()
+
+    def shown_map(self) -> str:
+        """The map as a log line says it: under a budget not planned yet, the map that stands for it (every layer
+        recomputed) never runs a step, so the budget is named."""
+        pending = self.config.budget is not None and self.budget.active_for(self.config) is None
+        if pending and self.checkpoint_map.checkpointed:
+            return f"the budget's ({self.config.budget}: planned on the first training step)"
+        return repr(self.checkpoint_map)
 
     def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> tuple[str, str, str]:
-        """Says the change, unless its cause said these lines last time, or said this move of the map (no config
-        change) ever (TRL's disable and enable around every generation, under a budget to each bucket's map: news the
-        first time); returns the change, which `replan` records once it is made."""
+        """Says the change, unless it is the last change made, again, or a route (`*checkpointing_enable/disable`)
+        said this move of the map with no config change since the last change of another kind (TRL's disable and
+        enable around every generation, under a budget to each bucket's map: news the first time); returns the change,
+        which `replan` records once it is made."""
         changes = describe_changes(self.config, config)
         change = (cause, changes, repr(new_map) if new_map != self.checkpoint_map else "")
-        if self._said_last.get(cause) == change or change in self._said_moves:
+        if self._last_change == change or change in self._said_moves:
             return change
         if changes:
             logger.info("%s changed the checkpoint config: %s", cause, changes)
@@ -539,7 +549,7 @@ class Controller:
                 "%s: %s took the adapters out of this wrapper; the saved config is not applied", cause, self.unloaded_by
             )
             return
-        own_config, own_map = self.config, self.checkpoint_map
+        own_config, own_map = self.config, self.shown_map()
         self.replan(config, off_by=self.off_by, cause=cause, said=True)  # disabled: planned for enable()
         if not self.is_enabled:
             logger.warning(
@@ -550,10 +560,10 @@ class Controller:
             )
             return
         logger.warning(
-            "%s: the saved checkpoint config replaced this wrapper's own (%s): the map was %r, it is now %r. To keep "
+            "%s: the saved checkpoint config replaced this wrapper's own (%s): the map was %s, it is now %s. To keep "
             "your own, apply it again after loading: cm.enable(config) (with a Trainer: README, 'Resuming')",
             cause,
             describe_changes(own_config, config),
             own_map,
-            self.checkpoint_map,
+            self.shown_map(),
         )

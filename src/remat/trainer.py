@@ -333,16 +333,16 @@ def _arguments_over_the_resumed_map(cm: Any, args: Any) -> None:
     controller = controller_of_wrapper(cm)
     asked, runs = _arguments_config(controller.config, args)
     if asked is not None and controller.is_enabled and asked != controller.config:
-        before, changes = controller.checkpoint_map, describe_changes(controller.config, asked)
+        before, changes = controller.shown_map(), describe_changes(controller.config, asked)
         controller.enable(asked, cause="the training arguments")
         if not runs:
             return
         logger.warning(
             "the training arguments' checkpointing options apply over the resumed checkpoint's map (%s): the map "
-            "was %r, it is now %r",
+            "was %s, it is now %s",
             changes,
             before,
-            controller.checkpoint_map,
+            controller.shown_map(),
         )
 
 

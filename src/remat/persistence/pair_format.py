@@ -264,8 +264,9 @@ def checked_adapters(saved: Saved, snapshot: Snapshot) -> list[SavedAdapter]:
         for relative, expected in checks:
             if expected is not None and (found := sha256_file(snapshot.path(relative))) != expected:
                 edited = (  # an edit of the config (an offline base_model_name_or_path) is the user's to accept
-                    f" If you edited it by hand: remat loads into the model you pass (base_model_name_or_path is not "
-                    f"read); to accept the edit, remove adapters.{adapter.name}.config_sha256 from {saved.file}."
+                    f" Only if you edited it yourself (another save's file would load with its own settings): remat "
+                    f"loads into the model you pass (base_model_name_or_path is not read); to accept your edit, remove "
+                    f"adapters.{adapter.name}.config_sha256 from {saved.file}."
                     if relative.endswith(ADAPTER_CONFIG)
                     else ""
                 )

@@ -95,8 +95,11 @@ def save_pair(
     made, folder = [], target  # the folders this save makes, the target first
     while not os.path.lexists(folder):
         made, folder = [*made, folder], os.path.dirname(folder)
-    os.makedirs(target, exist_ok=True)
-    staging, staging_lock = _new_staging(target)
+    try:
+        staging, staging_lock = _staging_in_new_or_old(target)
+    except BaseException:
+        _remove_made(made)
+        raise
     committing = False
     try:
         folders = _writing.__dict__.setdefault("folders", set())
@@ -128,10 +131,28 @@ def save_pair(
     finally:
         _live.discard(staging)
         staging_lock.release()
-        for folder in made if not committing else ():  # a refused save leaves no folder of its own behind
-            with contextlib.suppress(OSError):
-                os.rmdir(folder)  # only if empty: another writer's files stay
+        if not committing:
+            _remove_made(made)
     return files
+
+
+def _staging_in_new_or_old(target: str, attempts: int = 5) -> tuple[str, Lock]:
+    """`target` made if need be, and a staging folder in it. Another save into it, refused meanwhile, may remove the
+    folder it made (empty) between the two: made again."""
+    for _ in range(attempts - 1):
+        with contextlib.suppress(FileNotFoundError):
+            os.makedirs(target, exist_ok=True)
+            return _new_staging(target)
+    os.makedirs(target, exist_ok=True)
+    return _new_staging(target)
+
+
+def _remove_made(made: list[str]) -> None:
+    """A refused save leaves no folder of its own behind: each it made, the deepest first, if still empty (another
+    writer's files stay)."""
+    for folder in made:
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
 
 
 def _commit(staging: str, target: str, files: list[str]) -> None:
