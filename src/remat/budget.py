@@ -109,7 +109,7 @@ class BudgetState:
             self.config = config
             for plans in [self.plans, *(state[2] for state in self.profiles.values())]:
                 plans.clear()
-            self.active = self.active_bucket = self.last_key = None
+            self.active = self.active_bucket = None
             self.receipts.clear()  # each bucket's plan under this budget is said, with a receipt of its own
 
     def take_saved(self, data: dict[str, Any] | None, source: str) -> None:

@@ -297,13 +297,15 @@ class Controller:
             else:  # the user's own change, or a config's: a route's next toggle is news again
                 self._said_moves.clear()
 
-    def shown_map(self) -> str:
-        """The map as a log line says it: under a budget not planned yet, the map that stands for it (every layer
-        recomputed) never runs a step, so the budget is named."""
-        pending = self.config.budget is not None and self.budget.active_for(self.config) is None
-        if pending and self.checkpoint_map.checkpointed:
-            return f"the budget's ({self.config.budget}: planned on the first training step)"
-        return repr(self.checkpoint_map)
+    def shown_map(self, config: CheckpointConfig | None = None, checkpoint_map: CheckpointMap | None = None) -> str:
+        """A map (the wrapper's, or `checkpoint_map` for `config`) as a log line says it: under a budget not planned
+        yet, the map that stands for it (every layer recomputed) never runs a step, so the budget is named."""
+        config = self.config if config is None else config
+        checkpoint_map = self.checkpoint_map if checkpoint_map is None else checkpoint_map
+        pending = config.budget is not None and self.budget.active_for(config) is None
+        if pending and checkpoint_map.checkpointed:
+            return f"the budget's ({config.budget}: planned on the first training step)"
+        return repr(checkpoint_map)
 
     def _log_changes(self, config: CheckpointConfig, new_map: CheckpointMap, cause: str) -> tuple[str, str, str]:
         """Says the change, unless it is the last change made, again, or a route (`*checkpointing_enable/disable`)
@@ -316,11 +318,8 @@ class Controller:
             return change
         if changes:
             logger.info("%s changed the checkpoint config: %s", cause, changes)
-        pending = config.budget is not None and self.budget.active_for(config) is None and new_map.checkpointed
-        if pending and new_map != self.checkpoint_map:  # the map shown until then (every layer) never runs a step
-            logger.info("%s: budget %s: the map is planned on the first training step", cause, config.budget)
-        elif new_map != self.checkpoint_map:
-            logger.info("%s changed the checkpoint map: %r", cause, new_map)
+        if new_map != self.checkpoint_map:
+            logger.info("%s changed the checkpoint map: %s", cause, self.shown_map(config, new_map))
         elif changes and config.layer_policies and "layer_policies" not in changes:
             logger.info(  # a planned config names every layer
                 "%s: the map stays as it was: layer_policies names the layers these options would change", cause
