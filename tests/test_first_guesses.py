@@ -169,3 +169,11 @@ def test_a_batch_that_is_not_a_dict_is_refused_naming_the_form_profile_takes():
     cm = CheckpointedModel(add_lora(tiny_model()))
     with pytest.raises(TypeError, match=r"profile takes the model's inputs as a dict, .*got list"):
         cm.profile([1, 2, 3], progress=False)
+
+
+@pytest.mark.parametrize("size", ["1.5", "0.5", "24.0", "1.5B"])
+def test_a_fraction_of_a_byte_is_a_unit_left_out_not_a_byte_count(size):
+    """"1.5" read as bytes was 1 byte (a budget no map meets, named only when the first step plans): the unit meant
+    is asked for, with the value as given."""
+    with pytest.raises(ValueError, match=rf"a size in bytes is a whole number; got {size!r}: add the unit meant"):
+        parse_bytes(size, "budget")

@@ -296,7 +296,7 @@ def test_bad_budgets_scopes_and_a_step_scope_without_optimizer_are_refused_by_th
     ]:
         with pytest.raises(error, match=match):
             profile.plan(budget)
-    for given in (0, -5, "0.5"):  # one wording, the value as given
+    for given in (0, -5, "0"):  # one wording, the value as given
         with pytest.raises(ValueError, match=rf"budget must be at least 1 byte, got {given!r}"):
             profile.plan(given)
     with pytest.raises(ValueError, match="optimizer"):
