@@ -96,3 +96,27 @@ def test_plan_for_budget_is_refused_naming_profile_then_plan():
 def test_the_trainer_mixin_is_refused_naming_the_two_trainer_names():
     with pytest.raises(AttributeError, match=r"remat\.RematTrainer .*remat_trainer_class\(YourTrainer\)"):
         remat.RematTrainerMixin  # noqa: B018
+
+
+def test_code_still_reading_cm_config_as_remats_is_pointed_to_checkpoint_config(tmp_path):
+    """`cm.config` was remat's config: `cm.config.save_pretrained(folder)` now writes the model's config.json, and
+    the load that follows, or `cm.enable(cm.config)`, names `cm.checkpoint_config`."""
+    cm = CheckpointedModel(add_lora(tiny_model()), every_n_layers=2)
+    cm.config.save_pretrained(tmp_path)  # the old line: the model's config.json, no checkpoint_config.json
+    for load in (
+        CheckpointConfig.from_pretrained,
+        lambda folder: CheckpointedModel.from_pretrained(tiny_model(), folder),
+    ):
+        with pytest.raises(
+            remat.NotSavedError, match=r"config.json is a model's: .*cm.checkpoint_config.save_pretrained"
+        ):
+            load(tmp_path)
+    with pytest.raises(
+        remat.ConfigTypeError, match=r"cm.config is the model's config; remat's is cm.checkpoint_config"
+    ):
+        cm.enable(cm.config)
+    assert cm.checkpoint_config.every_n_layers == 2
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(remat.NotSavedError) as plain:  # an empty folder: no word of model configs
+        CheckpointConfig.from_pretrained(tmp_path / "empty")
+    assert "config.json" not in str(plain.value).replace("checkpoint_config.json", "")

@@ -173,7 +173,16 @@ def test_a_batch_that_is_not_a_dict_is_refused_naming_the_form_profile_takes():
 
 @pytest.mark.parametrize("size", ["1.5", "0.5", "24.0", "1.5B"])
 def test_a_fraction_of_a_byte_is_a_unit_left_out_not_a_byte_count(size):
-    """"1.5" read as bytes was 1 byte (a budget no map meets, named only when the first step plans): the unit meant
+    """ "1.5" read as bytes was 1 byte (a budget no map meets, named only when the first step plans): the unit meant
     is asked for, with the value as given."""
-    with pytest.raises(ValueError, match=rf"a size in bytes is a whole number; got {size!r}: add the unit meant"):
+    meant = size.rstrip("B")
+    with pytest.raises(
+        ValueError, match=rf"a size in bytes is a whole number; got {size!r}: add the unit meant \('{meant}GiB'\)"
+    ):
         parse_bytes(size, "budget")
+
+
+def test_a_negative_size_is_named_as_such():
+    for size in ("-3MiB", " -1.5G", "-4096"):
+        with pytest.raises(ValueError, match=rf"budget is a size, which cannot be negative; got {size!r}"):
+            parse_bytes(size, "budget")

@@ -36,10 +36,13 @@ def parse_bytes(value: Any, name: str, least: int = 0) -> int:
         return _at_least(_at_most(value, name, "bytes"), least, name, value)
     match = _SIZE.match(value)
     unit = match.group(2).lower() if match else None
+    if value.strip().startswith("-") and _SIZE.match(value.strip()[1:]):
+        raise ConfigError(f"{name} is a size, which cannot be negative; got {value!r}")
     if match is None or unit not in _UNITS:
         raise ConfigError(f"{name} must be {_SIZE_HELP}; got {value!r}")
     if unit in ("", "b") and "." in match.group(1):  # bytes are whole: '1.5' is a unit left out, not 1 byte
-        raise ConfigError(f"{name}: a size in bytes is a whole number; got {value!r}: add the unit meant ('{value}GiB')")
+        meant = f"'{match.group(1)}GiB'"
+        raise ConfigError(f"{name}: a size in bytes is a whole number; got {value!r}: add the unit meant ({meant})")
     size = float(match.group(1)) * _UNITS[unit]
     if not size <= MAX_COUNT:  # hundreds of digits: no size a machine has (and no int a float can give)
         raise ConfigError(f"{name} must be at most {MAX_COUNT} bytes, got {value[:40]!r}{'...' * (len(value) > 40)}")

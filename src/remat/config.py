@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .arguments import MAX_COUNT, check_flag, parse_bytes
-from .errors import ConfigError, ConfigTypeError, FrozenConfigError, NotSavedError, SavedFileError
+from .errors import ConfigError, ConfigTypeError, FrozenConfigError, SavedFileError
 from .policies import CHECKPOINT_POLICIES
 from .policies import NAMES as POLICIES
 from .policies import policy as _policy
-from .saving.files import read_json_object
+from .saving.files import no_config, read_json_object
 from .saving.folder import CONFIG_NAME, read_pair, save_pair
 from .version import __version__
 
@@ -303,7 +303,7 @@ class CheckpointConfig:
             with read_pair(path) as snapshot:
                 file = snapshot.path(CONFIG_NAME)
                 if snapshot.config is None:
-                    raise NotSavedError(f"no checkpoint config at {file}; save one with save_pretrained")
+                    raise no_config(file)
                 return cls.from_dict(snapshot.config, source=file)
         file = os.fspath(path)
         return cls.from_dict(read_json_object(file), source=file)

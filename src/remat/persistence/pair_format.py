@@ -20,7 +20,7 @@ from peft.utils import SAFETENSORS_WEIGHTS_NAME, WEIGHTS_NAME, get_peft_model_st
 
 from ..config import CheckpointConfig
 from ..errors import FolderChangedError, NotSavedError, SavedFileError, StateError
-from ..saving.files import sha256_file
+from ..saving.files import no_config, sha256_file
 from ..saving.folder import CONFIG_NAME, Snapshot, read_pair, save_pair
 
 logger = logging.getLogger("remat")
@@ -102,7 +102,7 @@ def parse_saved(snapshot: Snapshot) -> Saved:
                 "with PEFT and wrap that: CheckpointedModel(PeftModel.from_pretrained(model, folder, "
                 "is_trainable=True), config)"
             )
-        raise NotSavedError(f"no checkpoint config at {file}; save one with save_pretrained")
+        raise no_config(file)
     config = CheckpointConfig.from_dict(data, source=file)
     layers, architecture, adapters = data.get("layers"), data.get("architecture"), data.get("adapters")
     if layers is not None and not (isinstance(layers, list) and all(isinstance(n, str) for n in layers)):

@@ -91,12 +91,24 @@ def json_object(data: bytes, name: str) -> dict[str, Any]:
     return value
 
 
+def no_config(path: str) -> NotSavedError:
+    """The error for a folder without `checkpoint_config.json`; a model's `config.json` there is named (before
+    `cm.checkpoint_config`, `cm.config.save_pretrained(folder)` wrote remat's: now it writes the model's)."""
+    hint = ""
+    if os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
+        hint = (
+            " (the folder's config.json is a model's: cm.config is the model's config, remat's is "
+            "cm.checkpoint_config: cm.checkpoint_config.save_pretrained(folder) or cm.save_pretrained(folder))"
+        )
+    return NotSavedError(f"no checkpoint config at {path}; save one with save_pretrained{hint}")
+
+
 def read_json_object(path: str, *, follow_links: bool = True) -> dict[str, Any]:
     """The JSON object in the regular file `path`, or an error naming the file."""
     try:
         fd = open_regular(path, follow_links=follow_links)
     except FileNotFoundError:
-        raise NotSavedError(f"no checkpoint config at {path}; save one with save_pretrained") from None
+        raise no_config(path) from None
     with os.fdopen(fd, "rb") as handle:
         return json_object(handle.read(), path)
 
