@@ -186,3 +186,38 @@ def test_a_negative_size_is_named_as_such():
     for size in ("-3MiB", " -1.5G", "-4096"):
         with pytest.raises(ValueError, match=rf"budget is a size, which cannot be negative; got {size!r}"):
             parse_bytes(size, "budget")
+
+
+# -- refusals that name the way out ----------------------------------------------------------------
+
+
+def test_a_plan_made_for_another_models_layers_is_refused_naming_a_profile_of_this_one():
+    """A 2-layer model's plan on a 4-layer one planned layers 2 and 3 by the default rule without a word (and the
+    other way round named `layer_policies`, which the user never wrote)."""
+    for profiled, given in ((2, 4), (4, 2)):
+        planned = (
+            CheckpointedModel(tiny_model(num_hidden_layers=profiled)).profile(batch(), progress=False).plan("1GiB")
+        )
+        cm = CheckpointedModel(tiny_model(num_hidden_layers=given), every_n_layers=2)
+        before = (cm.checkpoint_config, cm.checkpoint_map)
+        with pytest.raises(
+            ValueError, match=rf"made from the profile of a model with {profiled} layers, .* has {given}"
+        ):
+            cm.enable(planned)
+        assert (cm.checkpoint_config, cm.checkpoint_map) == before
+
+
+def test_config_refusals_name_the_way_out():
+    with pytest.raises(ValueError, match=r"got 'none' \(no checkpointing: cm.disable\(\), or layer_policies="):
+        CheckpointConfig(checkpoint_policy="none")
+    for given in ({1, 2}, "2"):
+        with pytest.raises(
+            TypeError, match="swap_layers must be an int \\(how many layers\\) or a list of layer indices"
+        ):
+            CheckpointConfig(swap_layers=given)
+    assert CheckpointConfig(offload_min_bytes="2MiB") == CheckpointConfig(offload_min_bytes=2 * 1024**2)  # a size
+    cm = CheckpointedModel(add_lora(tiny_model()), layer_policies={0: "offload"})
+    with pytest.raises(ValueError, match=r"cm.enable\(budget=..., layer_policies=\{\}\) plans by budget"):
+        cm.enable(budget="1GiB")
+    cm.enable(budget="1GiB", layer_policies={})  # the way out it names
+    assert cm.checkpoint_config.budget == "1GiB" and not cm.checkpoint_config.layer_policies

@@ -86,7 +86,8 @@ class FrozenPolicies(Mapping[int, str]):
 
 def _check_in(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        raise ConfigError(f"CheckpointConfig.{name} must be one of {allowed}, got {value!r}")
+        none = " (no checkpointing: cm.disable(), or layer_policies={i: 'none'} per layer)" * (value == "none")
+        raise ConfigError(f"CheckpointConfig.{name} must be one of {allowed}, got {value!r}{none}")
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
@@ -144,7 +145,8 @@ class CheckpointConfig:
 
     Args:
         every_n_layers: checkpoint layers 0, N, 2N, ... in module order (transformers' rule); 1: every layer.
-        offload_min_bytes: inputs of "offload" layers under this stay on the device (the copy costs more).
+        offload_min_bytes: inputs of "offload" layers under this stay on the device (the copy costs more); bytes, or
+            a size like the budget's ("2MiB").
         swap_layers: how many layers (int) or which ones (indices) keep their frozen weights in host memory.
         swap_placement: where a count of swapped layers goes: "spread" over the stack, or "tail" (not for a list).
         layer_policies: {layer index: "none" | "recompute" | "offload" | "selective"}: single-layer overrides.
@@ -184,7 +186,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _check_int("every_n_layers", self.every_n_layers, 1)
-        _check_int("offload_min_bytes", self.offload_min_bytes, 0)
+        object.__setattr__(self, "offload_min_bytes", parse_bytes(self.offload_min_bytes, "CheckpointConfig.offload_min_bytes"))
         for name in ("use_reentrant", "preserve_rng_state"):
             check_flag(getattr(self, name), f"CheckpointConfig.{name}")
         _check_in("swap_placement", self.swap_placement, SWAP_PLACEMENTS)
@@ -205,8 +207,8 @@ class CheckpointConfig:
             if self.layer_policies:
                 raise ConfigError(
                     "CheckpointConfig(budget=...) chooses every layer's policy, so layer_policies would be overruled: "
-                    "give a budget or layer_policies, not both (on a wrapper with a budget: "
-                    "cm.enable(budget=None, layer_policies=...))"
+                    "give a budget or layer_policies, not both: cm.enable(budget=None, layer_policies=...) sets a map "
+                    "by hand, cm.enable(budget=..., layer_policies={}) plans by budget"
                 )
         chosen = {self.checkpoint_policy, *self.layer_policies.values()}
         picky = sorted(name for name in chosen if _policy(name).needs_non_reentrant)
@@ -350,6 +352,11 @@ def _validated_swap_layers(value: Any) -> int | tuple[int, ...]:
         if len(set(indices)) != len(indices):
             raise ConfigError(f"CheckpointConfig.swap_layers lists a layer twice: {list(value)}; list each once")
         return tuple(sorted(indices))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigTypeError(
+            f"CheckpointConfig.swap_layers must be an int (how many layers) or a list of layer indices, got {value!r} "
+            f"({type(value).__name__})"
+        )
     _check_int("swap_layers", value, 0)
     return value
 

@@ -138,6 +138,11 @@ def plan_layers(
     num_layers = len(layer_names)
     if num_layers == 0:
         raise ConfigError("there are no layers to plan")
+    if (choices := getattr(config, "choices", None)) is not None and len(choices) != num_layers:  # a PlannedConfig
+        raise ConfigError(
+            f"this plan was made from the profile of a model with {len(choices)} layers, but this one has "
+            f"{num_layers}: profile this model, cm.profile(batch).plan(budget)"
+        )
     if missing := [i for i in config.layer_policies if i >= num_layers]:
         raise ConfigError(
             f"layer_policies names layer(s) {missing}, but the model has {num_layers} layers: use 0..{num_layers - 1}"
