@@ -328,3 +328,14 @@ def test_remat_trainer_given_a_model_no_wrapper_wraps_says_it_trains_without_rem
     with caplog.at_level("WARNING", logger="remat"):  # a wrapper's model: its map runs and saves carry the config
         cls(model=CheckpointedModel(add_lora(tiny_model())).model, args=_plain_args(tmp_path))
     assert not [r for r in caplog.records if "no CheckpointedModel wraps" in r.getMessage()]
+
+
+def test_checkpointing_kwargs_the_route_refuses_are_refused_when_the_trainer_is_built_naming_the_arguments(tmp_path):
+    """A typo in `gradient_checkpointing_kwargs` failed at `train()`, naming `activation_checkpointing_enable()`, a
+    route the user never called."""
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2))
+    before = (cm.checkpoint_config, cm.checkpoint_map, cm.model)
+    for options in ({"use_reentrnt": False}, "not a dict"):
+        with pytest.raises((ValueError, TypeError), match=r"^TrainingArguments' checkpointing kwargs: .*"):
+            RematTrainer(model=cm, args=_log_args(tmp_path, options), train_dataset=_dataset())
+        assert (cm.checkpoint_config, cm.checkpoint_map, cm.model) == before

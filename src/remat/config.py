@@ -186,7 +186,9 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         _check_int("every_n_layers", self.every_n_layers, 1)
-        object.__setattr__(self, "offload_min_bytes", parse_bytes(self.offload_min_bytes, "CheckpointConfig.offload_min_bytes"))
+        object.__setattr__(
+            self, "offload_min_bytes", parse_bytes(self.offload_min_bytes, "CheckpointConfig.offload_min_bytes")
+        )
         for name in ("use_reentrant", "preserve_rng_state"):
             check_flag(getattr(self, name), f"CheckpointConfig.{name}")
         _check_in("swap_placement", self.swap_placement, SWAP_PLACEMENTS)

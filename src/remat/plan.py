@@ -138,7 +138,7 @@ def plan_layers(
     num_layers = len(layer_names)
     if num_layers == 0:
         raise ConfigError("there are no layers to plan")
-    if (choices := getattr(config, "choices", None)) is not None and len(choices) != num_layers:  # a PlannedConfig
+    if (choices := getattr(config, "choices", None)) and len(choices) != num_layers:  # a PlannedConfig, profiled
         raise ConfigError(
             f"this plan was made from the profile of a model with {len(choices)} layers, but this one has "
             f"{num_layers}: profile this model, cm.profile(batch).plan(budget)"

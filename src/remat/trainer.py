@@ -61,6 +61,8 @@ class _RematTrainerMixin:
             super().__init__(*args, **kwargs)
             return
         own_config, own_map = controller.config, controller.checkpoint_map
+        if (arguments := kwargs.get("args", args[1] if len(args) > 1 else None)) is not None:
+            _arguments_config(own_config, arguments)  # options the route would refuse at train(), refused here
         if "model" in kwargs:
             kwargs["model"] = model.model
         else:
@@ -313,15 +315,12 @@ def _resume_main_adapter(cm: Any, folder: str) -> None:
 
 
 def _arguments_config(config: Any, args: Any) -> tuple[Any, set[str]]:
-    """`config` with the training arguments' checkpointing options (None where they ask for none, or for options the
-    route refuses itself, with the reason), and the fields changed that change what runs (under a budget, which plans
-    every layer, `every_n_layers` and the policy do not)."""
+    """`config` with the training arguments' checkpointing options (None where they ask for none), and the fields
+    changed that change what runs (under a budget, which plans every layer, `every_n_layers` and the policy do not);
+    options the route refuses are refused naming the arguments."""
     if not trainer_asks_for_checkpointing(args):
         return None, set()
-    try:
-        asked = config_from_route(config, "the training arguments", trainer_checkpointing_kwargs(args), {})
-    except (TypeError, ValueError):
-        return None, set()
+    asked = config_from_route(config, "TrainingArguments' checkpointing kwargs", trainer_checkpointing_kwargs(args), {})
     runs = set(config.changed_fields(asked))
     return asked, runs - {"every_n_layers", "checkpoint_policy"} if asked.budget is not None else runs
 
