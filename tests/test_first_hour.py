@@ -100,6 +100,26 @@ def test_merge_and_unload_returns_a_plain_model_and_leaves_the_wrapper_disabled_
 
 
 @pytest.mark.parametrize("method", ["merge_and_unload", "unload"])
+def test_merge_and_unload_before_a_checkpointed_forwards_backward_is_refused_and_the_backward_still_runs(method):
+    """The backward's recompute ran the unloaded layers and torch failed ("a different number of tensors was
+    saved"), the wrapper already off: refused, nothing changed; once the backward ran, the unload goes ahead."""
+    from remat import StateError
+
+    cm = CheckpointedModel(add_lora(base := tiny_model()), CheckpointConfig(every_n_layers=2))
+    _, expected = step_grads(cm, _trainable(cm.model), batch())
+    for _, p in _trainable(cm.model):
+        p.grad = None
+    torch.manual_seed(123)
+    loss = cm(**batch()).loss
+    with pytest.raises(StateError, match=rf"cm.{method}\(\) now would replace layers \[0, 2\] under a checkpointed"):
+        getattr(cm, method)()
+    assert cm.is_enabled
+    loss.backward()
+    assert_same_grads(expected, {n: p.grad for n, p in _trainable(cm.model)}, rtol=0, atol=0)
+    assert getattr(cm, method)() is base
+
+
+@pytest.mark.parametrize("method", ["merge_and_unload", "unload"])
 def test_after_merge_and_unload_the_wrapper_refuses_to_save_or_enable_and_touches_nothing(method, tmp_path):
     """The adapters left cm.model with the merge: a save wrote an empty adapter file (fingerprinted, loadable as the
     untrained base: the training lost) and enable() put the routes back on the returned plain model."""

@@ -25,6 +25,7 @@ from .offload import LayerOffloadStats, Offloader, Transport
 from .persistence import load_checkpointed_model, save_checkpointed_model
 from .persistence.pair_format import is_peft_model
 from .plan import CheckpointMap, plan_layers
+from .recompute import swappers_owed
 from .refs import LocalRef
 from .swap import LayerSwapStats, WeightMover, WeightSwapper, check_swappable
 
@@ -343,6 +344,12 @@ class CheckpointedModel(nn.Module):
                 "adapters to unload. cm.disable() leaves the model as it was before wrapping"
             )
         controller, was_enabled = self._controller, self._controller.is_enabled
+        if owed := [i for i, layer in enumerate(controller.discovery.layers) if swappers_owed(layer.module)]:
+            raise StateError(
+                f"cm.{name}() now would replace layers {owed} under a checkpointed forward whose backward has not run "
+                "(its recompute would run the unloaded model and fail): call backward first, or drop that forward's "
+                "outputs; nothing was changed"
+            )
         controller.disable(cause=f"cm.{name}()")
         try:
             result = method(*args, **kwargs)
