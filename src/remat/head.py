@@ -32,7 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .errors import StateError
+from .errors import ConfigError, StateError
 from .plan import HeadPlan
 
 logger = logging.getLogger("remat")
@@ -141,6 +141,11 @@ def chunked_loss(
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
+    if shift_labels.shape != hidden.shape[:-1] or shift_labels.is_floating_point():  # else torch fails mid-chunk
+        raise ConfigError(
+            f"head='chunked': the labels ({tuple(shift_labels.shape)}, {shift_labels.dtype}) must be token ids, one "
+            f"per position of the hidden states ({tuple(hidden.shape[:-1])}), as the model's own loss takes them"
+        )
     counted = shift_labels != ignore_index
     states, targets = hidden[counted], shift_labels[counted]
 
