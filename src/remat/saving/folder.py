@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..errors import FolderChangedError, LockFileError
+from ..errors import FolderAccessError, FolderChangedError, LockFileError, RematError
 from .files import Lock, fsync_folder, json_object, open_regular, read_json_object, write_file_atomically
 from .files import take_lock as _take_lock
 
@@ -46,12 +46,15 @@ def _take_folder_lock(folder: str, *, shared: bool = False) -> Lock:
     try:
         lock = _take_lock(path, wait=True, remove=True, shared=shared)
     except LockFileError:
-        logger.warning("%s: %s is not a regular file, not remat's lock file; removing it", folder, FOLDER_LOCK)
-        with contextlib.suppress(FileNotFoundError):  # another process removed it first
-            if os.path.isdir(path) and not os.path.islink(path):
-                os.rmdir(path)  # an empty folder; one with files in it is an error naming it
-            else:
-                os.unlink(path)
+        try:
+            (os.rmdir if os.path.isdir(path) and not os.path.islink(path) else os.unlink)(path)  # a folder if empty
+        except FileNotFoundError:
+            pass  # another process removed it first
+        except OSError as err:  # a folder with files in it, or a folder this process cannot write
+            why = f"not remat's lock file, and remat cannot remove it ({err.strerror}): remove it yourself"
+            raise LockFileError(err.errno, why, path) from None
+        else:
+            logger.warning("%s: %s was not a regular file, not remat's lock file; removed it", folder, FOLDER_LOCK)
         lock = _take_lock(path, wait=True, remove=True, shared=shared)
     assert lock is not None  # waited for it
     return lock
@@ -60,7 +63,8 @@ def _take_folder_lock(folder: str, *, shared: bool = False) -> Lock:
 @contextlib.contextmanager
 def _reading_lock(folder: str) -> Iterator[Lock]:
     """The folder's shared lock for one load; exclusive if a crashed commit had to be finished first."""
-    lock = _take_folder_lock(folder, shared=True)
+    with _os_refusal("load from", folder, "load from a folder you can read; nothing was loaded"):
+        lock = _take_folder_lock(folder, shared=True)
     try:
         if lock.held and _recover(folder, exclusive=False):
             lock.release()
@@ -70,6 +74,18 @@ def _reading_lock(folder: str) -> Iterator[Lock]:
         yield lock
     finally:
         lock.release()
+
+
+@contextlib.contextmanager
+def _os_refusal(doing: str, folder: str, fix: str) -> Iterator[None]:
+    """The OS refusing remat's own files in `folder` (no permission, a read-only mount), said as the user's folder and
+    `fix`: the OS's error named the hidden staging folder or lock file, which the user never made."""
+    try:
+        yield
+    except RematError:
+        raise
+    except OSError as err:
+        raise FolderAccessError(err.errno, f"cannot {doing} {folder}: {err.strerror or err}; {fix}") from None
 
 
 _writing = threading.local()
@@ -96,7 +112,8 @@ def save_pair(
     while not os.path.lexists(folder):
         made, folder = [*made, folder], os.path.dirname(folder)
     try:
-        staging, staging_lock = _staging_in_new_or_old(target)
+        with _os_refusal("save into", target, "save to a folder you can write to; nothing was written"):
+            staging, staging_lock = _staging_in_new_or_old(target)
     except BaseException:
         _remove_made(made)
         raise
