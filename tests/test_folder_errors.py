@@ -4,6 +4,7 @@ remat's hidden staging folder or lock file."""
 import errno
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import textwrap
 import pytest
 from conftest import tiny_model
 
-from remat import CheckpointConfig, CheckpointedModel, FolderAccessError, LockFileError, RematError
+from remat import CheckpointConfig, CheckpointedModel, ConfigError, FolderAccessError, LockFileError, RematError
 from remat.saving import STAGING_PREFIX, files, folder
 from remat.saving.folder import FOLDER_LOCK
 
@@ -118,3 +119,15 @@ def test_a_folder_with_files_where_the_lock_file_goes_is_named_and_left_alone(tm
         assert _contents(tmp_path) == before
     shutil.rmtree(tmp_path / FOLDER_LOCK)
     assert CheckpointConfig.from_pretrained(tmp_path).every_n_layers == 3
+
+
+@pytest.mark.parametrize("save", SAVES.values(), ids=SAVES.keys())
+@pytest.mark.parametrize("under", ["afile", "afile/sub"])
+def test_a_file_where_the_folder_goes_is_refused_by_every_save_alike(tmp_path, save, under):
+    """The wrapper refused a file, the config's save raised FileExistsError, and both NotADirectoryError inside one."""
+    (tmp_path / "afile").write_text("mine")
+    with pytest.raises(
+        ConfigError, match=rf"needs a folder, but {re.escape(str(tmp_path / 'afile'))} is a file.*: pass a folder"
+    ):
+        save(tmp_path / under)
+    assert _contents(tmp_path) == {str(tmp_path / "afile"): b"mine"}

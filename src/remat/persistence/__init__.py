@@ -63,8 +63,6 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
             "get_peft_model(model, lora_config); cm = CheckpointedModel(peft_model). Nothing was saved."
         )
     target = os.path.abspath(os.fspath(save_directory))
-    if os.path.isfile(target):
-        raise ConfigError(f"save_pretrained needs a folder, but {target} is a file: pass a folder")
     if kwargs.get("state_dict") is not None:
         kwargs["state_dict"] = _adapters_state_dict(model, kwargs["state_dict"], kwargs.get("selected_adapters"))
 

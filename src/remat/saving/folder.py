@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..errors import FolderAccessError, FolderChangedError, LockFileError, RematError
+from ..errors import ConfigError, FolderAccessError, FolderChangedError, LockFileError, RematError
 from .files import Lock, fsync_folder, json_object, open_regular, read_json_object, write_file_atomically
 from .files import take_lock as _take_lock
 
@@ -111,6 +111,10 @@ def save_pair(
     made, folder = [], target  # the folders this save makes, the target first
     while not os.path.lexists(folder):
         made, folder = [*made, folder], os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        kind = "a file" if os.path.isfile(folder) else "not a folder"
+        within = "" if folder == target else f" (on the way to {target})"
+        raise ConfigError(f"save_pretrained needs a folder, but {folder} is {kind}{within}: pass a folder")
     try:
         with _os_refusal("save into", target, "save to a folder you can write to; nothing was written"):
             staging, staging_lock = _staging_in_new_or_old(target)
