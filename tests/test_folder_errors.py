@@ -1,5 +1,5 @@
-"""A folder remat cannot use is refused naming the user's folder and what to do: before, the OS's raw error named
-remat's hidden staging folder or lock file."""
+"""A folder remat cannot use, or an argument that is not one, is refused naming the user's folder and what to do:
+before, the OS's raw error named remat's hidden staging folder or lock file, or os.fspath's TypeError came out."""
 
 import errno
 import os
@@ -11,9 +11,18 @@ import sys
 import textwrap
 
 import pytest
-from conftest import tiny_model
+from conftest import lora_value, marked_lora_cm, tiny_model
 
-from remat import CheckpointConfig, CheckpointedModel, ConfigError, FolderAccessError, LockFileError, RematError
+from remat import (
+    CheckpointConfig,
+    CheckpointedModel,
+    ConfigError,
+    ConfigTypeError,
+    FolderAccessError,
+    LockFileError,
+    NotSavedError,
+    RematError,
+)
 from remat.saving import STAGING_PREFIX, files, folder
 from remat.saving.folder import FOLDER_LOCK
 
@@ -131,3 +140,45 @@ def test_a_file_where_the_folder_goes_is_refused_by_every_save_alike(tmp_path, s
     ):
         save(tmp_path / under)
     assert _contents(tmp_path) == {str(tmp_path / "afile"): b"mine"}
+
+
+def test_a_missing_folder_that_reads_as_a_hub_id_says_to_download_it(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NotSavedError, match="reads a local folder") as info:
+        CheckpointedModel.from_pretrained(tiny_model(), "someone/some-adapter")
+    assert "huggingface_hub.snapshot_download('someone/some-adapter')" in str(info.value)
+    for local in ("./missing", "../missing", str(tmp_path / "missing")):
+        with pytest.raises(NotSavedError, match=r"pass the folder cm\.save_pretrained") as info:
+            CheckpointedModel.from_pretrained(tiny_model(), local)
+        assert "snapshot_download" not in str(info.value)
+
+
+def test_the_config_file_instead_of_its_folder_names_the_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    CheckpointConfig().save_pretrained("out")
+    with pytest.raises(NotSavedError, match="is a file: pass the folder holding it, 'out'"):
+        CheckpointedModel.from_pretrained(tiny_model(), os.path.join("out", "checkpoint_config.json"))
+
+
+def test_a_folder_that_is_not_a_path_or_arguments_swapped_are_named(tmp_path):
+    model = tiny_model()
+    with pytest.raises(ConfigTypeError, match=r"folder must be a str or os.PathLike, got NoneType$"):
+        CheckpointedModel.from_pretrained(model, None)
+    swapped = r"got LlamaForCausalLM \(the arguments are swapped: from_pretrained\(model, 'out'\)\)"
+    with pytest.raises(ConfigTypeError, match=swapped):
+        CheckpointedModel.from_pretrained("out", model)
+
+
+def test_loading_into_a_wrapper_names_the_calls_that_do_and_they_work(tmp_path):
+    marked_lora_cm(2.0).save_pretrained(tmp_path)
+    peft_cm, plain_cm = marked_lora_cm(1.0), CheckpointedModel(tiny_model())
+    for cm, peft in ((peft_cm, True), (plain_cm, False)):
+        with pytest.raises(ConfigTypeError, match="already a CheckpointedModel") as info:
+            CheckpointedModel.from_pretrained(cm, tmp_path)
+        assert ("cm.model.load_adapter(folder, adapter_name=...)" in str(info.value)) == peft
+        assert "cm.disable(), then CheckpointedModel.from_pretrained(cm.model, folder)" in str(info.value)
+    peft_cm.model.load_adapter(tmp_path, adapter_name="other")
+    assert set(peft_cm.model.peft_config) == {"default", "other"}
+    for cm in (peft_cm, plain_cm):
+        cm.disable()
+        assert lora_value(CheckpointedModel.from_pretrained(cm.model, tmp_path)) == 2.0

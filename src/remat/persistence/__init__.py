@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import logging
 import os
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ from .peft_loading import check_peft_load, load_adapters, undone_on_failure
 logger = logging.getLogger("remat")
 
 _READ_AGAIN = 10  # loads of a folder this process cannot lock: how often a commit during PEFT's read is retried
+_HUB_ID = re.compile(r"[\w-][\w.-]*/[\w-][\w.-]*")  # "owner/name", as the Hub names repos
 
 __all__ = [
     "SaveLoadOverrides",
@@ -136,9 +138,7 @@ def load_checkpointed_model(
 ) -> Any:
     """`cls.from_pretrained`: `cls` is the wrapper class (handed in, so nothing here imports it)."""
     check_flag(is_trainable, "from_pretrained's is_trainable")
-    folder = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(folder):
-        raise NotSavedError(f"no saved CheckpointedModel at {folder}; save one with cm.save_pretrained(folder)")
+    folder = _saved_folder(cls, model, path)
     _refuse_keywords_peft_would_drop(kwargs)
     options = WrapperOptions.taken_from(kwargs)
     # Every check comes before PEFT's loading changes the model. Layers are found and planned again only
@@ -168,6 +168,37 @@ def load_checkpointed_model(
                 continue
         break
     return cm.for_training() if is_trainable else cm.for_inference()
+
+
+def _saved_folder(cls: Any, model: Any, path: Any) -> str:
+    """The folder `from_pretrained(model, path)` reads, or what to pass instead: remat reads a local folder and never
+    downloads, so a Hub id gets the download, the config file its folder, a wrapper the calls that load into one."""
+    if not isinstance(path, (str, os.PathLike)):
+        swapped = isinstance(model, (str, os.PathLike)) and isinstance(path, nn.Module)
+        raise ConfigTypeError(
+            f"from_pretrained(model, folder): folder must be a str or os.PathLike, got {type(path).__name__}"
+            + (f" (the arguments are swapped: from_pretrained(model, {os.fspath(model)!r}))" if swapped else "")
+        )
+    if isinstance(model, cls):
+        # (transformers' own load_adapter, on a model without PEFT, adds layers that remat refuses to save)
+        into = "cm.model.load_adapter(folder, adapter_name=...) loads its adapter into it, or "
+        into = into if is_peft_model(model.model) else ""
+        raise ConfigTypeError(
+            f"from_pretrained(model, folder): this model is already a CheckpointedModel; {into}cm.disable(), then "
+            "CheckpointedModel.from_pretrained(cm.model, folder) wraps its model again with the saved config"
+        )
+    folder, given = os.path.abspath(os.fspath(path)), os.fspath(path)
+    if os.path.isfile(folder):
+        holder = os.path.dirname(given) or "."
+        raise NotSavedError(
+            f"from_pretrained reads a folder, but {folder} is a file: pass the folder holding it, {holder!r}"
+        )
+    if not os.path.isdir(folder):
+        fix = "pass the folder cm.save_pretrained(folder) wrote"
+        if _HUB_ID.fullmatch(given):
+            fix = f"download a Hub repo first: from_pretrained(model, huggingface_hub.snapshot_download({given!r}))"
+        raise NotSavedError(f"no saved CheckpointedModel at {folder}: from_pretrained reads a local folder; {fix}")
+    return folder
 
 
 def apply_saved_config(owner: Any, folder: str, cause: str) -> None:
