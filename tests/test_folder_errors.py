@@ -56,7 +56,11 @@ def test_a_save_the_os_refuses_names_the_users_folder_and_writes_nothing(tmp_pat
     monkeypatch.setattr(folder.tempfile, "mkdtemp", refused)
     with pytest.raises(FolderAccessError) as info:
         save(target)
-    assert isinstance(info.value, OSError) and isinstance(info.value, RematError) and info.value.errno == errno.EACCES
+    assert (
+        isinstance(info.value, PermissionError)
+        and isinstance(info.value, RematError)
+        and info.value.errno == errno.EACCES
+    )
     said = str(info.value)
     assert f"cannot save into {target}: Permission denied" in said and STAGING_PREFIX not in said, said
     assert "save to a folder you can write to; nothing was written" in said
@@ -182,3 +186,15 @@ def test_loading_into_a_wrapper_names_the_calls_that_do_and_they_work(tmp_path):
     for cm in (peft_cm, plain_cm):
         cm.disable()
         assert lora_value(CheckpointedModel.from_pretrained(cm.model, tmp_path)) == 2.0
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC])
+def test_a_read_only_mount_is_a_folder_access_error_and_a_full_disk_stays_the_oss_own(tmp_path, monkeypatch, code):
+    def refused(*args, **kwargs):
+        raise OSError(code, os.strerror(code), kwargs["dir"])
+
+    monkeypatch.setattr(folder.tempfile, "mkdtemp", refused)
+    with pytest.raises(OSError) as info:
+        CheckpointConfig().save_pretrained(tmp_path / "out")
+    assert isinstance(info.value, FolderAccessError) == (code == errno.EROFS) and info.value.errno == code
+    assert not (tmp_path / "out").exists()

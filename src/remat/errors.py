@@ -45,7 +45,7 @@ class FolderChangedError(SavedFileError):
     """A file of the folder changed while it was being loaded (or the folder mixes two saves)."""
 
 
-class FolderAccessError(RematError, OSError):
+class FolderAccessError(RematError, PermissionError):
     """A folder the OS refuses to save into or load from (permissions, a read-only mount): named with the OS's reason;
     nothing was written. (The OS's error named remat's hidden staging folder or lock file, never the user's folder.)"""
 

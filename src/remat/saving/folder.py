@@ -11,6 +11,7 @@ folder: a link or non-regular file where a `LOCK`, manifest or entry goes, or a 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -82,9 +83,9 @@ def _os_refusal(doing: str, folder: str, fix: str) -> Iterator[None]:
     `fix`: the OS's error named the hidden staging folder or lock file, which the user never made."""
     try:
         yield
-    except RematError:
-        raise
     except OSError as err:
+        if isinstance(err, RematError) or not (isinstance(err, PermissionError) or err.errno == errno.EROFS):
+            raise  # anything else (a full disk) is the OS's own error, with its own path
         raise FolderAccessError(err.errno, f"cannot {doing} {folder}: {err.strerror or err}; {fix}") from None
 
 
