@@ -137,6 +137,32 @@ def test_a_load_into_a_peft_model_that_has_the_adapters_gives_them_as_saved_and_
     assert grads and all(".b." in name for name in grads)
 
 
+def test_a_save_of_several_adapters_that_does_not_say_which_was_active_loads_with_one_warning(tmp_path, caplog):
+    """Saves before `active_adapters` was recorded loaded "default" active (another than when saved: other logits)
+    with no word; a save that records it loads silently."""
+    import json
+
+    from peft import LoraConfig
+
+    source = add_lora(tiny_model())
+    source.add_adapter("b", LoraConfig(r=2, target_modules=["k_proj"], init_lora_weights=False))
+    source.set_adapter("b")
+    CheckpointedModel(source).save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="remat"):
+        assert CheckpointedModel.from_pretrained(tiny_model(), tmp_path).model.active_adapters == ["b"]
+    assert "older remat" not in caplog.text
+    file = tmp_path / "checkpoint_config.json"
+    saved = json.loads(file.read_text())
+    del saved["active_adapters"]  # as an older remat wrote it
+    file.write_text(json.dumps(saved))
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="remat"):
+        loaded = CheckpointedModel.from_pretrained(tiny_model(), tmp_path)
+    (said,) = [r.getMessage() for r in caplog.records if "older remat" in r.getMessage()]
+    assert "['default'] is active now" in said and "cm.model.set_adapter(name)" in said
+    assert loaded.model.active_adapters == ["default"]
+
+
 def test_an_adapter_named_as_a_base_module_is_recorded_by_its_own_weights(tmp_path):
     from peft import LoraConfig
 

@@ -4,6 +4,7 @@ and `undone_on_failure`, which puts the model back as it was when PEFT's load fa
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,8 @@ from torch import nn
 from ..errors import ConfigError, SavedFileError
 from ..saving.files import read_json_object
 from .pair_format import ADAPTER_CONFIG, Loaded, adapter_parameters, is_peft_model, original_method
+
+logger = logging.getLogger("remat")
 
 _PEFT_BOOKKEEPING = {"base_model_name_or_path", "revision", "inference_mode", "auto_mapping", "peft_version"}
 
@@ -74,6 +77,14 @@ def load_adapters(model: nn.Module, loaded: Loaded, is_trainable: bool, kwargs: 
             loaded.snapshot.path(adapter.folder), adapter_name=adapter.name, is_trainable=trainable(adapter), **kwargs
         )
     active = loaded.saved.active_adapters
+    if active is None and len(loaded.adapters) > 1:  # several adapters, saved before remat recorded which was active
+        logger.warning(
+            "%s: saved by an older remat, which did not record which adapter was active: %s is active now, as PEFT "
+            "makes it%s. If another was active when saved: cm.model.set_adapter(name)",
+            loaded.saved.file,
+            list(model.active_adapters),
+            " (every adapter loaded trainable)" if is_trainable else "",
+        )
     if active and set(active) <= set(model.peft_config) and list(model.active_adapters) != list(active):
         flags = [(p, p.requires_grad) for p in model.parameters()]  # PEFT's set_adapter freezes the others
         _activate(model, list(active))
