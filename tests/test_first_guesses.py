@@ -177,7 +177,8 @@ def test_a_fraction_of_a_byte_is_a_unit_left_out_not_a_byte_count(size):
     is asked for, with the value as given."""
     meant = size.rstrip("B")
     with pytest.raises(
-        ValueError, match=rf"a size in bytes is a whole number; got {size!r}: add the unit meant \('{meant}GiB'\)"
+        ValueError,
+        match=rf"a size in bytes is a whole number; got {size!r}: add the unit meant \('{meant}MiB' or '{meant}GiB'\)",
     ):
         parse_bytes(size, "budget")
 
@@ -221,3 +222,10 @@ def test_config_refusals_name_the_way_out():
         cm.enable(budget="1GiB")
     cm.enable(budget="1GiB", layer_policies={})  # the way out it names
     assert cm.checkpoint_config.budget == "1GiB" and not cm.checkpoint_config.layer_policies
+
+
+def test_the_no_checkpointing_hint_is_given_for_the_policy_only():
+    for field in ("head", "swap_placement", "budget_scope"):
+        with pytest.raises(ValueError) as refused:
+            CheckpointConfig(**{field: "none"})
+        assert "no checkpointing" not in str(refused.value), field

@@ -151,7 +151,8 @@ def test_a_missing_folder_that_reads_as_a_hub_id_says_to_download_it(tmp_path, m
     with pytest.raises(NotSavedError, match="reads a local folder") as info:
         CheckpointedModel.from_pretrained(tiny_model(), "someone/some-adapter")
     assert "huggingface_hub.snapshot_download('someone/some-adapter')" in str(info.value)
-    for local in ("./missing", "../missing", str(tmp_path / "missing")):
+    (tmp_path / "out").mkdir()  # a typo under a local folder ("out/checkpoint-5000") is no Hub id
+    for local in ("./missing", "../missing", str(tmp_path / "missing"), "out/checkpoint-5000"):
         with pytest.raises(NotSavedError, match=r"pass the folder cm\.save_pretrained") as info:
             CheckpointedModel.from_pretrained(tiny_model(), local)
         assert "snapshot_download" not in str(info.value)

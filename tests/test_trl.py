@@ -322,6 +322,32 @@ def test_trls_peft_config_over_a_wrapped_base_model_is_adopted_and_its_checkpoin
     assert {"adapter_model.safetensors", "checkpoint_config.json"} <= set(os.listdir(tmp_path / "again"))
 
 
+@pytest.mark.parametrize("trainer", ["SFTTrainer", "DPOTrainer"])
+def test_checkpointing_kwargs_the_route_refuses_leave_the_model_without_trls_lora_wherever_the_arguments_go(
+    tmp_path, trainer
+):
+    """Refused at train() (naming a route the user never called) after TRL's peft_config= had put LoRA layers into
+    cm.model; DPO takes the arguments third, positionally."""
+    from peft import LoraConfig
+
+    from remat import ConfigError
+
+    cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=2))
+    base, before = cm.model, (cm.checkpoint_config, cm.checkpoint_map)
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    config = getattr(trl, trainer.replace("Trainer", "Config"))(
+        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrnt": False}, **_common(tmp_path)
+    )
+    cls = remat_trainer_class(getattr(trl, trainer))
+    positional = (cm, None, config) if trainer == "DPOTrainer" else (cm, config)
+    rows = {"prompt": ["Say yes:"] * 4, "chosen": [" yes"] * 4, "rejected": [" no"] * 4}
+    data = datasets.Dataset.from_dict(rows if trainer == "DPOTrainer" else {"text": ["the quick brown fox"] * 4})
+    with pytest.raises(ConfigError, match=r"^TrainingArguments' checkpointing kwargs: .*\['use_reentrnt'\]"):
+        cls(*positional, train_dataset=data, processing_class=byte_tokenizer(), peft_config=lora)
+    assert cm.model is base and not any("lora" in name for name, _ in base.named_modules())
+    assert (cm.checkpoint_config, cm.checkpoint_map) == before
+
+
 def test_a_base_model_adopted_into_trls_peft_model_is_still_owned(tmp_path):
     """After the adoption the wrapper owns the PeftModel and the base model inside it: a second
     wrapper of either is refused while the first is enabled, and a wrapper that took the base

@@ -41,7 +41,7 @@ def parse_bytes(value: Any, name: str, least: int = 0) -> int:
     if match is None or unit not in _UNITS:
         raise ConfigError(f"{name} must be {_SIZE_HELP}; got {value!r}")
     if unit in ("", "b") and "." in match.group(1):  # bytes are whole: '1.5' is a unit left out, not 1 byte
-        meant = f"'{match.group(1)}GiB'"
+        meant = f"'{match.group(1)}MiB' or '{match.group(1)}GiB'"
         raise ConfigError(f"{name}: a size in bytes is a whole number; got {value!r}: add the unit meant ({meant})")
     size = float(match.group(1)) * _UNITS[unit]
     if not size <= MAX_COUNT:  # hundreds of digits: no size a machine has (and no int a float can give)

@@ -348,7 +348,8 @@ class CheckpointedModel(nn.Module):
             raise StateError(
                 f"cm.{name}() now would replace layers {owed} under a checkpointed forward whose backward has not run "
                 "(its recompute would run the unloaded model and fail): call backward first, or drop that forward's "
-                "outputs; nothing was changed"
+                "outputs (a forward that raised at a prompt is held by its traceback: sys.last_exc = sys.last_value = "
+                "sys.last_traceback = None); nothing was changed"
             )
         controller.disable(cause=f"cm.{name}()")
         try:

@@ -5,6 +5,7 @@ PeftModel adopted, the map in the logs and every save, a warning when the traini
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 import re
@@ -61,8 +62,9 @@ class _RematTrainerMixin:
             super().__init__(*args, **kwargs)
             return
         own_config, own_map = controller.config, controller.checkpoint_map
-        if (arguments := kwargs.get("args", args[1] if len(args) > 1 else None)) is not None:
-            _arguments_config(own_config, arguments)  # options the route would refuse at train(), refused here
+        # options the route would refuse at train(), refused before a trainer's peft_config= changes the model
+        if (arguments := _training_arguments(super().__init__, args, kwargs)) is not None:
+            _arguments_config(own_config, arguments)
         if "model" in kwargs:
             kwargs["model"] = model.model
         else:
@@ -183,6 +185,18 @@ class _RematTrainerMixin:
         else:
             super()._load_best_model()  # type: ignore[misc]
         _apply_saved_config(cm, best, "loading the best model")
+
+
+def _training_arguments(init: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The `args` a trainer's `__init__` is given, where it takes them (third in TRL's DPO, KTO, GRPO); None if not
+    given, or if the call does not fit (the base's own error follows). A subclass's `(*args, **kwargs)`: by keyword."""
+    signature = inspect.signature(init)
+    if (named := signature.parameters.get("args")) is None or named.kind is not named.POSITIONAL_OR_KEYWORD:
+        return kwargs.get("args")
+    try:
+        return signature.bind(*args, **kwargs).arguments.get("args")
+    except TypeError:
+        return None
 
 
 def _refuse_compiled_wrapper(model: Any) -> None:

@@ -195,7 +195,7 @@ def _saved_folder(cls: Any, model: Any, path: Any) -> str:
         )
     if not os.path.isdir(folder):
         fix = "pass the folder cm.save_pretrained(folder) wrote"
-        if _HUB_ID.fullmatch(given):
+        if _HUB_ID.fullmatch(given) and not os.path.lexists(given.split("/")[0]):  # not a local folder mistyped
             fix = f"download a Hub repo first: from_pretrained(model, huggingface_hub.snapshot_download({given!r}))"
         raise NotSavedError(f"no saved CheckpointedModel at {folder}: from_pretrained reads a local folder; {fix}")
     return folder

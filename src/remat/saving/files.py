@@ -98,7 +98,8 @@ def no_config(path: str) -> NotSavedError:
     if os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
         hint = (
             " (the folder's config.json is a model's: cm.config is the model's config, remat's is "
-            "cm.checkpoint_config: cm.checkpoint_config.save_pretrained(folder) or cm.save_pretrained(folder))"
+            "cm.checkpoint_config: cm.save_pretrained(folder) saves it with the adapters, "
+            "cm.checkpoint_config.save_pretrained(folder) alone)"
         )
     return NotSavedError(f"no checkpoint config at {path}; save one with save_pretrained{hint}")
 
