@@ -264,3 +264,24 @@ def test_torchs_own_mutation_error_is_explained_by_the_selective_policy():
     explained = policy("selective").explain_recompute_error(raised.value, 3)
     assert explained is not None and "layer_policies={3: 'recompute'}" in str(explained)
     assert policy("selective").explain_recompute_error(RuntimeError("something else was mutated"), 3) is None
+
+
+def test_on_a_torch_that_gives_the_policy_no_op_outputs_selective_is_refused_not_run_unguarded():
+    """torch before 2.12 passes the policy no `op_output`: the in-place guard saw no kept output and never fired,
+    so a layer changing one in place got wrong gradients without a word. Asked directly, through the seam torch
+    calls (a context without the field, as those releases pass)."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from remat.errors import PolicyError
+    from remat.policies._selective_ops import _KeptOutputs
+
+    kept, a, b = _KeptOutputs(3), torch.ones(4, 4), torch.ones(4, 4)
+    older = SimpleNamespace(is_recompute=False)
+    with pytest.raises(PolicyError, match=r"needs torch >= 2.12.*give layer 3 another policy") as refused:
+        kept(older, torch.ops.aten.mm.default, a, b)
+    assert refused.value.layer == 3
+    assert kept(older, torch.ops.aten.add.Tensor, a, b) is CheckpointPolicy.PREFER_RECOMPUTE  # nothing kept: runs
+    newer = SimpleNamespace(is_recompute=False, op_output=a @ b)
+    assert kept(newer, torch.ops.aten.mm.default, a, b) is CheckpointPolicy.MUST_SAVE and kept.kept
