@@ -148,3 +148,29 @@ def test_the_wrappers_training_flag_is_the_models_mode(tmp_path):
     cm.save_pretrained(tmp_path)
     loaded = CheckpointedModel.from_pretrained(tiny_model(), tmp_path, is_trainable=False)
     assert not loaded.training and not loaded.model.training
+
+
+def test_generation_in_train_mode_between_steps_keeps_its_cache_on_every_transformers_release():
+    """TRL generates in train mode between steps, a route's disable around it; a swapped layer stays checkpointed
+    through the disable. transformers before 5.24 dropped the KV cache of a flagged layer (and of the model that
+    holds the layers) in train mode even under no_grad: other tokens on 4.57, a crash on 5.17."""
+    bare = add_lora(tiny_model(seed=5, attention_dropout=0.0), dropout=0.0).eval()
+    prompt = batch(seed=9)["input_ids"][:, :5]
+    with torch.no_grad():
+        expected = _generate(bare, prompt)
+    for config, toggle in ((CheckpointConfig(swap_layers=2), True), (CheckpointConfig(every_n_layers=2), False)):
+        cm = CheckpointedModel(add_lora(tiny_model(seed=5, attention_dropout=0.0), dropout=0.0), config)
+        model, before = cm.model, cm.checkpoint_map
+        step_grads(cm, [(n, p) for n, p in model.named_parameters() if p.requires_grad], batch())
+        lengths = SequenceLengths(decoder_layers(model)[0])
+        if toggle:
+            model.gradient_checkpointing_disable()  # TRL's unwrap_model_for_generation
+        assert model.training
+        with torch.no_grad():
+            got = _generate(model, prompt)
+        lengths.remove()
+        assert torch.equal(got, expected), config
+        assert lengths.lengths == [5] + [1] * 5, "each new token from the cache"
+        if toggle:
+            model.gradient_checkpointing_enable()
+        assert cm.checkpoint_map == before

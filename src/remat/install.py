@@ -32,6 +32,22 @@ class _Installed:
         return self._module.alive("a layer of the wrapped model no longer exists; wrap the model you train")
 
 
+class _WhileGradientsAreOn:
+    """A checkpointed layer's flag, true only while gradients are on. transformers before 5.24 asks the flag and
+    train mode only, and drops the KV cache for a flagged layer (and holder) even under `no_grad`: generation in train
+    mode (TRL's, between steps; a swapped layer stays checkpointed through `gradient_checkpointing_disable()`) ran
+    without its cache and gave other tokens (5.17: a crash). 5.24 asks `torch.is_grad_enabled()` itself."""
+
+    def __bool__(self) -> bool:
+        return torch.is_grad_enabled()
+
+    def __repr__(self) -> str:
+        return "True (while gradients are on)"
+
+
+CHECKPOINTING = _WhileGradientsAreOn()
+
+
 class FlagInstall(_Installed):
     """A `GradientCheckpointingLayer`: its own flag and function, which transformers calls. A `holder` (its flag
     turns `use_cache` off) gets a pass-through function, its flag on only where that cannot nest a checkpoint."""
@@ -45,7 +61,7 @@ class FlagInstall(_Installed):
     def set(self, enabled: bool, function: Any) -> None:
         if self.holder:
             enabled, function = enabled and not self.nests, run_without_checkpoint
-        object.__setattr__(self.module, LAYER_FLAG, enabled)  # kept out of nn.Module's bookkeeping
+        object.__setattr__(self.module, LAYER_FLAG, CHECKPOINTING if enabled else False)  # not in nn.Module's books
         object.__setattr__(self.module, LAYER_FUNCTION, function)
 
     def restore(self) -> None:
