@@ -608,7 +608,7 @@ def test_trls_generation_toggle_under_a_budget_says_each_move_of_the_map_once(re
     recomputed = _recomputed_in_backward(cm)
     params, maps = list(cm.model.named_parameters()), set()
     for step in range(8):
-        with torch.no_grad(), disable_gradient_checkpointing(cm.model, {"use_reentrant": False}):
+        with disable_gradient_checkpointing(cm.model, {"use_reentrant": False}), torch.no_grad():
             assert not cm.checkpoint_map.checkpointed
             cm.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
         recomputed.clear()
@@ -619,6 +619,10 @@ def test_trls_generation_toggle_under_a_budget_says_each_move_of_the_map_once(re
     said = [r.getMessage() for r in remat_logs.records if "changed the checkpoint" in r.getMessage()]
     # construction's; disable's one move; enable's: to the pending map, to a bucket's plan
     assert len(said) == len(set(said)) == 4, said
+    before = cm.checkpoint_map
+    with torch.no_grad(), disable_gradient_checkpointing(cm.model, {"use_reentrant": False}):
+        assert cm.checkpoint_map == before, "without gradients no layer checkpoints: the toggle has nothing to turn off"
+    assert len([r for r in remat_logs.records if "changed the checkpoint" in r.getMessage()]) == 4
 
 
 def test_another_budget_says_its_plans_with_receipts_of_their_own(caplog):
