@@ -651,3 +651,17 @@ def test_a_saved_budget_replacing_a_wrappers_map_is_named_not_its_placeholder(tm
     (said,) = [r.getMessage() for r in caplog.records if "replaced this wrapper's own" in r.getMessage()]
     assert "it is now the budget's (64MiB: planned on the first training step)" in said, said
     assert "recompute [0, 2]" in said  # what it was
+
+
+def test_a_step_that_runs_the_models_own_head_keeps_its_plans_receipt():
+    """The receipt compared the head row, which says what the last forward ran: a step with return_dict=False (the
+    model's own head) then a chunked one opened two receipts more for one plan, each with the other's head."""
+    model = add_lora(tiny_model(vocab_size=2048, attention_dropout=0.0), dropout=0.0)  # a head worth chunking
+    cm = CheckpointedModel(model, CheckpointConfig(head="chunked", budget=250000, budget_scope="activations"))
+    data = batch(size=2, seq=16)
+    for return_dict in (True, True, False, True, True):
+        cm.zero_grad(set_to_none=True)
+        out = cm(**data, return_dict=return_dict)
+        (out.loss if return_dict else out[0]).backward()
+    (receipt,) = cm.budget_receipts
+    assert receipt.steps == 5 and receipt.head.startswith("chunked")

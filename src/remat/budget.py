@@ -161,8 +161,10 @@ class BudgetState:
             controller.replan(config, controller.off_by, f"budget: a step of {tokens} tokens", said=True)
         key = (bucket, self.kind_ids.setdefault(self.kind, len(self.kind_ids)))  # a bucket of each kind
         receipt, new = self.receipts.get(key), _receipt(planned, bucket, controller.checkpoint_map.head)
-        plan_of = lambda r: (r.policies, r.head, r.predicted_peak_bytes, r.scope)
-        if receipt is None or plan_of(receipt) != plan_of(new):  # said once per plan, not per change of bucket
+        # said once per plan, not per change of bucket, nor of the head row (what the last forward ran: the model's
+        # own head for a call with return_dict=False, the plan's on the next)
+        plan_of = lambda r: (r.policies, r.predicted_peak_bytes, r.scope)
+        if receipt is None or plan_of(receipt) != plan_of(new):
             receipt = self.receipts[key] = new
             self.history.append(receipt)
             receipt.planning_seconds = time.perf_counter() - started
