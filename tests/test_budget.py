@@ -653,15 +653,18 @@ def test_a_saved_budget_replacing_a_wrappers_map_is_named_not_its_placeholder(tm
     assert "recompute [0, 2]" in said  # what it was
 
 
-def test_a_step_that_runs_the_models_own_head_keeps_its_plans_receipt():
-    """The receipt compared the head row, which says what the last forward ran: a step with return_dict=False (the
-    model's own head) then a chunked one opened two receipts more for one plan, each with the other's head."""
+def test_a_step_that_runs_the_models_own_head_keeps_its_plans_receipt_which_names_the_head_that_ran():
+    """The receipt compared the head row, which the forward pre-hook saw as the last forward left it: a step with
+    return_dict=False (the model's own head) then a chunked one opened two receipts more for one plan, each naming the
+    other's head; a new bucket opened after such a step named "plain" for steps that all ran chunked."""
     model = add_lora(tiny_model(vocab_size=2048, attention_dropout=0.0), dropout=0.0)  # a head worth chunking
-    cm = CheckpointedModel(model, CheckpointConfig(head="chunked", budget=250000, budget_scope="activations"))
-    data = batch(size=2, seq=16)
-    for return_dict in (True, True, False, True, True):
+    config = CheckpointConfig(head="chunked", head_chunk_tokens=8, budget=250000, budget_scope="activations")
+    cm = CheckpointedModel(model, config)
+    steps = [(16, True), (16, False), (16, True), (16, True), (16, False), (24, True), (24, True)]
+    for seq, return_dict in steps:
         cm.zero_grad(set_to_none=True)
-        out = cm(**data, return_dict=return_dict)
+        out = cm(**batch(size=2, seq=seq), return_dict=return_dict)
         (out.loss if return_dict else out[0]).backward()
-    (receipt,) = cm.budget_receipts
-    assert receipt.steps == 5 and receipt.head.startswith("chunked")
+    short, long = cm.budget_receipts
+    assert (short.bucket_tokens, short.steps, short.head) == (32, 5, "plain"), "its last step ran the model's own"
+    assert (long.bucket_tokens, long.steps, long.head) == (48, 2, "chunked(8)")

@@ -43,7 +43,8 @@ def bucket_of(tokens: int) -> int:
 class Receipt:
     """One bucket: its plan, what the plan predicted, and what ran.
 
-    `steps` counts its training forwards (micro-batches); a bucket planned anew (another budget, a profile measured
+    `steps` counts its training forwards (micro-batches), `head` names the head the last of them ran (the model's own
+    for a call with return_dict=False or without labels); a bucket planned anew (another budget, a profile measured
     again) starts a new receipt. `measured_peak_bytes` is the largest allocator peak of its steps on an accelerator
     (None on a CPU, where the only count is a dispatch-mode watch that slows every op: `remat.testing`)."""
 
@@ -177,6 +178,12 @@ class BudgetState:
         self.last_key = key
         self.unlogged.add(key)
         reset_peak()
+
+    def head_ran(self, label: str) -> None:
+        """The head this step's forward ran, on its receipt: the forward pre-hook that opened it saw the map's head
+        row of the forward before (the model's own head after a return_dict=False call)."""
+        if (receipt := self.receipts.get(self.last_key)) is not None:  # type: ignore[arg-type]
+            receipt.head = label
 
     def _plan_for(self, controller: Any, batch: dict[str, Any], tokens: int) -> Any:
         config, bucket, kind = controller.config, bucket_of(tokens), step_kind(controller.model, batch)

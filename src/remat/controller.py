@@ -411,6 +411,7 @@ class Controller:
         shown = planned if why is None else HeadPlan(planned.name, "plain", None, f"{planned.label} planned; {why}")
         if self.checkpoint_map.head != shown:
             self.checkpoint_map = self.checkpoint_map.with_head(shown)
+        self.budget.head_ran(shown.label)
 
     def set_mode(self, inference: bool) -> None:
         """`for_inference()` / `for_training()`; a `with` block around the call restores the mode before."""
