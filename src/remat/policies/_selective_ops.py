@@ -50,9 +50,9 @@ class _KeptOutputs:
         decision = _keep_projections_and_attention(ctx, op, *args, **kwargs)
         if forward and decision is CheckpointPolicy.MUST_SAVE and not hasattr(ctx, "op_output"):
             raise PolicyError(  # (torch before 2.12 gives no outputs: the guard above would never fire)
-                f"the 'selective' policy needs torch >= 2.12 (remat: 2.13), which tells it what each kept op returned; torch "
-                f"{torch.__version__} does not, so an in-place change of a kept output could go unseen and give wrong "
-                f"gradients: upgrade torch, or give layer {self.index} another policy ('recompute')",
+                f"the 'selective' policy needs torch >= 2.12 (remat: 2.13), which tells it what each kept op "
+                f"returned; torch {torch.__version__} does not, so an in-place change of a kept output could go unseen "
+                f"and give wrong gradients: upgrade torch, or give layer {self.index} another policy ('recompute')",
                 layer=self.index,
             )
         output = getattr(ctx, "op_output", None)
