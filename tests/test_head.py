@@ -726,9 +726,12 @@ def test_labels_that_do_not_fit_the_tokens_are_refused_before_a_chunk_runs_and_t
     """Labels cut short or of floats failed inside a chunk's checkpoint (an IndexError on a mask's shape, "expected
     target dtype to be Long"), naming neither the labels nor the head."""
     cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
-    data = batch()
+    data, ran = batch(), []
+    hook = cm.model.get_base_model().model.layers[0].register_forward_hook(lambda *_: ran.append(1))
     for labels in (data["labels"][:, :5], data["labels"].float()):
         with pytest.raises(ConfigError, match=r"head='chunked': the labels .* must be token ids, one per position"):
             cm(input_ids=data["input_ids"], labels=labels)
+    hook.remove()
+    assert not ran, "refused before any layer ran (a refused forward would owe its backward)"
     loss, _ = step_grads(cm, list(cm.model.named_parameters()), data)
     assert torch.isfinite(loss) and all(p.grad is not None for n, p in cm.model.named_parameters() if p.requires_grad)

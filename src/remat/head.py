@@ -124,6 +124,13 @@ class PostOps:
         return logits
 
 
+def _refuse_labels(labels: torch.Tensor, positions: torch.Tensor) -> None:
+    raise ConfigError(
+        f"head='chunked': the labels ({tuple(labels.shape)}, {labels.dtype}) must be token ids, one per position of "
+        f"the inputs ({tuple(positions.shape)}), as the model's own loss takes them"
+    )
+
+
 def chunked_loss(
     head: nn.Module,
     hidden: torch.Tensor,
@@ -142,10 +149,7 @@ def chunked_loss(
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     shift_labels = shift_labels.to(hidden.device)
     if shift_labels.shape != hidden.shape[:-1] or shift_labels.is_floating_point():  # else torch fails mid-chunk
-        raise ConfigError(
-            f"head='chunked': the labels ({tuple(shift_labels.shape)}, {shift_labels.dtype}) must be token ids, one "
-            f"per position of the hidden states ({tuple(hidden.shape[:-1])}), as the model's own loss takes them"
-        )
+        _refuse_labels(shift_labels, hidden[..., 0])
     counted = shift_labels != ignore_index
     states, targets = hidden[counted], shift_labels[counted]
 
@@ -244,6 +248,9 @@ class ChunkedHead:
         keep = kwargs.get("logits_to_keep")
         if kwargs.get("return_dict") is False or isinstance(keep, torch.Tensor) or keep not in (None, 0):
             return self._plain("the caller asked for return_dict=False or logits_to_keep")
+        labels, ids = kwargs["labels"], kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(ids, torch.Tensor) and (labels.shape != ids.shape or labels.is_floating_point()):
+            _refuse_labels(labels, ids)  # before any layer runs (after, a forward refused would still owe its backward)
         self.ran(None)
         kwargs = dict(kwargs)
         self.call = _Call(kwargs, base)
