@@ -668,3 +668,7 @@ def test_a_step_that_runs_the_models_own_head_keeps_its_plans_receipt_which_name
     short, long = cm.budget_receipts
     assert (short.bucket_tokens, short.steps, short.head) == (32, 5, "plain"), "its last step ran the model's own"
     assert (long.bucket_tokens, long.steps, long.head) == (48, 2, "chunked(8)")
+    cm.enable(budget=None)  # a step no budget plans leaves the old receipts as they were
+    cm.zero_grad(set_to_none=True)
+    cm(**batch(size=2, seq=24), return_dict=False)[0].backward()
+    assert [(r.steps, r.head) for r in cm.budget_receipts] == [(5, "plain"), (2, "chunked(8)")]

@@ -83,6 +83,7 @@ class BudgetState:
     receipts: dict[tuple[int, int], Receipt] = field(default_factory=dict)  # (bucket, kind number) -> its receipt
     history: list[Receipt] = field(default_factory=list)  # every receipt, in order: a bucket planned anew has two
     last_key: tuple[int, int] | None = None  # (bucket, kind number): the receipt of the step that ran last
+    head_owed: Receipt | None = None  # the receipt of the forward in flight, until its head runs (`head_ran`)
     unlogged: set[tuple[int, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
     optimizer: Ref[Any] = field(default_factory=lambda: Ref(None))  # the trainer's (scope="step" counts its state)
@@ -175,15 +176,15 @@ class BudgetState:
             kind = f" ({_kind_text(self.kind)})" if len(self.kind_ids) > 1 else ""  # once two kinds plan apart
             logger.info("budget: steps of up to %d tokens%s run %r%s", bucket, kind, controller.checkpoint_map, far)
         receipt.steps += 1
-        self.last_key = key
+        self.last_key, self.head_owed = key, receipt
         self.unlogged.add(key)
         reset_peak()
 
     def head_ran(self, label: str) -> None:
         """The head this step's forward ran, on its receipt: the forward pre-hook that opened it saw the map's head
         row of the forward before (the model's own head after a return_dict=False call)."""
-        if (receipt := self.receipts.get(self.last_key)) is not None:  # type: ignore[arg-type]
-            receipt.head = label
+        if self.head_owed is not None:  # (none for a forward no budget planned: an old receipt stays as it was)
+            self.head_owed.head, self.head_owed = label, None
 
     def _plan_for(self, controller: Any, batch: dict[str, Any], tokens: int) -> Any:
         config, bucket, kind = controller.config, bucket_of(tokens), step_kind(controller.model, batch)
