@@ -86,8 +86,8 @@ class FrozenPolicies(Mapping[int, str]):
 
 def _check_in(name: str, value: Any, allowed: tuple[str, ...]) -> None:
     if value not in allowed:
-        none = " (no checkpointing: cm.disable(), or layer_policies={i: 'none'} per layer)"
-        none *= name == "checkpoint_policy" and value == "none"
+        off = name == "checkpoint_policy" and value == "none"
+        none = " (no checkpointing: cm.disable(), or layer_policies={i: 'none'} per layer)" if off else ""
         raise ConfigError(f"CheckpointConfig.{name} must be one of {allowed}, got {value!r}{none}")
 
 

@@ -81,7 +81,8 @@ def _with_fields(config: Any, fields: dict[str, Any], call: str) -> CheckpointCo
     """`config`, checked, with the CheckpointConfig fields given as keywords to `call` changed."""
     example = "CheckpointedModel(model, " if call == "CheckpointedModel" else "cm.enable("
     if not isinstance(config, CheckpointConfig):
-        models = " (cm.config is the model's config; remat's is cm.checkpoint_config)" * hasattr(config, "to_diff_dict")
+        mixed_up = hasattr(config, "to_diff_dict")  # a transformers config: cm.config
+        models = " (cm.config is the model's config; remat's is cm.checkpoint_config)" if mixed_up else ""
         raise ConfigTypeError(
             f"config must be a CheckpointConfig, got {type(config).__name__}: {example}CheckpointConfig(...)), or "
             f"fields as keywords, {example}every_n_layers=3){models}"
