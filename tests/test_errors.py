@@ -181,3 +181,6 @@ def test_a_wrong_optimizer_or_folder_type_is_a_remat_error_naming_what_it_takes(
     with pytest.raises(TypeError, match=r"save_pretrained needs a folder \(a str or a path\), got None") as wrong:
         cm.save_pretrained(None)
     assert isinstance(wrong.value, RematError)
+    with pytest.raises(TypeError, match=r"save_pretrained needs a folder \(a str or a path\), got None") as wrong:
+        CheckpointConfig().save_pretrained(None)  # was os.fspath's TypeError
+    assert isinstance(wrong.value, RematError)

@@ -268,6 +268,25 @@ def test_keywords_peft_would_ignore_or_misread_are_refused_before_anything_loads
     assert CheckpointedModel.from_pretrained(base, tmp_path).model.peft_config  # then it loads
 
 
+@pytest.mark.parametrize(
+    "keywords, said",
+    [
+        ({"safe_serilization": False}, "did you mean 'safe_serialization'"),
+        ({"selected_adapter": ["default"]}, "did you mean 'selected_adapters'"),
+        ({"state_dic": {}}, "did you mean 'state_dict'"),
+    ],
+)
+def test_a_misspelt_save_keyword_is_refused_before_anything_is_written(tmp_path, keywords, said):
+    """PEFT's save takes any keyword and ignores those it does not read: `safe_serilization=False` wrote
+    safetensors without a word."""
+    cm = _trained_lora()
+    with pytest.raises(TypeError, match=said) as refused:
+        cm.save_pretrained(tmp_path / "save", **keywords)
+    assert isinstance(refused.value, RematError) and not (tmp_path / "save").exists()
+    cm.save_pretrained(tmp_path / "save", safe_serialization=False)  # spelt right, it is PEFT's
+    assert (tmp_path / "save" / "adapter_model.bin").is_file()
+
+
 def test_a_model_of_another_depth_is_refused_before_anything_changes(tmp_path):
     _trained_lora().save_pretrained(tmp_path / "save")
     other = tiny_model(num_hidden_layers=6)

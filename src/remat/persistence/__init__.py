@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
+import inspect
 import logging
 import os
 import re
 from collections.abc import Iterator
 from typing import Any
 
+from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from torch import nn
@@ -22,7 +25,7 @@ from ..arguments import WrapperOptions, check_flag
 from ..config import CheckpointConfig
 from ..errors import ConfigError, ConfigTypeError, FolderChangedError, NotSavedError
 from ..refs import InstancePatches
-from ..saving.folder import CONFIG_NAME, is_staging, recover
+from ..saving.folder import CONFIG_NAME, is_staging, recover, save_folder
 from .pair_format import Expected, PairOwner, is_peft_model, original_method, read_model_pair, save_model_pair
 from .peft_loading import check_peft_load, load_adapters, undone_on_failure
 
@@ -50,10 +53,8 @@ def stray_adapter_layers(within: nn.Module, model: nn.Module) -> list[str]:
 
 
 def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-    if not isinstance(save_directory, (str, os.PathLike)):
-        raise ConfigTypeError(f"save_pretrained needs a folder (a str or a path), got {save_directory!r}")
-    if os.fspath(save_directory) == "":
-        raise ConfigError("save_pretrained needs a folder, got an empty path; pass '.' for the current directory")
+    _refuse_misspelt(kwargs, ["state_dict", *list(inspect.signature(PeftModel.save_pretrained).parameters)[2:-1]])
+    target = save_folder(save_directory)
     if not kwargs.get("is_main_process", True):
         return  # the main process writes the save; the others write nothing
     model = owner.model
@@ -64,7 +65,6 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
             "model to save them with and they would be lost. Wrap the PeftModel instead: peft_model = "
             "get_peft_model(model, lora_config); cm = CheckpointedModel(peft_model). Nothing was saved."
         )
-    target = os.path.abspath(os.fspath(save_directory))
     if kwargs.get("state_dict") is not None:
         kwargs["state_dict"] = _adapters_state_dict(model, kwargs["state_dict"], kwargs.get("selected_adapters"))
 
@@ -109,8 +109,6 @@ def _adapters_state_dict(model: nn.Module, given: Any, selected: Any) -> dict[st
 def _refuse_keywords_peft_would_drop(kwargs: dict[str, Any]) -> None:
     """The keywords `from_pretrained` hands PEFT (the wrapper's own options aside): PEFT ignored a config field or a
     misspelt `is_trainable` without a word, and answered `adapter_name=` with its own internal error."""
-    import difflib
-
     fields = [field.name for field in dataclasses.fields(CheckpointConfig)]
     own_config = isinstance(kwargs.get("config"), CheckpointConfig)  # (a PeftConfig is PEFT's to take)
     if given := sorted(set(kwargs) & {*fields, *(["config"] if own_config else [])}):
@@ -124,12 +122,17 @@ def _refuse_keywords_peft_would_drop(kwargs: dict[str, Any]) -> None:
             "from_pretrained loads every adapter of the save under the name it was saved with; adapter_name= is for "
             "one adapter: cm.model.load_adapter(folder, adapter_name=...) loads a save's adapter under another name"
         )
-    ours = [*fields, *WrapperOptions.names(), "is_trainable"]
+    _refuse_misspelt(kwargs, [*fields, *WrapperOptions.names(), "is_trainable"], "from_pretrained", "loading")
+
+
+def _refuse_misspelt(kwargs: dict[str, Any], known: list[str], call: str = "save_pretrained", peft: str = "save") -> None:
+    """A keyword one letter or two from a `known` one is a typo: PEFT takes any keyword and ignores those it does
+    not read, so `safe_serilization=False` would save safetensors without a word."""
     for key in kwargs:
-        if key not in ours and (close := difflib.get_close_matches(key, ours, n=1, cutoff=0.8)):
+        if key not in known and (close := difflib.get_close_matches(key, known, n=1, cutoff=0.8)):
             raise ConfigTypeError(
-                f"from_pretrained got the keyword {key!r}: did you mean {close[0]!r}? (other keywords go to PEFT's "
-                "loading, which would ignore it)"
+                f"{call} got the keyword {key!r}: did you mean {close[0]!r}? (other keywords go to PEFT's "
+                f"{peft}, which would ignore it); nothing was changed"
             )
 
 

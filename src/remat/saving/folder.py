@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from ..errors import ConfigError, FolderAccessError, FolderChangedError, LockFileError, RematError
+from ..errors import ConfigError, ConfigTypeError, FolderAccessError, FolderChangedError, LockFileError, RematError
 from .files import Lock, fsync_folder, json_object, open_regular, read_json_object, write_file_atomically
 from .files import take_lock as _take_lock
 
@@ -98,6 +98,15 @@ def is_staging(path: str | os.PathLike) -> bool:
     return os.path.abspath(os.fspath(path)) in getattr(_writing, "folders", set())
 
 
+def save_folder(target: object) -> str:
+    """The absolute folder a save was given: a str or a path, not empty (refused before anything is written)."""
+    if not isinstance(target, (str, os.PathLike)):
+        raise ConfigTypeError(f"save_pretrained needs a folder (a str or a path), got {target!r}")
+    if os.fspath(target) == "":
+        raise ConfigError("save_pretrained needs a folder, got an empty path; pass '.' for the current directory")
+    return os.path.abspath(os.fspath(target))
+
+
 def save_pair(
     target: str | os.PathLike,
     config_text: Callable[[str], str],
@@ -108,7 +117,7 @@ def save_pair(
 ) -> list[str]:
     """`write(staging)` writes the files, `config_text(staging)` returns the config; all is committed into
     `target` but files in `keep` it has. `stale_shards`: `write` is transformers' full-model save."""
-    target = os.path.abspath(os.fspath(target))
+    target = save_folder(target)
     made, folder = [], target  # the folders this save makes, the target first
     while not os.path.lexists(folder):
         made, folder = [*made, folder], os.path.dirname(folder)
