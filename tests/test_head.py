@@ -6,6 +6,7 @@ tied embeddings, Gemma 2's softcapping, Cohere's scale and a MoE auxiliary loss 
 the chunked forward creates is watched by a dispatch mode of the test's own (no full logits, no
 vocabulary x hidden gradient for a frozen head)."""
 
+import logging
 import math
 
 import pytest
@@ -548,7 +549,7 @@ def test_the_shorter_batch_of_a_head_choosing_profile_is_measured_with_the_chunk
 
 
 @pytest.mark.parametrize("adapter", ["lora", "loha"])
-def test_an_adapter_head_with_dropout_gets_the_gradient_of_the_loss_it_returned(adapter):
+def test_an_adapter_head_with_dropout_gets_the_gradient_of_the_loss_it_returned(adapter, caplog):
     """Each chunk's recompute draws its forward's random numbers again: without the RNG state kept, a LoRA'd head's
     gradients depended on what drew random numbers between forward and backward (0.5 of a 1.2 gradient), and a
     LoHa head's module dropout failed backward (another number of tensors saved in the recompute)."""
@@ -573,6 +574,7 @@ def test_an_adapter_head_with_dropout_gets_the_gradient_of_the_loss_it_returned(
     cm = CheckpointedModel(lora_head(), CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
     params = list(cm.model.named_parameters())
     grads = []
+    caplog.set_level(logging.INFO, logger="remat")
     for draws in (0, 7):
         for _, param in params:
             param.grad = None
@@ -582,6 +584,12 @@ def test_an_adapter_head_with_dropout_gets_the_gradient_of_the_loss_it_returned(
         loss.backward()
         grads.append({name: p.grad.clone() for name, p in params if p.grad is not None})
     assert_same_grads(*grads, rtol=0, atol=0)
+    said = [r.getMessage() for r in caplog.records if "the head draws random numbers" in r.getMessage()]
+    assert len(said) == 1, "one INFO per wrapper: a seeded run draws other numbers than the plain head"
+    caplog.clear()
+    still = get_peft_model(tiny_model(), LoraConfig(r=4, lora_dropout=0.0, target_modules=["lm_head"]))
+    CheckpointedModel(still, CheckpointConfig(head="chunked"))(**batch()).loss.backward()  # a head that draws nothing
+    assert not [r for r in caplog.records if "the head draws random numbers" in r.getMessage()]
 
 
 def test_a_loss_remat_does_not_reproduce_runs_the_models_own_head_and_says_why():

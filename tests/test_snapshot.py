@@ -3,7 +3,9 @@
 as it was). Judged by behaviour: counters, buffers, gradients and RNG after a step."""
 
 import logging
+import random
 
+import numpy
 import pytest
 import torch
 from conftest import batch, decoder_layers, tiny_model
@@ -70,6 +72,31 @@ def test_a_snapshot_restores_what_changed_and_names_what_it_could_not():
     versions = (module.small._version, module.large._version)
     assert not again.changed() and again.restore() == []
     assert (module.small._version, module.large._version) == versions, "nothing unchanged is written"
+
+
+def test_python_and_numpy_rng_are_left_as_they_were_by_every_measuring_call():
+    """Musicgen's LayerDrop draws from `random`, Wav2Vec2's SpecAugment from `numpy.random`: a profile, a memory report
+    or a budget's first step left those streams advanced, so a seeded run diverged from the same run without remat."""
+    model = tiny_model()
+    drawn = []
+    hook = lambda module, args: drawn.append((random.random(), numpy.random.rand()))
+    decoder_layers(model)[1].register_forward_pre_hook(hook)
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    for measure in (lambda: cm.memory_report(batch()), lambda: cm.profile(batch(), repeats=1)):
+        states = random.getstate(), numpy.random.get_state()
+        measure()
+        assert drawn, "the layer drew while measuring"
+        assert random.getstate() == states[0] and numpy.array_equal(numpy.random.get_state()[1], states[1][1])
+        drawn.clear()
+    twin, seeded = tiny_model(), []
+    decoder_layers(twin)[1].register_forward_pre_hook(lambda module, args: seeded.append(random.random()))
+    budgeted = CheckpointedModel(tiny_model(), budget="1GiB")
+    decoder_layers(budgeted.model)[1].register_forward_pre_hook(lambda module, args: drawn.append(random.random()))
+    for run, into in ((twin, seeded), (budgeted, drawn)):  # the budget's first step profiles first
+        random.seed(0)
+        run(**batch()).loss.backward()
+        into.append(random.random())
+    assert drawn[-2:] == seeded[-2:], "the step and what comes after draw as without remat"
 
 
 def test_the_model_is_left_as_it_was_gradients_buffers_and_rng(caplog):

@@ -158,12 +158,7 @@ def chunked_loss(
         return F.cross_entropy(logits, targets, reduction="sum")
 
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    # an adapter on the head may draw random numbers (LoRA's dropout, LoHa's module dropout, OFT's multiplicative
-    # one): a head with a trainable parameter or a dropout, in training, keeps each chunk's RNG state
-    random = head.training and (
-        any(p.requires_grad for p in head.parameters())
-        or any(isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in head.modules())
-    )
+    random = _may_draw(head)  # then each chunk keeps its RNG state
     # No counted token (a fully masked micro-batch): one chunk on no tokens, so the loss (0/0 = nan,
     # or 0 over num_items_in_batch, as the model's own) stays in the graph and every parameter the
     # head and the model reach gets the model's own gradient, zeros; otherwise the same chunks.
@@ -177,6 +172,23 @@ def chunked_loss(
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(total.device)
     return total / num_items_in_batch
+
+
+def _may_draw(head: nn.Module) -> bool:
+    """An adapter on the head may draw random numbers (LoRA's dropout, LoHa's module dropout, OFT's multiplicative
+    one): a head with a trainable parameter or a dropout, in training."""
+    dropout = nn.modules.dropout._DropoutNd
+    return head.training and (
+        any(p.requires_grad for p in head.parameters())
+        or any(isinstance(m, dropout) and m.p > 0 for m in head.modules())
+    )
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    """The generator state a dropout on `device` draws from."""
+    if device.type == "cpu":
+        return torch.get_rng_state()
+    return torch.get_device_module(device).get_rng_state(device)
 
 
 class _Call:
@@ -218,6 +230,7 @@ class ChunkedHead:
         self.plan, self.ran = plan, ran  # ran(None): a training forward ran chunked; ran(why): it ran plain
         self.call: _Call | None = None  # the forward in flight (a model's forward does not run inside itself)
         self.plain_because: set[str] = set()
+        self.said_random = False  # said that the head draws random numbers
         self.handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
@@ -275,9 +288,18 @@ class ChunkedHead:
         # in the autocast the model's own head would have run in: accelerate's mixed precision (Trainer's bf16=True)
         # wraps the model's forward, which has returned by now
         usable = torch.amp.is_autocast_available(call.autocast["device_type"])  # (not on a backend without AMP)
+        device = call.hidden.device
+        drew = _rng_state(device) if not self.said_random and _may_draw(call.head) else None
         with torch.autocast(**call.autocast) if usable else contextlib.nullcontext():
             chunk_tokens = self.plan.chunk_tokens or DEFAULT_CHUNK_TOKENS
             loss = chunked_loss(call.head, call.hidden, call.labels, chunk_tokens, call.post, **call.loss_kwargs)
+        if drew is not None and not torch.equal(drew, _rng_state(device)):
+            self.said_random = True
+            logger.info(
+                "head: the head draws random numbers (a dropout of an adapter on lm_head): the chunked head draws them "
+                "for the counted tokens, chunk by chunk, so a seeded run draws other ones than the plain head (the "
+                "same distribution; gradients exact for the loss it returns)"
+            )
         aux = output.get("aux_loss")  # a ModelOutput: a caller asking for tuples ran the model's own head
         if aux is not None and call.aux_coef:
             loss = loss + call.aux_coef * aux.to(loss.device)

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 from torch import nn
 
@@ -100,11 +102,23 @@ def _copy(tensor: torch.Tensor, limit: int | None) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
+def _python_and_numpy_rng() -> Iterator[None]:
+    """Put back the state of Python's `random` and numpy's global generator (numpy comes with transformers)."""
+    states = random.getstate(), numpy.random.get_state()
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        numpy.random.set_state(states[1])
+
+
+@contextlib.contextmanager
 def model_left_as_it_was(model: nn.Module, *, copy_limit: int, what: str) -> Iterator[None]:
     """Run the body (training steps) and put back, whatever happens: the parameters' gradients
     (the body starts with none), every module's buffers and int/float attributes, and the RNG of
-    the CPU and the model's accelerator. Buffers over `copy_limit` bytes are not copied; if one
-    changed, a warning names it (`what` says who measured)."""
+    the CPU and the model's accelerator, and Python's and numpy's global RNG (some models draw there:
+    Musicgen's LayerDrop from `random`, Wav2Vec2's SpecAugment from `numpy.random`). Buffers over
+    `copy_limit` bytes are not copied; if one changed, a warning names it (`what` says who measured)."""
     grads = [(p, p.grad) for p in model.parameters()]
     snapshot = Watched(model.modules()).snapshot(copy=True, copy_limit=copy_limit)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -117,7 +131,7 @@ def model_left_as_it_was(model: nn.Module, *, copy_limit: int, what: str) -> Ite
     for param, _ in grads:
         param.grad = None
     failures: list[BaseException] = []
-    with rng:
+    with rng, _python_and_numpy_rng():
         try:
             yield
         finally:
