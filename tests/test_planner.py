@@ -556,3 +556,25 @@ def test_accelerates_optimizer_mid_accumulation_is_profiled_as_the_optimizer_ins
     scheduler = torch.optim.lr_scheduler.LambdaLR(torch.optim.AdamW(cm.parameters()), lambda step: 1.0)
     with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer or None, got LambdaLR"):
         cm.profile(data, optimizer=scheduler)
+
+
+def test_the_half_length_profile_of_a_padding_free_row_cuts_its_flash_attention_lengths_too():
+    """transformers' `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` and TRL's padding-free collator hand
+    every attention the sequences' cumulative lengths: the profile's half-length batch kept the whole row's, so
+    flash attention would have been handed 64 tokens of sequences over 32 given (eager and sdpa ignore them)."""
+    from transformers import DataCollatorWithFlattening
+
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_position_ids=True)
+    rows = collate([{"input_ids": list(range(3, 3 + n))} for n in (30, 20, 14)])
+    cm = CheckpointedModel(add_lora(tiny_model(num_hidden_layers=2)))
+    seen = []
+
+    def lengths(module, args, kwargs):
+        ends, tokens = kwargs.get("cu_seq_lens_q"), kwargs["hidden_states"].shape[1]
+        seen.append((int(ends[-1]), tokens, kwargs.get("max_length_q")))
+
+    decoder_layers(cm.model)[0].self_attn.register_forward_pre_hook(lengths, with_kwargs=True)
+    cm.profile(rows, repeats=1)
+    assert {tokens for _, tokens, _ in seen} == {64, 32}, "measured at the row's length and at half of it"
+    assert all(end == tokens for end, tokens, _ in seen), sorted(set(seen))
+    assert {(tokens, longest) for _, tokens, longest in seen} == {(64, 30), (32, 30)}

@@ -458,11 +458,25 @@ def _young_garbage_only() -> Iterator[None]:
 
 def shorter_batch(batch: Mapping[str, Any]) -> dict[str, Any] | None:
     """The batch at half its sequence length when it is plain text (every tensor of 2+ dims is
-    (batch, sequence, ...) of the same sizes); None otherwise (images, audio)."""
+    (batch, sequence, ...) of the same sizes); None otherwise (images, audio). A padding-free row's
+    flash-attention lengths (`cu_seq_lens_q/k`, `max_length_q/k`) are cut at the half too: kept whole,
+    they handed the kernel sequences longer than the tokens given."""
     shapes = {tuple(v.shape[:2]) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2}
     if len(shapes) != 1 or (seq := next(iter(shapes))[1]) < 4:
         return None
-    return {k: v[:, : seq // 2] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
+    half = seq // 2
+    short = {k: v[:, :half] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
+    for side in ("q", "k"):
+        if (ends := batch.get(f"cu_seq_lens_{side}")) is None:
+            continue
+        rows = next(iter(shapes))[0]
+        if not isinstance(ends, torch.Tensor) or ends.dim() != 1 or rows != 1 or int(ends[-1]) != seq:
+            return None  # not one padding-free row as transformers' collators make it: measured at one length
+        cut = torch.cat([ends[ends < half], ends.new_tensor([half])])
+        short[f"cu_seq_lens_{side}"] = cut
+        if f"max_length_{side}" in batch:
+            short[f"max_length_{side}"] = int((cut[1:] - cut[:-1]).max())
+    return short
 
 
 @contextlib.contextmanager
