@@ -125,7 +125,9 @@ def _refuse_keywords_peft_would_drop(kwargs: dict[str, Any]) -> None:
     _refuse_misspelt(kwargs, [*fields, *WrapperOptions.names(), "is_trainable"], "from_pretrained", "loading")
 
 
-def _refuse_misspelt(kwargs: dict[str, Any], known: list[str], call: str = "save_pretrained", peft: str = "save") -> None:
+def _refuse_misspelt(
+    kwargs: dict[str, Any], known: list[str], call: str = "save_pretrained", peft: str = "save"
+) -> None:
     """A keyword one letter or two from a `known` one is a typo: PEFT takes any keyword and ignores those it does
     not read, so `safe_serilization=False` would save safetensors without a word."""
     for key in kwargs:
