@@ -672,3 +672,23 @@ def test_a_step_that_runs_the_models_own_head_keeps_its_plans_receipt_which_name
     cm.zero_grad(set_to_none=True)
     cm(**batch(size=2, seq=24), return_dict=False)[0].backward()
     assert [(r.steps, r.head) for r in cm.budget_receipts] == [(5, "plain"), (2, "chunked(8)")]
+
+
+def test_a_first_step_with_every_label_ignored_prices_the_chunked_head_for_steps_that_count_them():
+    """The chunked head holds and computes per counted token: a profile on a first step whose labels were all ignored
+    (a completion-only mask, a padded micro-batch) priced it at nothing, and a later step with every label counted
+    ran chunked(1024) at 1.4x its step budget (MemTracker's count)."""
+    from independent_memory import step_peak_bytes
+
+    budget = 4_000_000
+    cm = CheckpointedModel(
+        add_lora(tiny_model(num_hidden_layers=4, vocab_size=1024, attention_dropout=0.0), dropout=0.0),
+        CheckpointConfig(budget=budget, head="chunked"),
+    )
+    first = batch(size=2, seq=16)
+    first["labels"][:] = -100
+    cm(**first).loss.backward()
+    counted = batch(size=4, seq=64, seed=1)
+    cm(**counted).loss.backward()
+    no_state = torch.optim.SGD([p for p in cm.parameters() if p.requires_grad], lr=0.0)  # a plain loop's: none known
+    assert step_peak_bytes(cm, counted, no_state) <= budget

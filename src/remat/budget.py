@@ -23,6 +23,7 @@ import torch
 
 from .compat.accelerator import peak_allocated, reset_peak
 from .errors import ConfigError, StateError
+from .head import IGNORE_INDEX
 from .plan import head_label
 from .refs import Ref
 
@@ -308,7 +309,8 @@ class BudgetState:
             self.profiles[self.kind] = self._kind_state()
         # one timed step per map: seconds scale every price by one rate, so a budget's choices (by bytes, then
         # by those prices) are the counts' whatever the noise; only the printed seconds are less sure
-        self.profile = profile_model(controller, batch, ProfileOptions(loss_fn, optimizer, True, 1))
+        measured = _every_label_counted(batch) if config.head == "chunked" else batch
+        self.profile = profile_model(controller, measured, ProfileOptions(loss_fn, optimizer, True, 1))
         self.without_optimizer = optimizer is WITHOUT_OPTIMIZER
         if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
             self.profile.notes += (NO_OPTIMIZER_NOTE,)
@@ -399,6 +401,16 @@ def _model_key(controller: Any, params: list[Any]) -> tuple[Any, ...]:
 
     flags = tuple((p.dtype, p.device, p.requires_grad) for p in params)
     return flags, adapters_of(controller.model), id(controller.config), attention_of(controller.model)
+
+
+def _every_label_counted(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with every ignored label replaced by a counted one, for measuring: the chunked head holds and computes
+    per counted token, so a first step with few (a completion-only mask) or none priced it for every later step at
+    that fraction (a step with every label counted then went 1.24x over). Each token counted is the most any step of
+    its length holds; the plain head holds the same either way."""
+    ignored = batch.get("ignore_index", IGNORE_INDEX)
+    counted = lambda labels: torch.where(labels == ignored, 0, labels) if isinstance(labels, torch.Tensor) else labels
+    return {**batch, **{k: counted(batch[k]) for k in ("labels", "shift_labels") if k in batch}}
 
 
 def logits_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
