@@ -692,3 +692,27 @@ def test_a_first_step_with_every_label_ignored_prices_the_chunked_head_for_steps
     cm(**counted).loss.backward()
     no_state = torch.optim.SGD([p for p in cm.parameters() if p.requires_grad], lr=0.0)  # a plain loop's: none known
     assert step_peak_bytes(cm, counted, no_state) <= budget
+
+
+def test_a_budgets_training_forwards_run_without_the_kv_cache_whatever_the_map(caplog):
+    """With the model's `use_cache=True` (from_config's and from_pretrained's default) a packed row without an attention
+    mask attends across its sequences unless transformers sees a checkpointed layer (it turns the cache off then):
+    under a budget the loss changed with the map, from one step to the next."""
+    from transformers import DataCollatorWithFlattening
+
+    rows = DataCollatorWithFlattening()([{"input_ids": list(range(3, 3 + n))} for n in (9, 5, 7)])
+    plain = _model()
+    assert plain.config.use_cache
+    with torch.no_grad():
+        across, apart = plain(**rows).loss, plain(**rows, use_cache=False).loss
+    assert not torch.allclose(across, apart), "the cache changes what a packed row attends to"
+    for budget in ("1GiB", _budget_between(8, 16)):  # every layer "none"; then the longer step recomputes
+        cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
+        with caplog.at_level(logging.INFO, logger="remat"):
+            for data in (rows, rows):
+                loss = cm(**data).loss
+                loss.backward()
+                torch.testing.assert_close(loss, apart, rtol=1e-5, atol=1e-7)
+        assert sum("training forwards run with use_cache=False" in r.getMessage() for r in caplog.records) == 1
+        caplog.clear()
+        assert cm.model.config.use_cache, "the model's config is left as it was"

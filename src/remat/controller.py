@@ -17,7 +17,7 @@ from .budget import BudgetState
 from .compat.transformers_compat import router_logits_recorded_inside_layers
 from .config import CheckpointConfig
 from .errors import BlockSwapError, ConfigError, ReplacedWrapperError, StateError
-from .head import ChunkedHead, HeadPlan, plan_head
+from .head import ChunkedHead, HeadPlan, causal_lm, plan_head
 from .install import FlagInstall, ForwardInstall, installer_for
 from .layers import DiscoveredLayer, Discovery
 from .offload import Offloader
@@ -120,6 +120,7 @@ class Controller:
         self._said_eval_mode = False
         self._said_switched_back = False
         self._said_stray_adapters = False  # adapter layers in a model that is not a PeftModel: said once
+        self._said_no_cache = False  # a budget's training forwards run without a KV cache: said once
         self._last_change: tuple[str, ...] = ()  # the last change made, by any cause: (cause, config changes, new map)
         self._said_moves: set[tuple[str, str, str]] = set()  # a route's map moves said since another kind of change
         self.budget = BudgetState()  # with CheckpointConfig(budget=...): the profile, plans per bucket, receipts
@@ -467,7 +468,20 @@ class Controller:
             self._say_adapters_unsaved()
         if training and self.config.use_reentrant and not self.inference:
             self._refuse_outputs_reentrant_loses(kwargs)
-        if not training or self.config.budget is None or self.off_by is not None or self.measuring or self.inference:
+        if not training or self.config.budget is None or self.off_by is not None or self.inference:
+            return
+        if kwargs.get("use_cache") is not False and _takes_use_cache(module):
+            # as a checkpointed model's forward does (transformers turns the cache off): the cache also changes how
+            # a packed row without a mask attends, so a map that changes per step would change the loss per step
+            kwargs["use_cache"] = False
+            if not self._said_no_cache:
+                self._said_no_cache = True
+                logger.info(
+                    "budget: training forwards run with use_cache=False, whatever the map (as transformers runs a "
+                    "checkpointed model; with the cache on, a packed row without an attention mask attends across "
+                    "its sequences, and the loss would change with the map)"
+                )
+        if self.measuring:
             return
         budget, batch = self.budget, dict(kwargs)
         if args and isinstance(args[0], torch.Tensor):
@@ -567,3 +581,15 @@ class Controller:
             own_map,
             self.shown_map(),
         )
+
+
+@functools.cache
+def _forward_takes_use_cache(forward: Any) -> bool:
+    import inspect
+
+    return "use_cache" in inspect.signature(forward).parameters
+
+
+def _takes_use_cache(model: nn.Module) -> bool:
+    """Whether the transformers model (under PEFT or not) takes `use_cache` (a remote-code model may not)."""
+    return _forward_takes_use_cache(type(causal_lm(model)).forward)
