@@ -716,3 +716,21 @@ def test_a_budgets_training_forwards_run_without_the_kv_cache_whatever_the_map(c
         assert sum("training forwards run with use_cache=False" in r.getMessage() for r in caplog.records) == 1
         caplog.clear()
         assert cm.model.config.use_cache, "the model's config is left as it was"
+
+
+def test_a_step_of_fewer_longer_rows_than_the_profiles_is_planned_for_its_rows_length(caplog):
+    """Plans were keyed by tokens alone: a first step of 8 padded rows of 16, then one packed row of the same 128
+    tokens, ran the padded step's plan (every layer kept) and went over its budget, attention's scores growing with
+    each row's length (1.3x the budget here). A step whose rows are longer than the profile's at its tokens gets a plan
+    of its own."""
+    budget = 1_500_000  # every layer kept: 0.98 MB for 8 x 16, 1.9 MB for 1 x 128
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        for data in (batch(size=8, seq=16), batch(size=1, seq=128, seed=1), batch(size=2, seq=64, seed=2)):
+            cm(**data).loss.backward()
+            assert activation_bytes(cm, data) <= budget, data["input_ids"].shape
+    plans = [m for r in caplog.records if (m := r.getMessage()).startswith("budget: steps of up to")]
+    assert plans[0].startswith("budget: steps of up to 128 tokens run"), plans
+    assert plans[1].startswith("budget: steps of up to 128 tokens in rows of up to 128 run"), plans
+    receipts = cm.budget_receipts
+    assert [(r.bucket_tokens, r.bucket_length) for r in receipts] == [(128, None), (128, 128), (128, 64)]

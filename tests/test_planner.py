@@ -578,3 +578,26 @@ def test_the_half_length_profile_of_a_padding_free_row_cuts_its_flash_attention_
     assert {tokens for _, tokens, _ in seen} == {64, 32}, "measured at the row's length and at half of it"
     assert all(end == tokens for end, tokens, _ in seen), sorted(set(seen))
     assert {(tokens, longest) for _, tokens, longest in seen} == {(64, 30), (32, 30)}
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_plan_for_fewer_longer_rows_of_the_same_tokens_holds_its_prediction(attention):
+    """Profiled on 8 rows of 16 tokens, a plan for the same 128 tokens priced one row of 128 (a packed row, a batch
+    of long sequences) as the profile's rows: eager attention's scores and sdpa's mask grow with each row's length,
+    so every layer kept held 2.8x its prediction. `length=` prices the rows' length; without it, the profile's rows.
+    (Within 7%: rotary's cos and sin grow with the length alone, 6% of what four recomputed layers hold here.)"""
+    model = tiny_model(num_hidden_layers=4)
+    model.set_attn_implementation(attention)
+    cm = CheckpointedModel(add_lora(model))
+    profile = cm.profile(batch(size=8, seq=16), repeats=1, progress=False)
+    rows_as_profiled, one_row = profile.frontier(), profile.frontier(length=128)
+    assert [p.predicted_device_bytes for p in profile.frontier(length=16)] == [
+        p.predicted_device_bytes for p in rows_as_profiled
+    ], "rows as long as the profile's are priced as before"
+    assert one_row[-1].predicted_device_bytes > 2 * rows_as_profiled[-1].predicted_device_bytes
+    for option in one_row:
+        cm.enable(option)
+        measured = activation_bytes(cm, batch(size=1, seq=128))
+        assert abs(measured - option.predicted_device_bytes) <= 0.07 * option.predicted_device_bytes
+    with pytest.raises(ValueError, match="length"):
+        profile.plan("1GiB", length=0)

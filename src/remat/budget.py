@@ -30,6 +30,7 @@ from .refs import Ref
 logger = logging.getLogger("remat")
 
 
+Bucket = tuple[int, int | None]  # a step's tokens' bucket, and its rows' length bucket where they are long (`_bucket`)
 EXTRAPOLATED = 4  # a bucket planned for more than this many times the profiled tokens says it is extrapolated
 
 
@@ -57,6 +58,7 @@ class Receipt:
     steps: int = 0
     measured_peak_bytes: int | None = None
     planning_seconds: float = 0.0
+    bucket_length: int | None = None  # its rows' length, when longer than the profile's rows at its tokens
 
     def log_values(self) -> dict[str, float]:
         """Numbers for a trainer's logs (TensorBoard and W&B keep numbers only)."""
@@ -78,12 +80,12 @@ class BudgetState:
     config: Any = None  # the budget config the plans are for
     profile: Any = None  # remat.planner.Profile, measured on the first training step (or loaded)
     saved: Any = None  # a profile read from a save, used instead of measuring when it still describes the model
-    plans: dict[int, Any] = field(default_factory=dict)  # bucket -> PlannedConfig, or None: nothing fits
+    plans: dict[Bucket, Any] = field(default_factory=dict)  # bucket -> PlannedConfig, or None: nothing fits
     active: Any = None  # the PlannedConfig the map runs (None: pending, before the first step)
-    active_bucket: int | None = None
-    receipts: dict[tuple[int, int], Receipt] = field(default_factory=dict)  # (bucket, kind number) -> its receipt
+    active_bucket: Bucket | None = None
+    receipts: dict[tuple[Bucket, int], Receipt] = field(default_factory=dict)  # (bucket, kind number) -> its receipt
     history: list[Receipt] = field(default_factory=list)  # every receipt, in order: a bucket planned anew has two
-    last_key: tuple[int, int] | None = None  # (bucket, kind number): the receipt of the step that ran last
+    last_key: tuple[Bucket, int] | None = None  # (bucket, kind number): the receipt of the step that ran last
     head_owed: Receipt | None = None  # the receipt of the forward in flight, until its head runs (`head_ran`)
     unlogged: set[tuple[int, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
@@ -138,25 +140,24 @@ class BudgetState:
 
     @property
     def last_bucket(self) -> int | None:
-        return None if self.last_key is None else self.last_key[0]
+        return None if self.last_key is None else self.last_key[0][0]
 
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         self.optimizer = Ref(optimizer)
 
     def before_step(self, controller: Any, batch: dict[str, Any]) -> None:
         """Called in the model's forward pre-hook of a training forward with gradients."""
-        from .planner.measuring import batch_tokens  # batch x sequence length: what the activations grow with
+        from .planner.measuring import batch_length, batch_tokens  # what the activations grow with
 
         config = controller.config
-        tokens = agreed_tokens(batch_tokens(batch), controller.model)
+        tokens, length = agreed_size(batch_tokens(batch), batch_length(batch), controller.model)
         self._close_receipt()
         started = time.perf_counter()
-        planned = self._plan_for(controller, batch, tokens)
-        bucket = bucket_of(tokens)
+        planned, bucket = self._plan_for(controller, batch, tokens, length)
         if planned != self.active:  # another map (two buckets often plan the same one: nothing to apply)
             if self.owed:
                 raise StateError(
-                    f"budget: this forward ({tokens} tokens) needs the plan for {bucket} tokens, but an earlier "
+                    f"budget: this forward ({tokens} tokens) needs the plan for {bucket_text(bucket)}, but an earlier "
                     "forward's backward has not run, and the map must not change inside a step. Call backward (or "
                     "drop that forward's outputs) first; nothing was changed"
                 )
@@ -172,10 +173,11 @@ class BudgetState:
             self.history.append(receipt)
             receipt.planning_seconds = time.perf_counter() - started
             measured = self.profile.measurements.tokens
-            far = f" (extrapolated {bucket / measured:.1f}x from the {measured} tokens profiled)"
-            far = far if bucket > EXTRAPOLATED * measured else ""
+            far = f" (extrapolated {bucket[0] / measured:.1f}x from the {measured} tokens profiled)"
+            far = far if bucket[0] > EXTRAPOLATED * measured else ""
             kind = f" ({_kind_text(self.kind)})" if len(self.kind_ids) > 1 else ""  # once two kinds plan apart
-            logger.info("budget: steps of up to %d tokens%s run %r%s", bucket, kind, controller.checkpoint_map, far)
+            said = bucket_text(bucket)
+            logger.info("budget: steps of up to %s%s run %r%s", said, kind, controller.checkpoint_map, far)
         receipt.steps += 1
         self.last_key, self.head_owed = key, receipt
         self.unlogged.add(key)
@@ -187,8 +189,9 @@ class BudgetState:
         if self.head_owed is not None:  # (none for a forward no budget planned: an old receipt stays as it was)
             self.head_owed.head, self.head_owed = label, None
 
-    def _plan_for(self, controller: Any, batch: dict[str, Any], tokens: int) -> Any:
-        config, bucket, kind = controller.config, bucket_of(tokens), step_kind(controller.model, batch)
+    def _plan_for(self, controller: Any, batch: dict[str, Any], tokens: int, length: int) -> tuple[Any, Bucket]:
+        """The plan for a step of `tokens` tokens in rows of `length`, and the bucket it is planned for."""
+        config, kind = controller.config, step_kind(controller.model, batch)
         why = "the first training step" if self.profile is None else None
         if why is None and kind != self.kind:  # a kind profiled before plans from its own profile and plans
             if kind in self.profiles:
@@ -211,29 +214,39 @@ class BudgetState:
             self._measure(controller, batch, tokens, why=why, kind=kind)
         # every step: a cached plan is only as good as its profile (the full check when the quick key moves, and
         # for every bucket planned anew)
-        if _model_key(controller, self.params) != self.fresh_key or bucket not in self.plans:
+        if _model_key(controller, self.params) != self.fresh_key or self._bucket(tokens, length) not in self.plans:
             if changes := self.profile.changes()[1]:
                 why = f"the model changed since its profile ({'; '.join(changes)})"
                 self.profiles.clear()  # every other kind's profile is of the model before that change too
                 self._measure(controller, batch, tokens, why=why)
             self.params = list(controller.model.parameters())
             self.fresh_key = _model_key(controller, self.params)
+        bucket = self._bucket(tokens, length)
         if bucket not in self.plans:
             self.plans[bucket] = self._choose(config, bucket)
         planned = self.plans[bucket]
         if planned is None:
-            said = f"budget: a step of {tokens} tokens fits no map under budget={config.budget!r} "
+            rows = "" if bucket[1] is None else f" in rows of {length}"
+            said = f"budget: a step of {tokens} tokens{rows} fits no map under budget={config.budget!r} "
             said += f"(budget_scope={config.budget_scope!r})"
-            if fits := self.largest_fitting(config, bucket):
+            if fits := self.largest_fitting(config, bucket[0], bucket[1]):
                 raise ConfigError(
-                    f"{said}; the largest step that fits is {fits} tokens: make the batch shorter or smaller, or give "
-                    "a larger budget. This forward did not run"
+                    f"{said}; the largest step that fits is {fits} tokens{rows}: make the batch shorter or smaller, "
+                    "or give a larger budget. This forward did not run"
                 )
             try:  # no step fits: the profile's own refusal names the smallest budget for this one
-                self.profile.plan(config.budget_bytes, scope=config.budget_scope, tokens=bucket)
+                self.profile.plan(config.budget_bytes, scope=config.budget_scope, tokens=bucket[0], length=bucket[1])
             except ConfigError as least:
                 raise ConfigError(f"{said}, nor does any shorter step: {least}. This forward did not run") from None
-        return planned
+        return planned, bucket
+
+    def _bucket(self, tokens: int, length: int) -> Bucket:
+        """The bucket of a step: its tokens' (`bucket_of`), and its rows' length where the rows are longer than the
+        profile's rows at those tokens (fewer rows of the same tokens: a packed row, whose attention scores and mask
+        grow with its length: a padded 8 x 32 profile under-priced a 1 x 256 row 1.7x); None where they are not (more
+        rows of the same tokens are priced as the profile's rows, over-priced where attention is quadratic)."""
+        m, bucket = self.profile.measurements, bucket_of(tokens)
+        return bucket, bucket_of(length) if m.length and length * m.tokens > bucket * m.length else None
 
     def _kind_state(self) -> tuple[Any, ...]:
         return self.profile, self.without_optimizer, self.plans, self.fresh_key, self.params
@@ -248,17 +261,18 @@ class BudgetState:
             return "the trainer's optimizer is known now, and its profile counted no optimizer state"
         return None
 
-    def _choose(self, config: Any, tokens: int) -> Any:
-        """The plan for `tokens` under `config`'s budget; None when nothing fits."""
+    def _choose(self, config: Any, bucket: Bucket) -> Any:
+        """The plan for `bucket` (tokens, rows' length) under `config`'s budget; None when nothing fits."""
         try:
-            return self.profile.plan(config.budget_bytes, scope=config.budget_scope, tokens=tokens)
+            return self.profile.plan(config.budget_bytes, scope=config.budget_scope, tokens=bucket[0], length=bucket[1])
         except ConfigError:  # (a StaleProfileError is not one: it reaches the caller)
             return None  # nothing fits: refused by the caller, with the largest count that fits
 
-    def largest_fitting(self, config: Any, above: int) -> int:
-        """The largest bucket below `above` some plan fits (steps of up to that many tokens run); 0 if none."""
+    def largest_fitting(self, config: Any, above: int, length: int | None = None) -> int:
+        """The largest token bucket below `above` some plan fits (steps of up to that many tokens, in rows of up to
+        `length` where given, run); 0 if none."""
         fits, size = 0, 1
-        while size < above and self._choose(config, size) is not None:
+        while size < above and self._choose(config, (size, length)) is not None:
             fits, size = size, bucket_of(size + 1)
         return fits
 
@@ -340,19 +354,24 @@ class BudgetState:
             weakref.finalize(tensor, freed)
 
 
-def agreed_tokens(tokens: int, model: Any) -> int:
-    """The largest of every rank's token count, when torch.distributed runs with more than one: every rank then
-    plans the same bucket, and a step too long for one is refused by all (none waits in an all-reduce for a rank
-    that refused)."""
+def agreed_size(tokens: int, length: int, model: Any) -> tuple[int, int]:
+    """The largest of every rank's token count and rows' length, when torch.distributed runs with more than one:
+    every rank then plans the same bucket, and a step too long for one is refused by all (none waits in an
+    all-reduce for a rank that refused)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return tokens
+        return tokens, length
     backend = dist.get_backend()
     device = next(model.parameters()).device if backend != "gloo" else torch.device("cpu")
-    count = torch.tensor([tokens], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count.item())
+    counts = torch.tensor([tokens, length], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    return int(counts[0]), int(counts[1])
+
+
+def bucket_text(bucket: Bucket) -> str:
+    tokens, length = bucket
+    return f"{tokens} tokens" + ("" if length is None else f" in rows of up to {length}")
 
 
 def step_kind(model: Any, batch: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -427,8 +446,9 @@ def _tensors(output: Any) -> list[torch.Tensor]:
     return [v for v in values if isinstance(v, torch.Tensor)]
 
 
-def _receipt(planned: Any, bucket: int, running: Any) -> Receipt:
+def _receipt(planned: Any, bucket: Bucket, running: Any) -> Receipt:
     """`running`: the map's head row, which names the chunk the head runs (a config may leave it to the head)."""
     peak = planned.predicted_peak_bytes if planned.scope == "step" else planned.predicted_device_bytes
     head = running.label if running is not None else head_label(planned.head, planned.head_chunk_tokens)
-    return Receipt(bucket, tuple(c.policy for c in planned.choices), head, peak, planned.scope)
+    policies = tuple(c.policy for c in planned.choices)
+    return Receipt(bucket[0], policies, head, peak, planned.scope, bucket_length=bucket[1])

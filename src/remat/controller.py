@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .budget import BudgetState
+from .budget import BudgetState, bucket_text
 from .compat.transformers_compat import router_logits_recorded_inside_layers
 from .config import CheckpointConfig
 from .errors import BlockSwapError, ConfigError, ReplacedWrapperError, StateError
@@ -77,7 +77,7 @@ def budget_reasons(checkpoint_map: CheckpointMap, config: CheckpointConfig, acti
     if active is None:
         why = f"{scope}: planned on the first training step; until then {{}}"
     else:
-        why = f"{scope}, planned for {bucket} tokens"
+        why = f"{scope}, planned for {bucket_text(bucket)}"
     plans = [dataclasses.replace(p, reason=why.format(p.reason)) for p in checkpoint_map]
     return CheckpointMap(plans, off=checkpoint_map.off, head=checkpoint_map.head)
 

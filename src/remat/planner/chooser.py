@@ -182,18 +182,25 @@ class Measurements:
     time: TimePrices | None = None  # how the seconds were priced; None for hand-made measurements
     shorter: Measurements | None = None  # the same bytes at a shorter length, when measured
     head: HeadProfile | None = None  # the head's options, when the profile may choose them
+    length: int | None = None  # the profiled rows' length (None: not known, a profile saved before it was kept)
 
-    def scaled(self, tokens: int | None) -> Measurements:
-        """For a batch of `tokens` tokens: bytes fitted through both lengths when `shorter` was
-        measured (`_fit`: attention's scores and masks grow with the square of the length), else
-        in proportion, as seconds are; the step's extras (weights, optimizer state) stay. A larger
-        batch of the same sequences grows in proportion, over-estimated where attention is quadratic."""
-        if tokens is None or (tokens := parse_count(tokens, "tokens", "batch x sequence length")) == self.tokens:
+    def scaled(self, tokens: int | None, length: int | None = None) -> Measurements:
+        """For a batch of `tokens` tokens in rows of up to `length`: bytes fitted through both lengths when `shorter`
+        was measured (`_fit`: attention's scores and masks grow with the square of the length), else in proportion,
+        as seconds are; the step's extras (weights, optimizer state) stay. Rows are taken as many as the profile's
+        unless `length` says they are longer (fewer rows of the same tokens: a packed row): what grows with the square
+        then grows with tokens x length. More rows than the profile's are priced as its rows, over-estimated where
+        attention is quadratic."""
+        tokens = self.tokens if tokens is None else parse_count(tokens, "tokens", "batch x sequence length")
+        rows = self.tokens / self.length if self.length else None
+        longer = length is not None and rows is not None and length * rows > tokens
+        if tokens == self.tokens and not longer:
             return self
         ratio, short = tokens / self.tokens, self.shorter
+        square = tokens * length * rows if longer else tokens * tokens  # (tokens / rows) ** 2 x the profile's rows
         # each figure with its measurement at the shorter length (None: not measured)
         grow = lambda value, before: (
-            round(value * ratio) if before is None else _fit(short.tokens, before, self.tokens, value, tokens)
+            round(value * ratio) if before is None else _fit(short.tokens, before, self.tokens, value, tokens, square)
         )
         pair = lambda now, before: (grow(now[0], before and before[0]), grow(now[1], before and before[1]))
         olds = short.layers if short else [None] * len(self.layers)
@@ -219,15 +226,16 @@ class Measurements:
         )
 
 
-def _fit(x1: int, y1: int, x2: int, y2: int, x: int) -> int:
+def _fit(x1: int, y1: int, x2: int, y2: int, x: int, square: float | None = None) -> int:
     """A figure measured at sizes x1 < x2, at size x: `a*x + b*x**2` through both when it grows
-    faster than the size, else the straight line; never below zero."""
+    faster than the size (`square` in place of x**2 for rows longer than the profile's), else the
+    straight line; never below zero."""
     if x1 == x2:
         return round(y2 * x / x2)
     if y2 * x1 > y1 * x2:
         b = (y2 * x1 - y1 * x2) / (x1 * x2 * (x2 - x1))
         a = (y1 - b * x1 * x1) / x1
-        return max(0, round(a * x + b * x * x))
+        return max(0, round(a * x + b * (x * x if square is None else square)))
     return max(0, round(y1 + (y2 - y1) * (x - x1) / (x2 - x1)))
 
 

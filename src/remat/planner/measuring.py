@@ -95,6 +95,16 @@ def batch_tokens(batch: Mapping[str, Any]) -> int:
     return next((v.shape[0] * v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), 1)
 
 
+def batch_length(batch: Mapping[str, Any]) -> int:
+    """The rows' length (sequence length, padding included): of `input_ids`, `inputs_embeds`, or the first tensor
+    of 2+ dims, as `batch_tokens` counts them."""
+    if isinstance(ids := batch.get("input_ids"), torch.Tensor):
+        return ids.shape[-1] if ids.dim() else 1
+    if isinstance(embeds := batch.get("inputs_embeds"), torch.Tensor):
+        return embeds.shape[-2] if embeds.dim() >= 2 else 1
+    return next((v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), 1)
+
+
 def candidates(state: Controlled) -> tuple[list[str], list[str]]:
     """The policies worth measuring on this model, and notes on those left out."""
     cpu, reentrant = next(state.model.parameters()).device.type == "cpu", state.config.use_reentrant
@@ -366,6 +376,7 @@ def _measurements(
         tokens=batch_tokens(steps.batch),
         step=StepMemory(found.extras) if found.extras else None,
         time=prices,
+        length=batch_length(steps.batch),
     )
 
 

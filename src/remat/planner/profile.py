@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..arguments import parse_bytes
+from ..arguments import parse_bytes, parse_count
 from ..config import CheckpointConfig
 from ..display import mib, render_table
 from ..errors import ConfigError, StaleProfileError
@@ -115,13 +115,17 @@ class Profile:
         """Batch x sequence length of the profiled batch."""
         return self.measurements.tokens
 
-    def plan(self, budget: Size, *, scope: str = "activations", tokens: int | None = None) -> PlannedConfig:
+    def plan(
+        self, budget: Size, *, scope: str = "activations", tokens: int | None = None, length: int | None = None
+    ) -> PlannedConfig:
         """The fastest map whose bytes fit `budget` (bytes, or a size like "6GiB"): held
         activations for `scope="activations"`, the peak of one whole training step for
-        `scope="step"`; for a batch of `tokens` tokens (default: the profiled batch's). Runs
-        nothing. Raises ValueError naming the smallest budget that fits when none does."""
+        `scope="step"`; for a batch of `tokens` tokens (default: the profiled batch's) in rows of up to
+        `length` (default: as many rows as the profiled batch's; longer rows hold more of what grows with
+        the square of the length). Runs nothing. Raises ValueError naming the smallest budget that fits
+        when none does."""
         limit = _budget_bytes(budget)
-        config, m = self._base(scope, tokens)
+        config, m = self._base(scope, tokens, length)
         chosen = choose(m, limit, scope)
         if chosen is None:
             least = smallest(m, scope)
@@ -138,10 +142,13 @@ class Profile:
             )
         return self._config(chosen, limit, m.tokens, config)
 
-    def frontier(self, *, scope: str = "activations", tokens: int | None = None) -> list[PlannedConfig]:
+    def frontier(
+        self, *, scope: str = "activations", tokens: int | None = None, length: int | None = None
+    ) -> list[PlannedConfig]:
         """Every undominated plan: ascending in predicted bytes (of `scope`), each predicted faster
-        than the one before. Each is a `PlannedConfig` whose `planned_budget` is its own predicted bytes."""
-        config, m = self._base(scope, tokens)
+        than the one before (`tokens` and `length` as for `plan`). Each is a `PlannedConfig` whose
+        `planned_budget` is its own predicted bytes."""
+        config, m = self._base(scope, tokens, length)
         return [self._config(p, p.device_bytes, m.tokens, config) for p in frontier(m, scope)]
 
     def plot(
@@ -162,11 +169,13 @@ class Profile:
         chosen = None if best is None else (best.device_bytes, best.seconds)
         return frontier_figure(points, marks, scope=scope, tokens=m.tokens, budget=limit, chosen=chosen)
 
-    def _base(self, scope: str, tokens: int | None) -> tuple[CheckpointConfig, Measurements]:
+    def _base(self, scope: str, tokens: int | None, length: int | None = None) -> tuple[CheckpointConfig, Measurements]:
         """The wrapper's current config (the one measured under when it is gone or the state is
-        unknown; `StaleProfileError` if the model changed) and the measurements at `tokens`."""
+        unknown; `StaleProfileError` if the model changed) and the measurements at `tokens` and `length`."""
         check_scope(self.measurements, scope)  # a scope this profile cannot plan is said first
-        m = self.measurements.scaled(tokens)
+        if length is not None:
+            length = parse_count(length, "length", "the longest row's tokens")
+        m = self.measurements.scaled(tokens, length)
         controller, changes = self.changes()
         if changes:
             raise StaleProfileError(
