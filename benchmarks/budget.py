@@ -29,7 +29,8 @@ import run
 import torch
 
 from remat import CheckpointConfig, CheckpointedModel
-from remat.budget import BudgetState, bucket_of
+from remat.budget import BudgetState
+from remat.planner.measuring import batch_length, batch_tokens
 from remat.testing import measure_step_peak
 
 PRESET = dict(hidden=128, layers=6, intermediate=352, heads=4, kv_heads=2, vocab=2048, batch=1, seq=512)
@@ -80,16 +81,19 @@ def main() -> None:
     step_times: list[float] = []  # the whole pre-step call on such a bucket, the map applied when it changes
     inner_choice, inner_step = BudgetState._plan_for, BudgetState.before_step
 
-    def choice(self, controller, batch, tokens):
-        cached = bucket_of(tokens) in self.plans
+    def planned_before(self, tokens, length):
+        return self.profile is not None and self._bucket(tokens, length) in self.plans
+
+    def choice(self, controller, batch, tokens, length):
+        cached = planned_before(self, tokens, length)
         begun = time.perf_counter()
-        planned = inner_choice(self, controller, batch, tokens)
+        planned = inner_choice(self, controller, batch, tokens, length)
         if cached:
             choose_times.append(time.perf_counter() - begun)
         return planned
 
     def pre_step(self, controller, batch):
-        cached = bucket_of(int(batch["input_ids"].numel())) in self.plans
+        cached = planned_before(self, batch_tokens(batch), batch_length(batch))
         begun = time.perf_counter()
         inner_step(self, controller, batch)
         if cached:

@@ -3,6 +3,7 @@ JSON and plot with every setting measured. No timing is asserted."""
 
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -118,3 +119,23 @@ def test_plan_stability_interleaves_profiles_with_the_timed_steps_and_takes_medi
         assert row["predicted_over_measured"] == pytest.approx(row["predicted_ms"] / row["measured_ms"])
     written = json.loads((tmp_path / "plan-stability-tiny-cpu.json").read_text())
     assert [r["map"] for r in written["quieter"]["plans"]] == [r["map"] for r in quiet["plans"]]
+
+
+def test_the_budget_benchmark_runs_its_timers_around_the_budgets_own_calls():
+    """benchmarks/budget.py wraps the budget's planning calls with its timers: a change of their arguments broke it
+    without a test saying so. Eight steps: it completes, every distinct length within the budget, both timers ran."""
+    import subprocess
+
+    script = RUN.parent / "budget.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--steps", "8", "--runs", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TQDM_DISABLE": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "steps over the budget (MemTracker, every distinct length): 0 of 8" in done.stdout, done.stdout
+    assert (
+        "choosing a planned bucket's plan: median" in done.stdout and "the whole pre-step call: median" in done.stdout
+    )

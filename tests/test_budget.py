@@ -209,7 +209,17 @@ def test_a_load_plans_from_the_saved_profile_without_measuring(tmp_path, caplog)
 
 
 @pytest.mark.parametrize(
-    "damage", ["another machine", "malformed", "another model dtype", "negative", "nan", "format 1 (head under-priced)"]
+    "damage",
+    [
+        "another machine",
+        "malformed",
+        "another model dtype",
+        "negative",
+        "nan",
+        "format 1 (head under-priced)",
+        "format 2 (rows' length not kept)",
+        "a row length of 0",
+    ],
 )
 def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_again(tmp_path, caplog, damage):
     """Said once, why: a saved profile of another model state was announced as planned from, then measured again."""
@@ -221,6 +231,11 @@ def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_
         data["budget_profile"]["machine"]["device"] = "NVIDIA H200"
     elif damage.startswith("format 1"):  # before the head's options were measured with the last layer kept
         data["budget_profile"]["format"] = 1
+    elif damage.startswith("format 2"):  # before the rows' length was kept: a packed row priced as the profile's rows
+        data["budget_profile"]["format"] = 2
+        del data["budget_profile"]["measurements"]["fields"]["length"]
+    elif damage == "a row length of 0":
+        data["budget_profile"]["measurements"]["fields"]["length"] = 0
     elif damage == "malformed":
         data["budget_profile"]["measurements"] = {"type": "Measurements", "fields": {"layers": 3}}
     elif damage in ("negative", "nan"):  # numbers no measurement gives (a crafted file): planned from, before
@@ -239,6 +254,7 @@ def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_
     dtype = torch.float64 if damage == "another model dtype" else torch.float32
     said = _first_step_after_loading(tmp_path, caplog, dtype)
     reasons = {"another machine": "measured on", "another model dtype": "dtypes were", "format 1": "format 1"}
+    reasons |= {"format 2": "format 2", "a row length of 0": "a row length of 0"}
     reason = reasons.get(damage.split(" (")[0], "malformed")
     assert any("saved profile is not used" in m and reason in m for m in said), said
     assert sum("measuring a profile" in m for m in said) == 1
@@ -716,6 +732,13 @@ def test_a_budgets_training_forwards_run_without_the_kv_cache_whatever_the_map(c
         assert sum("training forwards run with use_cache=False" in r.getMessage() for r in caplog.records) == 1
         caplog.clear()
         assert cm.model.config.use_cache, "the model's config is left as it was"
+    # given positionally (transformers' order: ids, mask, positions, cache, embeddings, labels, use_cache): it was
+    # also given as a keyword, and the forward refused ("got multiple values for argument 'use_cache'")
+    cm = CheckpointedModel(tiny_model(attention_dropout=0.0), CheckpointConfig(budget="1GiB"))
+    loss = cm(rows["input_ids"], None, rows["position_ids"], None, None, rows["labels"], True).loss
+    with torch.no_grad():
+        apart = tiny_model(attention_dropout=0.0)(**rows, use_cache=False).loss
+    torch.testing.assert_close(loss.detach(), apart, rtol=1e-5, atol=1e-7)
 
 
 def test_a_step_of_fewer_longer_rows_than_the_profiles_is_planned_for_its_rows_length(caplog):
@@ -734,3 +757,24 @@ def test_a_step_of_fewer_longer_rows_than_the_profiles_is_planned_for_its_rows_l
     assert plans[1].startswith("budget: steps of up to 128 tokens in rows of up to 128 run"), plans
     receipts = cm.budget_receipts
     assert [(r.bucket_tokens, r.bucket_length) for r in receipts] == [(128, None), (128, 128), (128, 64)]
+
+
+def test_a_step_of_long_rows_no_plan_fits_is_refused_naming_the_longest_row_that_fits():
+    """The refusal swept token counts at the rows' length and named steps shorter than one such row ("96 tokens in
+    rows of 128"): it names the longest single row that fits."""
+    probe = CheckpointedModel(_model())
+    profile = probe.profile(batch(size=8, seq=16), repeats=1, progress=False)
+    least_rows = profile.frontier(tokens=128)[0].predicted_device_bytes
+    least_one_row = profile.frontier(tokens=128, length=128)[0].predicted_device_bytes
+    probe.disable()
+    cm = CheckpointedModel(
+        _model(), CheckpointConfig(budget=(least_rows + least_one_row) // 2, budget_scope="activations")
+    )
+    cm(**batch(size=8, seq=16)).loss.backward()
+    for seq in (128, 256):
+        with pytest.raises(
+            ConfigError,
+            match=r"in rows of \d+ fits no map .*; no step of such rows fits; one row of up to 96 tokens does",
+        ):
+            cm(**batch(size=1, seq=seq, seed=1))
+    cm(**batch(size=1, seq=96, seed=2)).loss.backward()  # as said

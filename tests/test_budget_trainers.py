@@ -174,3 +174,23 @@ def test_a_profile_saved_without_an_optimizer_is_measured_again_on_the_trainers_
     assert steps[-2:] == [False, False] and not controller_of(cm).budget.without_optimizer
     (receipt,) = cm.budget_receipts
     assert receipt.steps == 2 and "no optimizer state" not in str(controller_of(cm).budget.active)
+
+
+def test_a_log_after_steps_of_one_token_bucket_in_rows_of_two_lengths_carries_the_longer_rows_receipt(tmp_path):
+    """An epoch's last batch of one row (24 tokens after batches of 2 x 12) has its own receipt for its rows' length:
+    the log compared the receipts' keys and failed ("'>' not supported between 'NoneType' and 'int'")."""
+
+    class InOrder(RematTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB"))
+    args = TrainingArguments(
+        **_common(tmp_path, max_steps=3, logging_steps=3, per_device_train_batch_size=2, save_strategy="no")
+    )
+    trainer = InOrder(model=cm, args=args, train_dataset=_rows([12, 12, 12, 12, 24]))
+    trainer.train()
+    rows, packed = cm.budget_receipts
+    assert [(r.bucket_tokens, r.bucket_length) for r in (rows, packed)] == [(24, None), (24, 24)]
+    (logged,) = [e for e in trainer.state.log_history if "loss" in e]
+    assert logged["remat/budget_predicted_bytes"] == packed.predicted_peak_bytes

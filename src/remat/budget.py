@@ -229,10 +229,15 @@ class BudgetState:
             rows = "" if bucket[1] is None else f" in rows of {length}"
             said = f"budget: a step of {tokens} tokens{rows} fits no map under budget={config.budget!r} "
             said += f"(budget_scope={config.budget_scope!r})"
+            fitting = None
             if fits := self.largest_fitting(config, bucket[0], bucket[1]):
+                fitting = f"the largest step that fits is {fits} tokens{'' if bucket[1] is None else ' of such rows'}"
+            elif bucket[1] is not None and (row := self.longest_row(config, length)):
+                fitting = f"no step of such rows fits; one row of up to {row} tokens does"
+            if fitting:
                 raise ConfigError(
-                    f"{said}; the largest step that fits is {fits} tokens{rows}: make the batch shorter or smaller, "
-                    "or give a larger budget. This forward did not run"
+                    f"{said}; {fitting}: make the batch shorter or smaller, or give a larger budget. This forward "
+                    "did not run"
                 )
             try:  # no step fits: the profile's own refusal names the smallest budget for this one
                 self.profile.plan(config.budget_bytes, scope=config.budget_scope, tokens=bucket[0], length=bucket[1])
@@ -246,7 +251,8 @@ class BudgetState:
         grow with its length: a padded 8 x 32 profile under-priced a 1 x 256 row 1.7x); None where they are not (more
         rows of the same tokens are priced as the profile's rows, over-priced where attention is quadratic)."""
         m, bucket = self.profile.measurements, bucket_of(tokens)
-        return bucket, bucket_of(length) if m.length and length * m.tokens > bucket * m.length else None
+        measured = m.length and m.shorter is not None  # (one length measured, images or audio: in proportion)
+        return bucket, bucket_of(length) if measured and length * m.tokens > bucket * m.length else None
 
     def _kind_state(self) -> tuple[Any, ...]:
         return self.profile, self.without_optimizer, self.plans, self.fresh_key, self.params
@@ -269,10 +275,17 @@ class BudgetState:
             return None  # nothing fits: refused by the caller, with the largest count that fits
 
     def largest_fitting(self, config: Any, above: int, length: int | None = None) -> int:
-        """The largest token bucket below `above` some plan fits (steps of up to that many tokens, in rows of up to
-        `length` where given, run); 0 if none."""
-        fits, size = 0, 1
+        """The largest token bucket below `above` some plan fits (steps of up to that many tokens, of rows of the
+        length bucket `length` where given: one row at least, run); 0 if none."""
+        fits, size = 0, length or 1
         while size < above and self._choose(config, (size, length)) is not None:
+            fits, size = size, bucket_of(size + 1)
+        return fits
+
+    def longest_row(self, config: Any, below: int) -> int:
+        """The largest bucket of one row's tokens below `below` some plan fits; 0 if none."""
+        fits, size = 0, 1
+        while size < below and self._choose(config, self._bucket(size, size)) is not None:
             fits, size = size, bucket_of(size + 1)
         return fits
 

@@ -450,7 +450,7 @@ class Controller:
                 guard = functools.partial(self._refuse_training_in_inference, plan.index, plan.name)
                 self._guards.append(layer.module.register_forward_pre_hook(guard, prepend=True))
 
-    def _before_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+    def _before_forward(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         """A model put back into training behind our back (Trainer calls `model.train()`) trains with its map;
         with a budget, a training forward first gets its bucket's plan (`remat.budget`)."""
         self._mode_before_call = None  # a `with` needs the mode call right before it
@@ -470,11 +470,13 @@ class Controller:
             self._refuse_outputs_reentrant_loses(kwargs)
         if not training or self.config.budget is None or self.off_by is not None or self.inference:
             return
-        if kwargs.get("use_cache") is not False and _takes_use_cache(module):
-            # as a checkpointed model's forward does (transformers turns the cache off): the cache also changes how
-            # a packed row without a mask attends, so a map that changes per step would change the loss per step
-            kwargs["use_cache"] = False
-            if not self._said_no_cache:
+        # as a checkpointed model's forward does (transformers turns the cache off): the cache also changes how a
+        # packed row without a mask attends, so a map that changes per step would change the loss per step
+        if (slot := _use_cache_slot(module)) is not None:
+            args, cached = _without_cache(slot, args, kwargs)
+            if cached is None:  # not given: the model's config says
+                cached = getattr(getattr(causal_lm(module), "config", None), "use_cache", False)
+            if cached and not self._said_no_cache:
                 self._said_no_cache = True
                 logger.info(
                     "budget: training forwards run with use_cache=False, whatever the map (as transformers runs a "
@@ -482,7 +484,7 @@ class Controller:
                     "its sequences, and the loss would change with the map)"
                 )
         if self.measuring:
-            return
+            return args, kwargs
         budget, batch = self.budget, dict(kwargs)
         if args and isinstance(args[0], torch.Tensor):
             batch.setdefault("input_ids", args[0])
@@ -491,6 +493,7 @@ class Controller:
         handle = module.register_forward_hook(
             lambda m, a, output: (handle.remove(), budget.watch_backward(output))[0], always_call=True
         )
+        return args, kwargs
 
     def _refuse_outputs_reentrant_loses(self, kwargs: dict[str, Any]) -> None:
         """Reentrant checkpointing runs a layer's forward without gradients, so an output transformers records by a
@@ -584,12 +587,30 @@ class Controller:
 
 
 @functools.cache
-def _forward_takes_use_cache(forward: Any) -> bool:
+def _use_cache_position(forward: Any) -> int | None:
+    """`forward`'s `use_cache` argument: its position after `self` (-1: keyword only, or in its **kwargs), or None when
+    it takes none."""
     import inspect
 
-    return "use_cache" in inspect.signature(forward).parameters
+    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    for position, parameter in enumerate(parameters):
+        if parameter.name == "use_cache":
+            return position if parameter.kind is parameter.POSITIONAL_OR_KEYWORD else -1
+    return -1 if any(p.kind is p.VAR_KEYWORD for p in parameters) else None
 
 
-def _takes_use_cache(model: nn.Module) -> bool:
-    """Whether the transformers model (under PEFT or not) takes `use_cache` (a remote-code model may not)."""
-    return _forward_takes_use_cache(type(causal_lm(model)).forward)
+def _use_cache_slot(model: nn.Module) -> int | None:
+    """Where the model's forward takes `use_cache` (see `_use_cache_position`), when the transformers model inside
+    (under PEFT or not) takes it; None when it does not (a remote-code model may not)."""
+    if _use_cache_position(type(causal_lm(model)).forward) is None:
+        return None
+    return _use_cache_position(type(model).forward)
+
+
+def _without_cache(slot: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
+    """The call's positional arguments with `use_cache=False`, set there (at `slot`) or in `kwargs` (in place), and
+    the value the caller gave (None: none)."""
+    if 0 <= slot < len(args):
+        return (*args[:slot], False, *args[slot + 1 :]), args[slot]
+    given, kwargs["use_cache"] = kwargs.get("use_cache"), False
+    return args, given

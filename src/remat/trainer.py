@@ -98,7 +98,7 @@ class _RematTrainerMixin:
         cm = self.checkpointed_model
         budget = controller_of_wrapper(cm).budget if cm is not None else None
         if budget is not None and budget.unlogged and "loss" in logs:  # a training line (Trainer's, TRL's)
-            bucket = max(budget.unlogged)
+            bucket = max(budget.unlogged, key=lambda key: (key[0][0], key[0][1] or 0, key[1]))  # (tokens, rows), kind
             budget.unlogged.clear()
             if (receipt := budget.receipts.get(bucket)) is not None:
                 logs = {**logs, **receipt.log_values()}
