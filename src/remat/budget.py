@@ -87,7 +87,7 @@ class BudgetState:
     history: list[Receipt] = field(default_factory=list)  # every receipt, in order: a bucket planned anew has two
     last_key: tuple[Bucket, int] | None = None  # (bucket, kind number): the receipt of the step that ran last
     head_owed: Receipt | None = None  # the receipt of the forward in flight, until its head runs (`head_ran`)
-    unlogged: set[tuple[int, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
+    unlogged: set[tuple[Bucket, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
     optimizer: Ref[Any] = field(default_factory=lambda: Ref(None))  # the trainer's (scope="step" counts its state)
     without_optimizer: bool = False  # its profile's step peak has no optimizer state
