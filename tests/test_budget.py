@@ -761,7 +761,7 @@ def test_a_step_of_fewer_longer_rows_than_the_profiles_is_planned_for_its_rows_l
 
 def test_a_step_of_long_rows_no_plan_fits_is_refused_naming_the_longest_row_that_fits():
     """The refusal swept token counts at the rows' length and named steps shorter than one such row ("96 tokens in
-    rows of 128"): it names the longest single row that fits."""
+    rows of 128"): it names how many such rows fit, or the longest single row that does."""
     probe = CheckpointedModel(_model())
     profile = probe.profile(batch(size=8, seq=16), repeats=1, progress=False)
     least_rows = profile.frontier(tokens=128)[0].predicted_device_bytes
@@ -778,3 +778,59 @@ def test_a_step_of_long_rows_no_plan_fits_is_refused_naming_the_longest_row_that
         ):
             cm(**batch(size=1, seq=seq, seed=1))
     cm(**batch(size=1, seq=96, seed=2)).loss.backward()  # as said
+    cm.disable()
+    least_two_rows = profile.frontier(tokens=256, length=128)[0].predicted_device_bytes
+    budget = (least_one_row + least_two_rows) // 2  # one row of 128 fits, two do not (it said "192 tokens")
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    cm(**batch(size=8, seq=16)).loss.backward()
+    for rows in (2, 4):
+        with pytest.raises(ConfigError, match=r"; a step of up to 1 row of 128 tokens fits: "):
+            cm(**batch(size=rows, seq=128, seed=1))
+    cm(**batch(size=1, seq=128, seed=2)).loss.backward()  # as said
+
+
+def test_the_cache_is_turned_off_only_where_the_model_takes_it_and_where_its_forward_takes_it():
+    """A remote-code model whose forward hands **kwargs to its blocks, with no `use_cache` and none in its config, was
+    given one and failed ("Block.forward() got an unexpected keyword argument 'use_cache'"); a forward set on the
+    instance (PEFT's, Liger's) takes its arguments in its own order, not its class's."""
+    from torch import nn
+    from transformers import PretrainedConfig, PreTrainedModel
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, hidden, attention_mask=None):
+            return hidden + torch.tanh(self.lin(hidden))
+
+    class Net(PreTrainedModel):
+        config_class = PretrainedConfig
+
+        def __init__(self):
+            super().__init__(PretrainedConfig())
+            self.embed, self.head = nn.Embedding(96, 32), nn.Linear(32, 96)
+            self.layers = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, input_ids, labels=None, **kwargs):
+            hidden = self.embed(input_ids)
+            for layer in self.layers:
+                hidden = layer(hidden, **kwargs)
+            logits = self.head(hidden)
+            return {"loss": nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+    ids = torch.randint(3, 96, (2, 8))
+    cm = CheckpointedModel(Net().train(), CheckpointConfig(budget="1GiB", budget_scope="activations"))
+    cm(input_ids=ids, labels=ids, attention_mask=torch.ones_like(ids))["loss"].backward()
+
+    model, seen = tiny_model(attention_dropout=0.0), {}
+    own = model.forward
+
+    def instance_forward(input_ids, labels=None, temperature=0.7, use_cache=None, **kwargs):
+        seen.update(temperature=temperature, use_cache=use_cache)
+        return own(input_ids=input_ids, labels=labels, use_cache=use_cache, **kwargs)
+
+    model.forward = instance_forward
+    cm = CheckpointedModel(model, CheckpointConfig(budget="1GiB", budget_scope="activations"))
+    cm(ids, ids, 0.5, True).loss.backward()  # (positions 3 and 7 of the class's forward)
+    assert seen == {"temperature": 0.5, "use_cache": False}

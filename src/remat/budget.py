@@ -230,8 +230,10 @@ class BudgetState:
             said = f"budget: a step of {tokens} tokens{rows} fits no map under budget={config.budget!r} "
             said += f"(budget_scope={config.budget_scope!r})"
             fitting = None
-            if fits := self.largest_fitting(config, bucket[0], bucket[1]):
-                fitting = f"the largest step that fits is {fits} tokens{'' if bucket[1] is None else ' of such rows'}"
+            if bucket[1] is None and (fits := self.largest_fitting(config, bucket[0])):
+                fitting = f"the largest step that fits is {fits} tokens"
+            elif bucket[1] is not None and (rows := self.most_rows(config, tokens, length)):
+                fitting = f"a step of up to {rows} row{'s' if rows > 1 else ''} of {length} tokens fits"
             elif bucket[1] is not None and (row := self.longest_row(config, length)):
                 fitting = f"no step of such rows fits; one row of up to {row} tokens does"
             if fitting:
@@ -274,13 +276,21 @@ class BudgetState:
         except ConfigError:  # (a StaleProfileError is not one: it reaches the caller)
             return None  # nothing fits: refused by the caller, with the largest count that fits
 
-    def largest_fitting(self, config: Any, above: int, length: int | None = None) -> int:
-        """The largest token bucket below `above` some plan fits (steps of up to that many tokens, of rows of the
-        length bucket `length` where given: one row at least, run); 0 if none."""
-        fits, size = 0, length or 1
-        while size < above and self._choose(config, (size, length)) is not None:
+    def largest_fitting(self, config: Any, above: int) -> int:
+        """The largest bucket below `above` some plan fits (steps of up to that many tokens run); 0 if none."""
+        fits, size = 0, 1
+        while size < above and self._choose(config, (size, None)) is not None:
             fits, size = size, bucket_of(size + 1)
         return fits
+
+    def most_rows(self, config: Any, tokens: int, length: int) -> int:
+        """How many rows of `length` tokens a step of fewer than `tokens` tokens may have; 0 if not one."""
+        rows = 0
+        while (rows + 1) * length < tokens and self._choose(
+            config, self._bucket((rows + 1) * length, length)
+        ) is not None:
+            rows += 1
+        return rows
 
     def longest_row(self, config: Any, below: int) -> int:
         """The largest bucket of one row's tokens below `below` some plan fits; 0 if none."""

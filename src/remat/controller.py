@@ -475,7 +475,7 @@ class Controller:
         if (slot := _use_cache_slot(module)) is not None:
             args, cached = _without_cache(slot, args, kwargs)
             if cached is None:  # not given: the model's config says
-                cached = getattr(getattr(causal_lm(module), "config", None), "use_cache", False)
+                cached = _use_cache_of(causal_lm(module))
             if cached and not self._said_no_cache:
                 self._said_no_cache = True
                 logger.info(
@@ -586,13 +586,20 @@ class Controller:
         )
 
 
-@functools.cache
 def _use_cache_position(forward: Any) -> int | None:
-    """`forward`'s `use_cache` argument: its position after `self` (-1: keyword only, or in its **kwargs), or None when
-    it takes none."""
+    """The position of the `use_cache` argument of `forward` (what torch calls: a class's method, or one set on the
+    instance), -1 where it goes by keyword only or into **kwargs, None where it cannot be passed."""
+    return _position_in(getattr(forward, "__func__", forward), hasattr(forward, "__self__"))
+
+
+@functools.cache
+def _position_in(function: Any, bound: bool) -> int | None:
     import inspect
 
-    parameters = list(inspect.signature(forward).parameters.values())[1:]
+    try:
+        parameters = list(inspect.signature(function).parameters.values())[int(bound) :]
+    except (TypeError, ValueError):  # no signature to read: left as the caller gave it
+        return None
     for position, parameter in enumerate(parameters):
         if parameter.name == "use_cache":
             return position if parameter.kind is parameter.POSITIONAL_OR_KEYWORD else -1
@@ -600,11 +607,31 @@ def _use_cache_position(forward: Any) -> int | None:
 
 
 def _use_cache_slot(model: nn.Module) -> int | None:
-    """Where the model's forward takes `use_cache` (see `_use_cache_position`), when the transformers model inside
-    (under PEFT or not) takes it; None when it does not (a remote-code model may not)."""
-    if _use_cache_position(type(causal_lm(model)).forward) is None:
+    """Where the model's forward takes `use_cache` (`_use_cache_position`) when the transformers model inside (under
+    PEFT or not) reads it: its forward names it, or hands it on through **kwargs with the setting in its config (a
+    VLM's text model); None when it does not (a remote-code model's **kwargs may reach blocks that refuse it)."""
+    base = causal_lm(model)
+    named = "use_cache" in _parameter_names(type(base).forward)
+    if not named and _use_cache_of(base) is None:
         return None
-    return _use_cache_position(type(model).forward)
+    return _use_cache_position(model.forward)
+
+
+@functools.cache
+def _parameter_names(function: Any) -> frozenset[str]:
+    import inspect
+
+    try:
+        return frozenset(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return frozenset()
+
+
+def _use_cache_of(model: nn.Module) -> bool | None:
+    """The model config's `use_cache` (a VLM's is its text config's); None where it has none."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return getattr(config, "use_cache", getattr(text, "use_cache", None))
 
 
 def _without_cache(slot: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
