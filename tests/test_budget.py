@@ -834,3 +834,18 @@ def test_the_cache_is_turned_off_only_where_the_model_takes_it_and_where_its_for
     cm = CheckpointedModel(model, CheckpointConfig(budget="1GiB", budget_scope="activations"))
     cm(ids, ids, 0.5, True).loss.backward()  # (positions 3 and 7 of the class's forward)
     assert seen == {"temperature": 0.5, "use_cache": False}
+
+
+def test_a_vlm_whose_text_config_holds_use_cache_says_the_cache_is_turned_off(caplog):
+    """Llava's config has no `use_cache` of its own (its text config has): the cache was turned off without the line
+    that says so, and the loss differed from the model's own default without a word."""
+    from test_discovery import tiny_llava
+    from test_remote_code import _llava_batch
+
+    model = tiny_llava()
+    model.train()
+    assert getattr(model.config, "use_cache", None) is None and model.config.get_text_config().use_cache
+    cm = CheckpointedModel(model, CheckpointConfig(budget="1GiB", budget_scope="activations"))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**_llava_batch()).loss.backward()
+    assert sum("training forwards run with use_cache=False" in r.getMessage() for r in caplog.records) == 1
