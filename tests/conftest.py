@@ -54,6 +54,44 @@ _COMMON = {
 }
 
 
+_ROUTED = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.1}  # aux loss on
+_HEAD_FAMILIES = {
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=8,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            n_shared_experts=1,
+        ),
+    ),
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=8, final_logit_softcapping=2.0)),  # softcapped as Gemma 2
+    "glm4": ("Glm4Config", dict(head_dim=8)),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=8, num_local_experts=4, **_ROUTED)),
+    "granite": ("GraniteConfig", dict(logits_scaling=3.0)),  # its logits divided
+    # (router logits off: transformers 5.17's own forward fails with them, an int aux loss)
+    "granitemoe": ("GraniteMoeConfig", dict(logits_scaling=3.0, num_local_experts=4, num_experts_per_tok=2)),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, **_ROUTED)),
+    "olmo2": ("Olmo2Config", {}),
+    "phi": ("PhiConfig", {}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(head_dim=8, num_experts=4, moe_intermediate_size=16, decoder_sparse_step=1, **_ROUTED),
+    ),
+    "smollm3": ("SmolLM3Config", {}),
+    "starcoder2": ("Starcoder2Config", {}),
+}
+
+
 def _config(arch: str, **overrides):
     c = dict(_COMMON)
     if arch == "llama":
@@ -86,6 +124,10 @@ def _config(arch: str, **overrides):
             shared_expert_intermediate_size=24,
             decoder_sparse_step=1,
         )
+    elif arch in _HEAD_FAMILIES:  # the other families the chunked head reproduces (tests/test_head.py)
+        name, extra = _HEAD_FAMILIES[arch]
+        cfg = getattr(transformers, name)
+        c.update(extra)
     else:  # pragma: no cover - a typo in a test
         raise KeyError(arch)
     c.update(overrides)
@@ -93,6 +135,7 @@ def _config(arch: str, **overrides):
 
 
 ARCHS = ("llama", "qwen3", "mistral", "phi3", "gemma", "qwen2_moe")
+HEAD_FAMILIES = tuple(_HEAD_FAMILIES)
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides) -> transformers.PreTrainedModel:

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from conftest import ARCHS, VOCAB, add_lora, assert_same_grads, batch, step_grads, tiny_model
+from conftest import ARCHS, HEAD_FAMILIES, VOCAB, add_lora, assert_same_grads, batch, step_grads, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -44,12 +44,16 @@ def _same_as_plain(build, data, **config):
     return plain_loss, plain
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "gemma2", "cohere", "qwen2"])
+@pytest.mark.parametrize("arch", [*ARCHS, "gemma2", "cohere", "qwen2", *HEAD_FAMILIES])
 def test_the_chunked_loss_and_every_gradient_equal_the_models_own(arch):
+    """Every family remat chunks (`remat.head.FAMILIES`): MoE auxiliary losses on, Gemma's softcapping, Cohere's
+    scale and Granite's divisor small enough to matter; the chunked head ran (its output has no logits)."""
     build = lambda: tiny_model(arch)
     if arch == "qwen2_moe":  # its auxiliary loss on
         build = lambda: tiny_model(arch, output_router_logits=True)
     _same_as_plain(build, _half_ignored())
+    cm = CheckpointedModel(build(), CheckpointConfig(head="chunked"))
+    assert cm(**_half_ignored()).logits is None, cm.checkpoint_map.head.reason
 
 
 def test_a_lora_head_and_tied_embeddings_train_exactly():

@@ -7,7 +7,7 @@ output embedding keeps the hidden states it is handed and hands it none of them 
 head and post-ops run on zero tokens), and the loss is computed here, as the model would:
 - only the positions whose shifted label counts, in chunks of `head_chunk_tokens`;
 - each chunk through the head as a module (a LoRA'd or quantized head works), then the family's
-  post-ops in the model's dtype (Gemma 2's final softcapping, Cohere's scale), then upcast;
+  post-ops in the model's dtype (Gemma 2 and 3's final softcapping, Cohere's scale, Granite's divisor), then upcast;
 - each chunk under torch's checkpoint: its logits live only inside it, in forward and backward;
   a frozen head's weight gets no gradient from autograd, so no vocabulary x hidden buffer;
 - the sum of the chunks divided as transformers' causal-LM loss divides it: by the counted tokens,
@@ -44,7 +44,12 @@ LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")  # what tra
 # Families whose forward is: the head on the last hidden states, the post-ops below, transformers'
 # causal-LM loss (plus `router_aux_loss_coef` x `aux_loss`): each checked against the model's own
 # loss and gradients in tests/test_head.py. Any other family keeps its own head, and its row says so.
-FAMILIES = ("cohere", "gemma", "gemma2", "llama", "mistral", "phi3", "qwen2", "qwen2_moe", "qwen3")
+FAMILIES = (
+    *("cohere", "deepseek_v3", "gemma", "gemma2", "gemma3_text", "glm4", "gpt_oss", "granite", "granitemoe", "llama"),
+    *("mistral", "mixtral", "olmo2", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "starcoder2"),
+)
+SOFTCAPPED = ("gemma2", "gemma3_text")  # logits = tanh(logits / cap) * cap, cap = config.final_logit_softcapping
+DIVIDED = ("granite", "granitemoe")  # logits = logits / config.logits_scaling
 
 
 def causal_lm(model: nn.Module) -> nn.Module:
@@ -114,11 +119,14 @@ class PostOps:
     closure: a wrapper with the chunked head pickles)."""
 
     scale: float | None = None
+    divisor: float | None = None
     cap: float | None = None
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.scale is not None:
             logits = logits * self.scale
+        if self.divisor is not None:  # divided, as the family does (a product by its inverse rounds otherwise)
+            logits = logits / self.divisor
         if self.cap is not None:
             logits = torch.tanh(logits / self.cap) * self.cap
         return logits
@@ -199,10 +207,11 @@ class _Call:
         self.labels = kwargs.pop("labels")
         self.loss_kwargs = {key: kwargs.pop(key) for key in LOSS_KWARGS if key in kwargs}
         self.head: nn.Module = base.get_output_embeddings()
-        config = base.config
+        config, family = base.config, base.config.model_type
         self.post = PostOps(
-            scale=getattr(config, "logit_scale", None) if config.model_type == "cohere" else None,
-            cap=getattr(config, "final_logit_softcapping", None) if config.model_type == "gemma2" else None,
+            scale=getattr(config, "logit_scale", None) if family == "cohere" else None,
+            divisor=getattr(config, "logits_scaling", None) if family in DIVIDED else None,
+            cap=getattr(config, "final_logit_softcapping", None) if family in SOFTCAPPED else None,
         )
         self.aux_coef = getattr(base, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
         self.hidden: torch.Tensor | None = None
