@@ -45,8 +45,9 @@ LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index")  # what tra
 # causal-LM loss (plus `router_aux_loss_coef` x `aux_loss`): each checked against the model's own
 # loss and gradients in tests/test_head.py. Any other family keeps its own head, and its row says so.
 FAMILIES = (
-    *("cohere", "deepseek_v3", "gemma", "gemma2", "gemma3_text", "glm4", "gpt_oss", "granite", "granitemoe", "llama"),
-    *("mistral", "mixtral", "olmo2", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "starcoder2"),
+    *("cohere", "deepseek_v3", "gemma", "gemma2", "gemma3_text", "glm4", "gpt_oss", "granite", "granitemoe"),
+    *("llama", "mistral", "mixtral", "olmo2", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3"),
+    "starcoder2",
 )
 SOFTCAPPED = ("gemma2", "gemma3_text")  # logits = tanh(logits / cap) * cap, cap = config.final_logit_softcapping
 DIVIDED = ("granite", "granitemoe")  # logits = logits / config.logits_scaling
