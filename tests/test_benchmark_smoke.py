@@ -139,3 +139,21 @@ def test_the_budget_benchmark_runs_its_timers_around_the_budgets_own_calls():
     assert (
         "choosing a planned bucket's plan: median" in done.stdout and "the whole pre-step call: median" in done.stdout
     )
+
+
+def test_the_gemma3_head_benchmark_runs_both_heads_to_the_same_loss():
+    """benchmarks/head_gemma3.py at 32 tokens: both heads run, the chunked one on Gemma 3 (a family it computes), to
+    the same loss (its printed figures are what RESULTS.md quotes)."""
+    import re
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, str(RUN.parent / "head_gemma3.py"), "--repeats", "1", "--tokens", "32", "--chunk", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    losses = re.findall(r"^(plain\(\)|chunked\(8\)) loss (\S+)", done.stdout, re.MULTILINE)
+    assert [head for head, _ in losses] == ["plain()", "chunked(8)"], done.stdout
+    assert float(losses[0][1]) == pytest.approx(float(losses[1][1]), rel=1e-5)
