@@ -218,7 +218,9 @@ def test_a_load_plans_from_the_saved_profile_without_measuring(tmp_path, caplog)
         "nan",
         "format 1 (head under-priced)",
         "format 2 (rows' length not kept)",
+        "format 3 (square per row not kept)",
         "a row length of 0",
+        "square_per_row of 'yes'",
     ],
 )
 def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_again(tmp_path, caplog, damage):
@@ -234,6 +236,11 @@ def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_
     elif damage.startswith("format 2"):  # before the rows' length was kept: a packed row priced as the profile's rows
         data["budget_profile"]["format"] = 2
         del data["budget_profile"]["measurements"]["fields"]["length"]
+    elif damage.startswith("format 3"):  # before square_per_row was kept: T5's fewer, longer rows priced per row
+        data["budget_profile"]["format"] = 3
+        del data["budget_profile"]["measurements"]["fields"]["square_per_row"]
+    elif damage.startswith("square_per_row"):
+        data["budget_profile"]["measurements"]["fields"]["square_per_row"] = "yes"
     elif damage == "a row length of 0":
         data["budget_profile"]["measurements"]["fields"]["length"] = 0
     elif damage == "malformed":
@@ -254,7 +261,8 @@ def test_a_saved_profile_from_another_machine_or_model_or_malformed_is_measured_
     dtype = torch.float64 if damage == "another model dtype" else torch.float32
     said = _first_step_after_loading(tmp_path, caplog, dtype)
     reasons = {"another machine": "measured on", "another model dtype": "dtypes were", "format 1": "format 1"}
-    reasons |= {"format 2": "format 2", "a row length of 0": "a row length of 0"}
+    reasons |= {"format 2": "format 2", "format 3": "format 3", "a row length of 0": "a row length of 0"}
+    reasons |= {"square_per_row of 'yes'": "square_per_row of 'yes'"}
     reason = reasons.get(damage.split(" (")[0], "malformed")
     assert any("saved profile is not used" in m and reason in m for m in said), said
     assert sum("measuring a profile" in m for m in said) == 1

@@ -183,21 +183,27 @@ class Measurements:
     shorter: Measurements | None = None  # the same bytes at a shorter length, when measured
     head: HeadProfile | None = None  # the head's options, when the profile may choose them
     length: int | None = None  # the profiled rows' length (None: not known, a profile saved before it was kept)
+    # what grows with the square of the length grows per row (a decoder's attention scores and masks); False: it may
+    # grow with the length alone (T5's relative position bias: fewer, longer rows held 3x a per-row price)
+    square_per_row: bool = True
 
     def scaled(self, tokens: int | None, length: int | None = None) -> Measurements:
         """For a batch of `tokens` tokens in rows of up to `length`: bytes fitted through both lengths when `shorter`
         was measured (`_fit`: attention's scores and masks grow with the square of the length), else in proportion,
         as seconds are; the step's extras (weights, optimizer state) stay. Rows are taken as many as the profile's
         unless `length` says they are longer (fewer rows of the same tokens: a packed row): what grows with the square
-        then grows with tokens x length. More rows than the profile's are priced as its rows, over-estimated where
-        attention is quadratic."""
+        then grows with tokens x length, or, unless `square_per_row`, as the profile's rows of that length would (an
+        upper bound). More rows than the profile's are priced as its rows, over-estimated where attention is
+        quadratic."""
         tokens = self.tokens if tokens is None else parse_count(tokens, "tokens", "batch x sequence length")
         rows = self.tokens / self.length if self.length else None
         longer = length is not None and rows is not None and length * rows > tokens
         if tokens == self.tokens and not longer:
             return self
         ratio, short = tokens / self.tokens, self.shorter
-        square = tokens * length * rows if longer else tokens * tokens  # (tokens / rows) ** 2 x the profile's rows
+        square = tokens * tokens  # (tokens / rows) ** 2 x the profile's rows
+        if longer:
+            square = tokens * length * rows if self.square_per_row else (rows * length) ** 2
         # each figure with its measurement at the shorter length (None: not measured)
         grow = lambda value, before: (
             round(value * ratio) if before is None else _fit(short.tokens, before, self.tokens, value, tokens, square)

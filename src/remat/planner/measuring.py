@@ -377,6 +377,7 @@ def _measurements(
         step=StepMemory(found.extras) if found.extras else None,
         time=prices,
         length=batch_length(steps.batch),
+        square_per_row=not getattr(getattr(steps.model, "config", None), "is_encoder_decoder", False),
     )
 
 
@@ -476,7 +477,8 @@ def shorter_batch(batch: Mapping[str, Any]) -> dict[str, Any] | None:
     if len(shapes) != 1 or (seq := next(iter(shapes))[1]) < 4:
         return None
     half = seq // 2
-    short = {k: v[:, :half] if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
+    # contiguous: a model may `.view` an input (T5's loss views its labels: a slice's view failed the profile)
+    short = {k: v[:, :half].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
     for side in ("q", "k"):
         if (ends := batch.get(f"cu_seq_lens_{side}")) is None:
             continue

@@ -21,8 +21,9 @@ from .chooser import HeadProfile, Measurements, Outside, StepMemory, TimePrices
 from .state import ModelState, attention_of
 
 # 2: the head's options measured with the last layer kept too (1 under-priced some plans: measure again); 3: the
-# profiled rows' length kept (2 priced a packed row as the profile's rows, up to 1.7x under: measure again)
-FORMAT = 3
+# profiled rows' length kept (2 priced a packed row as the profile's rows, up to 1.7x under: measure again); 4: whether
+# what grows with the length's square grows per row (3 priced T5's fewer, longer rows per row, 3x under)
+FORMAT = 4
 _TYPES: dict[str, Any] = {
     cls.__name__: cls for cls in (Measurements, LayerProfile, Outside, StepMemory, TimePrices, HeadProfile, ModelState)
 }
@@ -90,6 +91,8 @@ def _impossible(m: Measurements) -> str | None:
             return "a byte or token count below zero or not a number"
         if each.length is not None and not (type(each.length) is int and 0 < each.length <= each.tokens):
             return f"a row length of {each.length!r}"
+        if type(each.square_per_row) is not bool:
+            return f"square_per_row of {each.square_per_row!r}"
         times = [each.base_seconds, *(t for p in each.layers for t in p.seconds.values())]
         if not all(math.isfinite(t) for t in times):
             return "a time that is not a number"
