@@ -478,7 +478,9 @@ def shorter_batch(batch: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     half = seq // 2
     # contiguous: a model may `.view` an input (T5's loss views its labels: a slice's view failed the profile)
-    short = {k: v[:, :half].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in batch.items()}
+    short = {
+        k: v[:, :half].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in batch.items()
+    }
     for side in ("q", "k"):
         if (ends := batch.get(f"cu_seq_lens_{side}")) is None:
             continue
