@@ -606,15 +606,17 @@ def test_a_plan_for_fewer_longer_rows_of_the_same_tokens_holds_its_prediction(at
 def test_an_encoder_decoders_fewer_longer_rows_are_never_priced_below_what_they_hold():
     """T5 profiled on 8 rows of 16 source and 16 target tokens: the batch's halves were views whose `.view` T5's loss
     refused (the profile raised); then one row of 128 was priced per row and held up to 3.1x its prediction (T5's
-    relative position bias grows with the length alone). Priced as the profile's rows of that length: every plan
-    of the frontier holds at most its prediction (the allocator's count)."""
+    relative position bias grows with the length alone); with targets of another length, measured at one length,
+    it was priced in proportion. Priced as the profile's rows of that length: every plan of the frontier holds at
+    most its prediction (the allocator's count)."""
     from test_budget import _t5
 
-    rows = lambda size, seq: {key: torch.randint(1, 128, (size, seq)) for key in ("input_ids", "labels")}
-    cm = CheckpointedModel(_t5())
-    profile = cm.profile(rows(8, 16), repeats=1, progress=False)
-    assert profile.measurements.shorter is not None, "measured at a second length"
-    one_row = rows(1, 128)
-    for option in profile.frontier(length=128):
-        cm.enable(option)
-        assert activation_bytes(cm, one_row) <= option.predicted_device_bytes * 1.01, option
+    ids = lambda size, seq: torch.randint(1, 128, (size, seq))
+    for target in (16, 8):  # targets as long as the sources, then half as long (each half cut at its own half)
+        cm = CheckpointedModel(_t5())
+        profile = cm.profile({"input_ids": ids(8, 16), "labels": ids(8, target)}, repeats=1, progress=False)
+        assert profile.measurements.shorter is not None, "measured at a second length"
+        one_row = {"input_ids": ids(1, 128), "labels": ids(1, 8 * target)}
+        for option in profile.frontier(length=128):
+            cm.enable(option)
+            assert activation_bytes(cm, one_row) <= option.predicted_device_bytes * 1.01, (target, option)

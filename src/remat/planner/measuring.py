@@ -230,7 +230,7 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
     n = len(state.checkpoint_map)
     swapped = {p.index for p in state.checkpoint_map if p.swapped}
     rotation = _rotation(names)
-    short = shorter_batch(batch)
+    short = shorter_batch(batch, seq2seq=_seq2seq(state.model))
     memory_steps = (1 + len(rotation) + ("offload" in names) + (n > 1 and not swapped)) * (1 if short is None else 2)
     timing = repeats * (len(timed_policies(names)) + ("offload" in names))
     counted = head_options(state, batch)
@@ -377,8 +377,12 @@ def _measurements(
         step=StepMemory(found.extras) if found.extras else None,
         time=prices,
         length=batch_length(steps.batch),
-        square_per_row=not getattr(getattr(steps.model, "config", None), "is_encoder_decoder", False),
+        square_per_row=not _seq2seq(steps.model),
     )
+
+
+def _seq2seq(model: Any) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
 def head_options(state: Controlled, batch: Mapping[str, Any]) -> int:
@@ -468,12 +472,23 @@ def _young_garbage_only() -> Iterator[None]:
         gc.unfreeze()
 
 
-def shorter_batch(batch: Mapping[str, Any]) -> dict[str, Any] | None:
+def shorter_batch(batch: Mapping[str, Any], seq2seq: bool = False) -> dict[str, Any] | None:
     """The batch at half its sequence length when it is plain text (every tensor of 2+ dims is
     (batch, sequence, ...) of the same sizes); None otherwise (images, audio). A padding-free row's
     flash-attention lengths (`cu_seq_lens_q/k`, `max_length_q/k`) are cut at the half too: kept whole,
-    they handed the kernel sequences longer than the tokens given."""
-    shapes = {tuple(v.shape[:2]) for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2}
+    they handed the kernel sequences longer than the tokens given. For an encoder-decoder (`seq2seq`) whose
+    source and target are token ids of two lengths, each is cut at its own half (the target-to-source ratio, part
+    of the step's kind, kept): priced in proportion, one row of 128 after 8 x 16 held 3x its prediction (T5)."""
+    tensors = [v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2]
+    shapes = {tuple(v.shape[:2]) for v in tensors}
+    ids = all(v.dim() == 2 and not v.is_floating_point() for v in tensors)
+    if seq2seq and len(shapes) == 2 and ids and len({rows for rows, _ in shapes}) == 1:
+        if min(seq for _, seq in shapes) < 4 or any(key.startswith(("cu_seq_lens", "max_length")) for key in batch):
+            return None
+        return {
+            k: v[:, : v.shape[1] // 2].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
+            for k, v in batch.items()
+        }
     if len(shapes) != 1 or (seq := next(iter(shapes))[1]) < 4:
         return None
     half = seq // 2
