@@ -109,6 +109,7 @@ class Controller:
         self._installs: list[FlagInstall | ForwardInstall] = []
         self._routes, self._model_patches, self._save_load = InstancePatches(), InstancePatches(), SaveLoadOverrides()
         self._hook: Any = None  # the model's forward pre-hook, while enabled
+        self._watch: Any = None  # the budget's watch of a training forward's backward (a forward hook), until it ran
         self._head: ChunkedHead | None = None  # the chunked head's hooks, while enabled with head="chunked"
         self._head_planned: HeadPlan | None = None  # the map's head row shows what the last training forward ran
         self._guards: list[Any] = []
@@ -184,6 +185,12 @@ class Controller:
         if not self.is_enabled:
             return
         self.disabled_by = cause
+        self._uninstall()
+        if say:
+            logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
+
+    def _uninstall(self) -> None:
+        """Everything an install (or a part of one) changed, undone."""
         self.swapper.restore()
         self._set_head(None)
         self._model_patches.undo()
@@ -198,12 +205,12 @@ class Controller:
             self._hook.remove()
         for model in self._owned_models():
             model.__dict__.pop("_remat_owner", None)
-        if say:
-            logger.info("remat disabled: the model's checkpointing is back to what it was before wrapping")
 
     def _install(self) -> None:
         model = self.model
-        self._installs = [installer_for(d) for d in (*self.discovery.layers, *self.discovery.holders)]
+        self._installs = []
+        for found in (*self.discovery.layers, *self.discovery.holders):  # each kept as made, for `_uninstall`
+            self._installs.append(installer_for(found))
         if took_over := [s.module for s in self._installs if s.was_checkpointing]:
             logger.info("remat took over checkpointing that was already enabled on %d module(s)", len(took_over))
         install_routes(self._routes, self, model)
@@ -275,19 +282,16 @@ class Controller:
             _refuse_prefix_tuning_checkpointed(self.model, new_map)
         # nothing refuses from here: what the new config plans is kept
         self.budget.config_changed(config)  # another budget config: planned on the next training step
-        self._head_planned = head
         change = None
         if not said and not self.measuring:  # a profile says one line (a budget's) or shows a bar for all its steps
             change = self._log_changes(config, new_map, cause)
-        if live:
-            self._swap_to(new_map)
-        self.config, self.off_by, self.checkpoint_map = config, off_by, new_map
-        self.offloader.min_bytes = config.offload_min_bytes
-        if installing:
-            self._install()
-        if live:
-            self._exclude_swapped_from_ddp_sync()
-            self.apply_map()
+        before = (self.config, self.off_by, self.checkpoint_map, self._head_planned)
+        self._head_planned = head
+        try:
+            self._make(config, off_by, new_map, installing=installing, live=live)
+        except BaseException:  # Ctrl-C, an out-of-memory copy: the swap, flags and map of before, together
+            self._put_back(*before, installing=installing, live=live)
+            raise
         if off_by is None and not any(plan.offloaded for plan in new_map):
             # Nothing offloaded (a route's "off" comes back, and re-pinning costs more than torch's pinned cache).
             self.offloader.release_host_memory()
@@ -297,6 +301,41 @@ class Controller:
                 self._said_moves.add(change)
             else:  # the user's own change, or a config's: a route's next toggle is news again
                 self._said_moves.clear()
+
+    def _make(
+        self, config: CheckpointConfig, off_by: str | None, new_map: CheckpointMap, *, installing: bool, live: bool
+    ) -> None:
+        if live:
+            self._swap_to(new_map)
+        self.config, self.off_by, self.checkpoint_map = config, off_by, new_map
+        self.offloader.min_bytes = config.offload_min_bytes
+        if installing:
+            self._install()
+        if live:
+            self._exclude_swapped_from_ddp_sync()
+            self.apply_map()
+
+    def _put_back(
+        self,
+        config: CheckpointConfig,
+        off_by: str | None,
+        old_map: CheckpointMap,
+        head: HeadPlan | None,
+        *,
+        installing: bool,
+        live: bool,
+    ) -> None:
+        """A `replan` interrupted between its first change and its last: what was there before, swapped weights
+        home or out again (a half-made swap left a swapped layer unflagged: its backward read placeholders)."""
+        self._head_planned = head
+        if installing:  # a wrapper being built: nothing of it stays
+            self._uninstall()
+            self.config, self.off_by, self.checkpoint_map = config, off_by, old_map
+        elif live:
+            self._make(config, off_by, old_map, installing=False, live=True)
+        else:
+            self.config, self.off_by, self.checkpoint_map = config, off_by, old_map
+        self.offloader.min_bytes = config.offload_min_bytes
 
     def shown_map(self, config: CheckpointConfig | None = None, checkpoint_map: CheckpointMap | None = None) -> str:
         """A map (the wrapper's, or `checkpoint_map` for `config`) as a log line says it: under a budget not planned
@@ -348,7 +387,9 @@ class Controller:
             raise StateError(
                 f"cannot start swapping layers {[t[0] for t in joining]} now: {held[0]} (and {len(held) - 1} more) is "
                 "held by an autograd graph whose backward has not run (a forward with gradients), and moving it out "
-                "would change those gradients. Call backward first, or drop that forward's outputs; nothing was changed"
+                "would change those gradients. Call backward first, or drop that forward's outputs (a forward that "
+                "raised at a prompt is held by its traceback: sys.last_exc = sys.last_value = sys.last_traceback = "
+                "None); nothing was changed"
             )
 
     def _swap_to(self, new_map: CheckpointMap) -> None:
@@ -454,6 +495,9 @@ class Controller:
         """A model put back into training behind our back (Trainer calls `model.train()`) trains with its map;
         with a budget, a training forward first gets its bucket's plan (`remat.budget`)."""
         self._mode_before_call = None  # a `with` needs the mode call right before it
+        if self._watch is not None:  # an earlier forward's, left by a Ctrl-C (torch runs always_call hooks on an
+            self._watch.remove()  # Exception only): it would mark this forward as owing a backward
+            self._watch = None
         if self.inference and (module.training or any(layer.module.training for layer in self.discovery.layers)):
             if not self._said_switched_back:  # a loop that evaluates this way does it at every evaluation
                 self._said_switched_back = True
@@ -490,7 +534,7 @@ class Controller:
             batch.setdefault("input_ids", args[0])
         budget.before_step(self, batch)
         # after every other hook (the chunked head's replaces the output): watch this forward's backward
-        handle = module.register_forward_hook(
+        self._watch = handle = module.register_forward_hook(
             lambda m, a, output: (handle.remove(), budget.watch_backward(output))[0], always_call=True
         )
         return args, kwargs

@@ -217,7 +217,20 @@ class _Call:
         self.aux_coef = getattr(base, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
         self.hidden: torch.Tensor | None = None
         self.autocast: dict[str, Any] = {}  # the autocast the head was called under (accelerate's is inside forward)
-        self.handle: Any = self.head.register_forward_pre_hook(self.capture)
+        self.entered = False  # the causal LM's forward began (a second beginning: this forward was interrupted)
+        self.handles = [self.head.register_forward_pre_hook(self.capture), base.register_forward_pre_hook(self.enter)]
+
+    def enter(self, base: nn.Module, args: tuple[Any, ...]) -> None:
+        """The causal LM's pre-hook. A Ctrl-C skips the hook that ends a call (torch runs `always_call` hooks on an
+        Exception only): the next forward that reaches the causal LM without the wrapper's model (PEFT's generate)
+        found this call's head hook, which handed the head no tokens. Met a second time, the call ends itself."""
+        if self.entered:
+            self.remove()
+        self.entered = True
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     def capture(self, head: nn.Module, args: tuple[Any, ...]) -> Any:
         """The head's pre-hook: keeps the hidden states (the first call's) and hands the head none of them."""
@@ -281,7 +294,7 @@ class ChunkedHead:
 
     def remove_call(self) -> None:
         if self.call is not None:
-            self.call.handle.remove()
+            self.call.remove()
             self.call = None
 
     def _after(self, module: nn.Module, args: Any, *rest: Any) -> Any:

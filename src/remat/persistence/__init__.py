@@ -165,14 +165,22 @@ def load_checkpointed_model(
                         Expected.of(built, found.names).check(loaded.saved)
                         checkpoint_map = cls._plan(built, found, loaded.saved.config)
                     cm = cls(built, loaded.saved.config, **vars(options), _prepared=(found, checkpoint_map))
-                    cm._controller.budget.take_saved(loaded.saved.budget_profile, loaded.saved.file)
+                    try:  # a Ctrl-C here left the adapters and the install in the model, with no wrapper returned
+                        cm._controller.budget.take_saved(loaded.saved.budget_profile, loaded.saved.file)
+                        if is_trainable:
+                            cm.for_training()
+                        else:
+                            cm.for_inference()
+                    except BaseException:
+                        cm._controller.disable(cause="a refused load", say=False)
+                        raise
             except FolderChangedError:
                 if loaded.snapshot.locked or attempt == _READ_AGAIN:
                     raise
                 loaded.snapshot.close()  # a folder read without its lock: a commit came in; read again
                 continue
         break
-    return cm.for_training() if is_trainable else cm.for_inference()
+    return cm
 
 
 def _saved_folder(cls: Any, model: Any, path: Any) -> str:

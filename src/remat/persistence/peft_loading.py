@@ -28,8 +28,10 @@ _PEFT_BOOKKEEPING = {"base_model_name_or_path", "revision", "inference_mode", "a
 @contextlib.contextmanager
 def undone_on_failure(model: Any) -> Iterator[None]:
     """Put back what PEFT's load may change in place (modules, requires_grad, a PeftModel's adapters
-    and their weights, instance attributes) if the block raises, halfway or after."""
+    and their weights, instance attributes, train or eval mode: an inference load turns eval on) if the block raises,
+    halfway or after."""
     children = [(module, dict(module._modules)) for module in model.modules()]
+    modes = [(module, module.training) for module in model.modules()]
     requires_grad = [(p, p.requires_grad) for p in model.parameters()]
     attributes = set(model.__dict__)
     adapters = list(model.peft_config) if is_peft_model(model) else None
@@ -51,6 +53,8 @@ def undone_on_failure(model: Any) -> Iterator[None]:
             module._modules.update(kept)
         for param, flag in requires_grad:
             param.requires_grad_(flag)
+        for module, training in modes:
+            module.training = training
         with torch.no_grad():
             for param, value in values:
                 param.copy_(value)

@@ -67,7 +67,8 @@ class WeightSwapper:
         owners = parameter_owners(model) if joining else {}
         entries = [(self._new_layer(i, name, module, owners), module) for i, name, module in joining]
         for index in leaving:
-            self._bring_home(self.layers.pop(index))
+            self._bring_home(self.layers[index])
+            del self.layers[index]  # only once home: interrupted, it stays swapped with its host copy
         for layer, module in entries:
             layer.rest()
             guard_layer(self, layer, module)
@@ -87,7 +88,8 @@ class WeightSwapper:
     def restore(self) -> None:
         """Bring every weight home (`update()` swaps again)."""
         for index in list(self.layers):
-            self._bring_home(self.layers.pop(index))
+            self._bring_home(self.layers[index])
+            del self.layers[index]  # only once home: interrupted, it stays swapped with its host copy
         self.pool.keep_only(self.layers.values())
         self._model_guards.remove()
         self.schedule.reset()
@@ -103,15 +105,21 @@ class WeightSwapper:
         return self._fixed_mover if self._fixed_mover is not None else transport_for(device)
 
     def _bring_home(self, layer: SwappedLayer) -> None:
-        """The true values back in place, on the device, as plain tensors; hooks and patches off."""
+        """The true values back in place, on the device, as plain tensors; hooks and patches off. Every copy is made
+        before a weight changes, and the caller forgets the layer only after: a copy interrupted (Ctrl-C, out of
+        memory) left a weight at its placeholder's zeros, its host copy gone and the layer no longer swapped."""
         for event in layer.ready or ():  # copies still writing into the slot must finish first
             event.synchronize()
-        self.pool.release(layer)
+        self.pool.release(layer)  # at rest now (a weight a forward replaced became the host copy)
+        # The host copy is the swapper's own: on a CPU model it becomes the weight itself.
+        same_place = lambda host, rest: host.device == rest.device and not host.is_pinned()
+        homes = [
+            host if same_place(host, rest) else host.to(rest.device, copy=True)
+            for host, rest in zip(layer.host, layer.placeholders, strict=True)
+        ]
+        for param, home in zip(layer.params, homes, strict=True):
+            param.data = home
         _unhook(layer.handles, layer.patches)
-        for param, host, rest in zip(layer.params, layer.host, layer.placeholders, strict=True):
-            # The host copy is the swapper's own: on a CPU model it becomes the weight itself.
-            same_place = host.device == rest.device and not host.is_pinned()
-            param.data = host if same_place else host.to(rest.device, copy=True)
 
     def apply_to_layer(self, index: int, module: nn.Module, original_apply: Any, fn: Any, recurse: bool) -> Any:
         """`module.to(...)` and friends on a module of a swapped layer: the host copies and placeholders of the swapped
