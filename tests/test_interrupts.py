@@ -114,12 +114,22 @@ def test_an_interrupted_enable_leaves_the_swap_config_map_and_flags_of_before(mo
     _exact(cm, plain)
 
 
-def test_a_training_forward_interrupted_under_the_chunked_head_leaves_generation_as_it_was():
+@pytest.mark.parametrize("tuner", ["peft", "tuner calls forward"])
+def test_a_training_forward_interrupted_under_the_chunked_head_leaves_generation_as_it_was(tuner):
     """torch skipped the head's end-of-call hook on a Ctrl-C, and its hook on lm_head stayed: PEFT's generate calls
     the base model's forward (not the wrapper's model's, whose next forward would have removed it), and the head
-    was handed no tokens (an IndexError)."""
+    was handed no tokens (an IndexError). PEFT 0.17-0.18's tuner calls the causal LM's `forward` itself, past its
+    hooks (a hook there never saw the training forward): imitated on the instance."""
+    from peft import LoraConfig, get_peft_model
+
     model = _model()
+    if tuner == "tuner calls forward":  # PeftModelForCausalLM (TRL's), whose forward calls its tuner's
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+        model = get_peft_model(tiny_model(attention_dropout=0.0), lora)
     plain = copy.deepcopy(model)
+    if tuner == "tuner calls forward":
+        tuner_model = model.base_model
+        tuner_model.forward = lambda *args, **kwargs: tuner_model.model.forward(*args, **kwargs)
     cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2, head="chunked", head_chunk_tokens=8))
     handle = _interrupt(cm.layers[2])
     with pytest.raises(KeyboardInterrupt):
@@ -140,11 +150,7 @@ def test_a_training_forward_interrupted_under_a_budget_does_not_make_the_next_fo
     a backward were owed."""
     model = _model()
     plain = copy.deepcopy(model)
-    probe = CheckpointedModel(copy.deepcopy(model))
-    budget = max(p.predicted_device_bytes for p in probe.profile(batch(), repeats=1, progress=False).frontier())
-    probe.disable()  # a budget the first step's bucket fits with nothing recomputed, and a longer one does not
-    cm = CheckpointedModel(model, CheckpointConfig(budget=budget, budget_scope="activations"))
-    cm(**batch()).loss.backward()  # profiled, planned
+    cm = _budget_cm(model)
     handle = _interrupt(cm.layers[2])
     with pytest.raises(KeyboardInterrupt):
         cm(**batch()).loss.backward()
@@ -182,3 +188,95 @@ def test_a_load_interrupted_as_it_sets_the_mode_leaves_the_base_model_as_it_was(
         logits = [(torch.manual_seed(0), model(**batch()).logits)[1] for model in (base, plain)]  # the same dropout
     torch.testing.assert_close(*logits, rtol=0, atol=0)
     assert lora_value(CheckpointedModel.from_pretrained(base, tmp_path, is_trainable=trainable)) == 0.25
+
+
+def test_a_join_or_leave_of_the_swap_interrupted_between_its_steps_keeps_the_weights_and_trains_exactly(monkeypatch):
+    """A layer joining the swap was put at rest and guarded before the swapper knew it: interrupted there, `enable`
+    put the map back but the layer's weights stayed zeros with no host copy. A layer leaving, brought home and
+    unhooked before it was forgotten: interrupted there, it stayed listed without hooks and trained on zeros from
+    its second step. Each interrupted, then three steps trained on without a retry: exact, and disable() gives
+    back every weight."""
+    import remat.swap.swapper as swapper_module
+
+    model = _model()
+    plain = copy.deepcopy(model)
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))
+    guard = swapper_module.guard_layer
+
+    def guarded_then_interrupted(swapper, layer, module):
+        guard(swapper, layer, module)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(swapper_module, "guard_layer", guarded_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cm.enable(swap_layers=[1])
+    monkeypatch.undo()
+    for seed in range(3):
+        _exact(cm, plain, batch(seed=seed))
+    cm.enable(swap_layers=[1])
+    home = swapper_module.WeightSwapper._bring_home
+
+    def home_then_interrupted(self, layer):
+        home(self, layer)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(swapper_module.WeightSwapper, "_bring_home", home_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        cm.enable(swap_layers=[])
+    monkeypatch.undo()
+    for seed in range(3):
+        _exact(cm, plain, batch(seed=seed))
+    cm.disable()
+    for name, weight in plain.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], weight, rtol=0, atol=0, msg=name)
+
+
+def _budget_cm(model):
+    probe = CheckpointedModel(copy.deepcopy(model))
+    budget = max(p.predicted_device_bytes for p in probe.profile(batch(), repeats=1, progress=False).frontier())
+    probe.disable()  # a budget the first step's bucket fits with nothing recomputed, and a longer one does not
+    cm = CheckpointedModel(model, CheckpointConfig(budget=budget, budget_scope="activations"))
+    cm(**batch()).loss.backward()  # profiled, planned
+    return cm
+
+
+def test_a_budgets_watch_left_by_a_ctrl_c_goes_with_disable():
+    """The budget's watch a Ctrl-C left stayed on the model after `disable()`: a plain forward of the unwrapped model
+    then owed a backward, and after `enable()` a step of another bucket was refused."""
+    model = _model()
+    plain = copy.deepcopy(model)
+    cm = _budget_cm(model)
+    handle = _interrupt(cm.layers[2])
+    with pytest.raises(KeyboardInterrupt):
+        cm(**batch()).loss.backward()
+    handle.remove()
+    cm.disable()
+    assert not model._forward_hooks, "nothing of remat's on the disabled model"
+    kept = model(**batch()).loss  # noqa: F841 - held
+    cm.enable()
+    _exact(cm, plain, batch(seed=4, size=4, seq=24))
+
+
+def test_a_budgets_change_of_map_interrupted_plans_that_bucket_again(monkeypatch):
+    """A step of another bucket interrupted while its map was applied: the map of before was put back, but the budget
+    kept the new plan as the one running, and every later step of that bucket ran the old map under the new plan's
+    receipt (over its budget, said within it). Everything recomputed there: the next steps run that map."""
+    model = _model()
+    cm = _budget_cm(model)
+    longer = batch(seed=4, size=4, seq=24)
+    apply, calls = Controller.apply_map, [0]
+
+    def interrupted_once(self):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        apply(self)
+
+    monkeypatch.setattr(Controller, "apply_map", interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        cm(**longer).loss.backward()
+    monkeypatch.undo()
+    cm(**longer).loss.backward()
+    running = [i for i, layer in enumerate(decoder_layers(model)) if layer.gradient_checkpointing]
+    assert running and running == cm.checkpoint_map.checkpointed
+    assert cm.budget_receipts[-1].policies == tuple(p.policy for p in cm.checkpoint_map)

@@ -161,8 +161,12 @@ class BudgetState:
                     "forward's backward has not run, and the map must not change inside a step. Call backward (or "
                     "drop that forward's outputs) first; nothing was changed"
                 )
-            self.active, self.active_bucket = planned, bucket
-            controller.replan(config, controller.off_by, f"budget: a step of {tokens} tokens", said=True)
+            before, (self.active, self.active_bucket) = (self.active, self.active_bucket), (planned, bucket)
+            try:
+                controller.replan(config, controller.off_by, f"budget: a step of {tokens} tokens", said=True)
+            except BaseException:  # the map of before stays (`Controller.replan`): so does its plan
+                self.active, self.active_bucket = before
+                raise
         key = (bucket, self.kind_ids.setdefault(self.kind, len(self.kind_ids)))  # a bucket of each kind
         receipt, new = self.receipts.get(key), _receipt(planned, bucket, controller.checkpoint_map.head)
         # said once per plan, not per change of bucket, nor of the head row (what the last forward ran: the model's

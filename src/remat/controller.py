@@ -191,6 +191,9 @@ class Controller:
 
     def _uninstall(self) -> None:
         """Everything an install (or a part of one) changed, undone."""
+        if self._watch is not None:  # a budget's watch a Ctrl-C left (`_before_forward`)
+            self._watch.remove()
+            self._watch = None
         self.swapper.restore()
         self._set_head(None)
         self._model_patches.undo()
@@ -281,7 +284,6 @@ class Controller:
             self._check_swap_change(new_map)
             _refuse_prefix_tuning_checkpointed(self.model, new_map)
         # nothing refuses from here: what the new config plans is kept
-        self.budget.config_changed(config)  # another budget config: planned on the next training step
         change = None
         if not said and not self.measuring:  # a profile says one line (a budget's) or shows a bar for all its steps
             change = self._log_changes(config, new_map, cause)
@@ -292,6 +294,7 @@ class Controller:
         except BaseException:  # Ctrl-C, an out-of-memory copy: the swap, flags and map of before, together
             self._put_back(*before, installing=installing, live=live)
             raise
+        self.budget.config_changed(config)  # another budget config: planned on the next training step
         if off_by is None and not any(plan.offloaded for plan in new_map):
             # Nothing offloaded (a route's "off" comes back, and re-pinning costs more than torch's pinned cache).
             self.offloader.release_host_memory()

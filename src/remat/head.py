@@ -217,11 +217,18 @@ class _Call:
         self.aux_coef = getattr(base, "router_aux_loss_coef", getattr(config, "router_aux_loss_coef", None))
         self.hidden: torch.Tensor | None = None
         self.autocast: dict[str, Any] = {}  # the autocast the head was called under (accelerate's is inside forward)
-        self.entered = False  # the causal LM's forward began (a second beginning: this forward was interrupted)
-        self.handles = [self.head.register_forward_pre_hook(self.capture), base.register_forward_pre_hook(self.enter)]
+        self.entered = False  # the decoder's forward began (a second beginning: this forward was interrupted)
+        # the decoder (`base.model`), which the causal LM calls as a module: PEFT 0.17-0.18's tuner calls the causal
+        # LM's `forward` itself, past its hooks
+        decoder = getattr(base, getattr(base, "base_model_prefix", ""), None)
+        entered = decoder if isinstance(decoder, nn.Module) else base
+        self.handles = [
+            self.head.register_forward_pre_hook(self.capture),
+            entered.register_forward_pre_hook(self.enter),
+        ]
 
-    def enter(self, base: nn.Module, args: tuple[Any, ...]) -> None:
-        """The causal LM's pre-hook. A Ctrl-C skips the hook that ends a call (torch runs `always_call` hooks on an
+    def enter(self, decoder: nn.Module, args: tuple[Any, ...]) -> None:
+        """The decoder's pre-hook. A Ctrl-C skips the hook that ends a call (torch runs `always_call` hooks on an
         Exception only): the next forward that reaches the causal LM without the wrapper's model (PEFT's generate)
         found this call's head hook, which handed the head no tokens. Met a second time, the call ends itself."""
         if self.entered:

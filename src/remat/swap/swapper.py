@@ -67,12 +67,11 @@ class WeightSwapper:
         owners = parameter_owners(model) if joining else {}
         entries = [(self._new_layer(i, name, module, owners), module) for i, name, module in joining]
         for index in leaving:
-            self._bring_home(self.layers[index])
-            del self.layers[index]  # only once home: interrupted, it stays swapped with its host copy
-        for layer, module in entries:
-            layer.rest()
-            guard_layer(self, layer, module)
+            self._leave(index)
+        for layer, module in entries:  # known first: an interrupted join is undone by the next update or restore
             self.layers[layer.index] = layer
+            guard_layer(self, layer, module)
+            layer.rest()
         ordered = sorted(self.layers.items())
         self.layers.clear()
         self.layers.update(ordered)  # the same dict: the schedule holds it
@@ -88,8 +87,7 @@ class WeightSwapper:
     def restore(self) -> None:
         """Bring every weight home (`update()` swaps again)."""
         for index in list(self.layers):
-            self._bring_home(self.layers[index])
-            del self.layers[index]  # only once home: interrupted, it stays swapped with its host copy
+            self._leave(index)
         self.pool.keep_only(self.layers.values())
         self._model_guards.remove()
         self.schedule.reset()
@@ -104,10 +102,20 @@ class WeightSwapper:
     def _mover_for(self, device: torch.device) -> WeightMover:
         return self._fixed_mover if self._fixed_mover is not None else transport_for(device)
 
+    def _leave(self, index: int) -> None:
+        """Layer `index` home and no longer swapped: every copy made before a weight changes, the layer forgotten
+        only once home, then its hooks off. A copy interrupted (Ctrl-C, out of memory) left a weight at its
+        placeholder's zeros, its host copy gone; a layer home but still listed, without its hooks, trained on
+        zeros after its next fetch. Interrupted now, it stays swapped with its host copy and its hooks."""
+        layer = self.layers[index]
+        self._bring_home(layer)
+        try:
+            del self.layers[index]
+        finally:
+            _unhook(layer.handles, layer.patches)
+
     def _bring_home(self, layer: SwappedLayer) -> None:
-        """The true values back in place, on the device, as plain tensors; hooks and patches off. Every copy is made
-        before a weight changes, and the caller forgets the layer only after: a copy interrupted (Ctrl-C, out of
-        memory) left a weight at its placeholder's zeros, its host copy gone and the layer no longer swapped."""
+        """The true values back in place, on the device, as plain tensors (hooks and patches stay: `_leave`)."""
         for event in layer.ready or ():  # copies still writing into the slot must finish first
             event.synchronize()
         self.pool.release(layer)  # at rest now (a weight a forward replaced became the host copy)
@@ -119,7 +127,6 @@ class WeightSwapper:
         ]
         for param, home in zip(layer.params, homes, strict=True):
             param.data = home
-        _unhook(layer.handles, layer.patches)
 
     def apply_to_layer(self, index: int, module: nn.Module, original_apply: Any, fn: Any, recurse: bool) -> Any:
         """`module.to(...)` and friends on a module of a swapped layer: the host copies and placeholders of the swapped
