@@ -28,6 +28,19 @@ def _interrupt(module):
     return module.register_forward_pre_hook(ctrl_c)
 
 
+def _interrupt_apply_map_once(monkeypatch):
+    """Ctrl-C the first time a map is applied (after a replan's swap, before the flags follow)."""
+    apply, calls = Controller.apply_map, [0]
+
+    def interrupted_once(self):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt
+        apply(self)
+
+    monkeypatch.setattr(Controller, "apply_map", interrupted_once)
+
+
 def _exact(cm, plain, data=None):
     data = data or batch(seed=3)
     _, grads = step_grads(cm, list(cm.model.named_parameters()), data)
@@ -96,15 +109,7 @@ def test_an_interrupted_enable_leaves_the_swap_config_map_and_flags_of_before(mo
     plain = copy.deepcopy(model)
     cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=2))  # layer 1: "none"
     config, shown, flags = cm.checkpoint_config, repr(cm.checkpoint_map), cm.checkpoint_map.checkpointed
-    apply, calls = Controller.apply_map, [0]
-
-    def interrupted_once(self):
-        calls[0] += 1
-        if calls[0] == 1:
-            raise KeyboardInterrupt
-        apply(self)
-
-    monkeypatch.setattr(Controller, "apply_map", interrupted_once)
+    _interrupt_apply_map_once(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         cm.enable(swap_layers=[1])
     monkeypatch.undo()
@@ -264,15 +269,7 @@ def test_a_budgets_change_of_map_interrupted_plans_that_bucket_again(monkeypatch
     model = _model()
     cm = _budget_cm(model)
     longer = batch(seed=4, size=4, seq=24)
-    apply, calls = Controller.apply_map, [0]
-
-    def interrupted_once(self):
-        calls[0] += 1
-        if calls[0] == 1:
-            raise KeyboardInterrupt
-        apply(self)
-
-    monkeypatch.setattr(Controller, "apply_map", interrupted_once)
+    _interrupt_apply_map_once(monkeypatch)
     with pytest.raises(KeyboardInterrupt):
         cm(**longer).loss.backward()
     monkeypatch.undo()

@@ -331,13 +331,12 @@ class Controller:
         """A `replan` interrupted between its first change and its last: what was there before, swapped weights
         home or out again (a half-made swap left a swapped layer unflagged: its backward read placeholders)."""
         self._head_planned = head
+        if live and not installing:
+            self._make(config, off_by, old_map, installing=False, live=True)
+            return
         if installing:  # a wrapper being built: nothing of it stays
             self._uninstall()
-            self.config, self.off_by, self.checkpoint_map = config, off_by, old_map
-        elif live:
-            self._make(config, off_by, old_map, installing=False, live=True)
-        else:
-            self.config, self.off_by, self.checkpoint_map = config, off_by, old_map
+        self.config, self.off_by, self.checkpoint_map = config, off_by, old_map
         self.offloader.min_bytes = config.offload_min_bytes
 
     def shown_map(self, config: CheckpointConfig | None = None, checkpoint_map: CheckpointMap | None = None) -> str:

@@ -478,7 +478,7 @@ def shorter_batch(batch: Mapping[str, Any], seq2seq: bool = False) -> dict[str, 
     flash-attention lengths (`cu_seq_lens_q/k`, `max_length_q/k`) are cut at the half too: kept whole,
     they handed the kernel sequences longer than the tokens given. For an encoder-decoder (`seq2seq`) whose
     source and target are token ids of two lengths, each is cut at its own half (the target-to-source ratio, part
-    of the step's kind, kept): priced in proportion, one row of 128 after 8 x 16 held 3x its prediction (T5)."""
+    of the step's kind, kept): measured at one length, such a batch was priced in proportion to its tokens."""
     tensors = [v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2]
     shapes = {tuple(v.shape[:2]) for v in tensors}
     ids = all(v.dim() == 2 and not v.is_floating_point() for v in tensors)
