@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from .compat.accelerator import peak_allocated, reset_peak
+from .compat.dispatch import compute_device
 from .errors import ConfigError, StateError
 from .head import IGNORE_INDEX
 from .plan import head_label
@@ -390,7 +391,7 @@ def agreed_size(tokens: int, length: int, model: Any) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return tokens, length
     backend = dist.get_backend()
-    device = next(model.parameters()).device if backend != "gloo" else torch.device("cpu")
+    device = compute_device(model) if backend != "gloo" else torch.device("cpu")
     counts = torch.tensor([tokens, length], dtype=torch.int64, device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     return int(counts[0]), int(counts[1])

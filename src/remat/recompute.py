@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import checkpoint
 
 from .compat.deepspeed import frozen_zero3_parameters_held
+from .compat.dispatch import offloads_weights
 from .refs import Ref
 from .snapshot import Watched
 
@@ -117,6 +118,9 @@ class LayerCheckpoint:
         self.swapper = swapper  # asked at recompute time: the swapped set may change between forward and backward
         self.state = _LayerState(module)
         self._module = Ref(module)  # weakly: the shim lives on the layer
+        # torch's recompute stops once it has what backward needs: the hook that offloads a weight accelerate loaded
+        # for the layer's last submodule never ran, and that weight stayed on the device through backward and after
+        self.early_stop = not offloads_weights(module)
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self.offloader.checkpoint_started()
@@ -167,7 +171,8 @@ class LayerCheckpoint:
     def _checkpoint(self, function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rng = self.preserve_rng_state
         if not self.use_reentrant or distributed_training():
-            return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=rng, **self.options, **kwargs)
+            options = {**self.options, "early_stop": self.early_stop}
+            return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=rng, **options, **kwargs)
         if kwargs:  # torch's reentrant checkpoint takes positional inputs only
             bound, kwargs = function, dict(kwargs)
             function = lambda *a: bound(*a, **kwargs)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from .compat.accelerator import memory_allocated, synchronize
+from .compat.dispatch import compute_device
 from .display import mib, render_table
 from .loss import LossFn, check_loss_source, own_inputs, step_loss
 from .measure import LiveStorages, storage_key, weight_storages
@@ -188,7 +189,7 @@ def memory_report(state: Measured, batch: Mapping[str, Any], loss_fn: LossFn | N
     check_loss_source(model, batch, loss_fn, "memory_report")
     batch = own_inputs(batch)
     layers = [layer.module for layer in state.discovery.layers]
-    device = next(model.parameters()).device
+    device = compute_device(model)
     offloader.reset_stats()
     swapper.reset_stats()
     hooks = _LayerHooks(layers)

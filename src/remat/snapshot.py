@@ -19,6 +19,7 @@ import numpy
 import torch
 from torch import nn
 
+from .compat.dispatch import compute_device
 from .refs import Ref
 
 logger = logging.getLogger("remat")
@@ -121,7 +122,7 @@ def model_left_as_it_was(model: nn.Module, *, copy_limit: int, what: str) -> Ite
     `copy_limit` bytes are not copied; if one changed, a warning names it (`what` says who measured)."""
     grads = [(p, p.grad) for p in model.parameters()]
     snapshot = Watched(model.modules()).snapshot(copy=True, copy_limit=copy_limit)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = compute_device(model)
     backend = getattr(torch, device.type, None) if device.type != "cpu" else None
     if backend is not None and getattr(backend, "is_initialized", lambda: False)():
         index = device.index if device.index is not None else backend.current_device()

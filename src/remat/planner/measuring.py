@@ -21,6 +21,7 @@ import torch
 
 from ..arguments import check_flag, check_optimizer
 from ..compat.accelerator import OUT_OF_MEMORY, empty_cache, synchronize
+from ..compat.dispatch import compute_device
 from ..config import CheckpointConfig
 from ..errors import ConfigError, PolicyError, StateError
 from ..head import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, causal_lm, plan_head
@@ -107,7 +108,7 @@ def batch_length(batch: Mapping[str, Any]) -> int:
 
 def candidates(state: Controlled) -> tuple[list[str], list[str]]:
     """The policies worth measuring on this model, and notes on those left out."""
-    cpu, reentrant = next(state.model.parameters()).device.type == "cpu", state.config.use_reentrant
+    cpu, reentrant = compute_device(state.model).type == "cpu", state.config.use_reentrant
     names = [
         n for n in CANDIDATES if not (n == "offload" and cpu) and not (policy(n).needs_non_reentrant and reentrant)
     ]
@@ -137,7 +138,7 @@ class _Steps:
         """`config`: the wrapper's when the profile began (a head measured since leaves the wrapper at another)."""
         self.state, self.batch, self.loss_fn, self.bar, self.refused = state, batch, loss_fn, bar, refused
         self.model = state.model
-        self.device = next(self.model.parameters()).device
+        self.device = compute_device(self.model)
         self.peak = StepPeak(self.model, batch, optimizer, self.device)
         self.extras: dict[tuple[str, bool], int] = {}  # (last layer's policy, checkpointing) -> peak - held
         self.n = len(state.checkpoint_map)

@@ -1,6 +1,7 @@
 """Which layers block swap may take, and which of their weights: checks that change nothing. Sharded weights (a
-`DTensor`, an FSDP unit on, in or around the layer, a `FlatParameter`, ZeRO-3's `ds_id`) and trainable base weights
-are refused; adapter and tied weights stay: only frozen weights a layer holds alone are swapped."""
+`DTensor`, an FSDP unit on, in or around the layer, a `FlatParameter`, ZeRO-3's `ds_id`), weights on `meta` (what
+accelerate offloads) and trainable base weights are refused; adapter and tied weights stay: only frozen weights a
+layer holds alone are swapped."""
 
 from __future__ import annotations
 
@@ -75,6 +76,13 @@ def _check_layer(index: int, name: str, layer: nn.Module, fsdp_units: list[tuple
         )
     adapters = _adapter_params(layer)
     for pname, param in layer.named_parameters():
+        if param.is_meta:
+            raise BlockSwapError(
+                f"layer {index} ({name}): its weight {pname} is on the meta device, with no data to swap (accelerate "
+                'offloads it: its hook loads the weight at each forward, from a device_map\'s "cpu" or "disk" or '
+                "cpu_offload; or the model was built under init_empty_weights). Leave this layer out of swap_layers: "
+                "accelerate already keeps its weights off the device"
+            )
         if (sharding := _sharding_of(param)) is not None:
             raise BlockSwapError(
                 f"layer {index} ({name}) has a parameter managed by {sharding} ({pname}); block swap cannot move it"
