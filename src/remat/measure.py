@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 
@@ -59,19 +59,23 @@ class LiveStorages(TorchDispatchMode):
         seen: dict[int, tuple[int, Any, torch.device]] = {}
         for ref, scope in self.outputs:
             tensor = ref()
-            key = None if tensor is None else storage_key(tensor)
-            if key is None or key[0] in exclude or key[0] == 0 or not _on(tensor.device, where):
+            if tensor is None or not _on(tensor.device, where):
                 continue
-            if key[0] not in seen or key[1] > seen[key[0]][0]:
-                seen[key[0]] = (key[1], scope, tensor.device)
+            for ptr, nbytes in storage_keys(tensor):
+                if ptr not in exclude and ptr != 0 and (ptr not in seen or nbytes > seen[ptr][0]):
+                    seen[ptr] = (nbytes, scope, tensor.device)
         return seen
 
     def _count(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != self._device_type:
             return
+        if is_traceable_wrapper_subclass(tensor):  # its storage is a stand-in: what it holds is its inner tensors
+            for inner in _plain_tensors(tensor):
+                self._count(inner)
+            return
         try:
             storage = tensor.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # meta tensors, some wrapper subclasses
+        except (RuntimeError, NotImplementedError):  # meta tensors, other subclasses
             return
         key = id(storage)
         ref = self._counted.get(key)
@@ -90,18 +94,33 @@ class LiveStorages(TorchDispatchMode):
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """(data pointer, bytes) of the tensor's storage, or None for tensors without one."""
+    """(data pointer, bytes) of a plain tensor's storage, or None for tensors without one."""
     try:
         storage = tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # meta tensors, some wrapper subclasses
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # meta tensors, a wrapper subclass's stand-in storage
         return None
-    return storage.data_ptr(), storage.nbytes()
+
+
+def storage_keys(tensor: torch.Tensor) -> list[tuple[int, int]]:
+    """`storage_key` of the tensor, or of each plain tensor inside a wrapper subclass (a quantized weight of torchao
+    or optimum-quanto: int8 data and scales; its own storage is a stand-in with no data pointer)."""
+    return [key for plain in _plain_tensors(tensor) if (key := storage_key(plain)) is not None]
+
+
+def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    if not is_traceable_wrapper_subclass(tensor):
+        yield tensor
+        return
+    names, _ = tensor.__tensor_flatten__()  # type: ignore[attr-defined]
+    for name in names:
+        yield from _plain_tensors(getattr(tensor, name))
 
 
 def weight_storages(module: nn.Module) -> dict[int, int]:
     """{data pointer: bytes} of the module's parameters' and buffers' storages, each once."""
-    keys = (storage_key(t) for t in (*module.parameters(), *module.buffers()))
-    return {key[0]: key[1] for key in keys if key is not None and key[0] != 0}
+    keys = (key for t in (*module.parameters(), *module.buffers()) for key in storage_keys(t))
+    return {ptr: nbytes for ptr, nbytes in keys if ptr != 0}
 
 
 def held_bytes_after(

@@ -22,7 +22,7 @@ from .compat.accelerator import memory_allocated, synchronize
 from .compat.dispatch import compute_device
 from .display import mib, render_table
 from .loss import LossFn, check_loss_source, own_inputs, step_loss
-from .measure import LiveStorages, storage_key, weight_storages
+from .measure import LiveStorages, storage_keys, weight_storages
 from .snapshot import model_left_as_it_was
 
 BUFFER_COPY_LIMIT = 64 * 2**20  # larger buffers are weights (quantized models), not counters: not copied
@@ -150,8 +150,7 @@ class _LayerHooks:
 
 
 def _alive_storages(refs: Iterable[weakref.ref[torch.Tensor]]) -> set[int]:
-    keys = (storage_key(t) for t in (ref() for ref in refs) if t is not None)
-    return {key[0] for key in keys if key is not None}
+    return {ptr for t in (ref() for ref in refs) if t is not None for ptr, _ in storage_keys(t)}
 
 
 def memory_report_leaving_state(
@@ -192,8 +191,8 @@ def memory_report(state: Measured, batch: Mapping[str, Any], loss_fn: LossFn | N
     device = compute_device(model)
     offloader.reset_stats()
     swapper.reset_stats()
-    hooks = _LayerHooks(layers)
     exclude = set(weight_storages(model))
+    hooks = _LayerHooks(layers)
     try:
         synchronize(device)
         before = memory_allocated(device)

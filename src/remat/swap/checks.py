@@ -1,7 +1,8 @@
 """Which layers block swap may take, and which of their weights: checks that change nothing. Sharded weights (a
 `DTensor`, an FSDP unit on, in or around the layer, a `FlatParameter`, ZeRO-3's `ds_id`), weights on `meta` (what
-accelerate offloads) and trainable base weights are refused; adapter and tied weights stay: only frozen weights a
-layer holds alone are swapped."""
+accelerate offloads), tensor subclasses (torchao's quantized weights: `param.data =` leaves them in place) and
+trainable base weights are refused; adapter and tied weights stay: only frozen weights a layer holds alone are
+swapped."""
 
 from __future__ import annotations
 
@@ -86,6 +87,12 @@ def _check_layer(index: int, name: str, layer: nn.Module, fsdp_units: list[tuple
         if (sharding := _sharding_of(param)) is not None:
             raise BlockSwapError(
                 f"layer {index} ({name}) has a parameter managed by {sharding} ({pname}); block swap cannot move it"
+            )
+        if type(param.data) is not torch.Tensor and not param.requires_grad:
+            raise BlockSwapError(
+                f"layer {index} ({name}): its weight {pname} is a {type(param.data).__name__} (a tensor subclass: a "
+                "quantized weight of torchao or optimum-quanto), whose data block swap cannot move (its tensors are "
+                "inside it). Leave this layer out of swap_layers"
             )
         if param.requires_grad and param.dim() >= 2 and id(param) not in adapters:
             raise BlockSwapError(
