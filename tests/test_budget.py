@@ -857,3 +857,24 @@ def test_a_vlm_whose_text_config_holds_use_cache_says_the_cache_is_turned_off(ca
     with caplog.at_level(logging.INFO, logger="remat"):
         cm(**_llava_batch()).loss.backward()
     assert sum("training forwards run with use_cache=False" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        (lambda model: model.resize_token_embeddings(2000), "frozen parameters changed: 2 with another shape"),
+        (lambda model: model.set_output_embeddings(torch.nn.Linear(32, 96, bias=False)), "1 more trainable"),
+    ],
+    ids=["resized", "another head"],
+)
+def test_a_model_changed_in_place_is_measured_again_at_its_next_step_in_a_planned_bucket(caplog, change, said):
+    """Resized embeddings (the same Parameters, other shapes) and a head set in place of another went unseen while
+    the steps stayed in a planned bucket: the plan priced for the old head ran (helper-89: 3.6x over the budget)."""
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(budget="1GiB", budget_scope="step"))
+    data = batch(size=2, seq=12)
+    cm(**data).loss.backward()
+    change(cm.model)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**data).loss.backward()
+    (measured,) = _measured(caplog)
+    assert "the model changed since its profile" in measured and said in measured, measured

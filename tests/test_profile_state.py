@@ -207,3 +207,14 @@ def test_every_bad_number_in_a_config_is_a_value_error(field, value):
         CheckpointConfig(**{field: value})
     with pytest.raises(ValueError, match=field):
         CheckpointConfig.from_dict({field: value})
+
+
+def test_embeddings_resized_since_the_profile_are_refused_naming_the_frozen_weight():
+    """`resize_token_embeddings` under LoRA (chat tokens added) changes no dtype, device or trainable parameter: the
+    profile planned the larger head at the smaller one's bytes (helper-89: 2.7-3.6x over a budget, measured)."""
+    cm, _, profile = _profiled()
+    vocab = cm.model.get_input_embeddings().weight.shape[0]
+    cm.model.resize_token_embeddings(vocab + 2000)
+    changed = rf"frozen parameters changed: 2 with another shape \(e\.g\. \S*embed_tokens\.weight: \[{vocab}, 32\] -> "
+    with pytest.raises(StaleProfileError, match=changed + rf"\[{vocab + 2000}, 32\]\)"):
+        profile.plan("1GiB")

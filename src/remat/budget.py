@@ -440,14 +440,25 @@ def _kind_text(kind: tuple[Any, ...] | None) -> str:
 
 
 def _model_key(controller: Any, params: list[Any]) -> tuple[Any, ...]:
-    """What a profile's validity depends on, cheap enough for every step: the dtype, device and training
-    flag of the parameters the model had when last checked, its adapters and active ones, the config, attention.
+    """What a profile's validity depends on, cheap enough for every step: the dtype, device, training flag and shape
+    of the parameters the model had when last checked (a resized embedding keeps its Parameter), which embedding and
+    head modules it has (one set in place of another), its adapters and active ones, the config, attention.
     (`Profile.changes` reads the whole state, every parameter by name, when this moves, and for every bucket
-    planned anew: a parameter added outside PEFT is seen there.)"""
+    planned anew: a parameter added elsewhere outside PEFT is seen there.)"""
     from .planner.state import adapters_of, attention_of
 
-    flags = tuple((p.dtype, p.device, p.requires_grad) for p in params)
-    return flags, adapters_of(controller.model), id(controller.config), attention_of(controller.model)
+    model = controller.model
+    flags = tuple((p.dtype, p.device, p.requires_grad, p.shape) for p in params)
+    ends = (_module_id(model, "get_input_embeddings"), _module_id(model, "get_output_embeddings"))
+    return flags, ends, adapters_of(model), id(controller.config), attention_of(model)
+
+
+def _module_id(model: Any, getter: str) -> int | None:
+    """id() of the module `model.<getter>()` returns (None where the model has none: remote code may raise)."""
+    try:
+        return id(getattr(model, getter)())
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def _every_label_counted(batch: dict[str, Any]) -> dict[str, Any]:

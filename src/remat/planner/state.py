@@ -33,6 +33,9 @@ class ModelState:
     use_reentrant: bool
     head: tuple[str, int | None] | None = None  # the config's (head, head_chunk_tokens); None: not recorded
     attention: str | None = None  # the model's attention implementation (eager holds its scores); None: not recorded
+    # (name, shape) of every frozen parameter: a resized embedding and head (chat tokens added under LoRA) change the
+    # logits' bytes, the largest activation, with no dtype, device or trainable parameter changed; None: not recorded
+    frozen: Shapes | None = None
 
     @classmethod
     def of(cls, model: nn.Module, config: Any, num_layers: int) -> ModelState:
@@ -49,6 +52,7 @@ class ModelState:
             use_reentrant=config.use_reentrant,
             head=(config.head, config.head_chunk_tokens),
             attention=attention_of(model),
+            frozen=tuple((name, tuple(p.shape)) for name, p in params if not p.requires_grad),
         )
 
     def changes(self, now: ModelState, *, measured_offload: bool, plans_head: bool = False) -> list[str]:
@@ -63,7 +67,12 @@ class ModelState:
             if (old != new) if before_count == now_count else (dict(old).keys() != dict(new).keys()):
                 found.append(f"parameter {what} were {_listed(old)}, now {_listed(new)}")
         if self.trainable != now.trainable:
-            found.append(_trainable_change(self.trainable, now.trainable))
+            found.append(_shapes_change("trainable", self.trainable, now.trainable))
+        if before_count == now_count and self.frozen is not None and now.frozen is not None:
+            moved = {name for name, _ in (*self.trainable, *now.trainable)}  # said as trainable parameters' change
+            old, new = (tuple(item for item in frozen if item[0] not in moved) for frozen in (self.frozen, now.frozen))
+            if old != new:
+                found.append(_shapes_change("frozen", old, new))
         if self.adapters != now.adapters:
             found.append(f"adapters were {list(self.adapters)}, now {list(now.adapters)}")
         elif self.active_adapters != now.active_adapters:
@@ -100,17 +109,17 @@ def _listed(counts: Counts) -> str:
     return ", ".join(f"{name} ({n} parameters)" for name, n in counts) or "none"
 
 
-def _trainable_change(before: Shapes, now: Shapes) -> str:
+def _shapes_change(what: str, before: Shapes, now: Shapes) -> str:
     old, new = dict(before), dict(now)
     added = [name for name in new if name not in old]
     gone = [name for name in old if name not in new]
     reshaped = [name for name in new if name in old and new[name] != old[name]]
-    parts = [f"{len(added)} more trainable (e.g. {added[0]})"] if added else []
-    parts += [f"{len(gone)} no longer trainable (e.g. {gone[0]})"] if gone else []
+    parts = [f"{len(added)} more {what} (e.g. {added[0]})"] if added else []
+    parts += [f"{len(gone)} no longer {what} (e.g. {gone[0]})"] if gone else []
     if reshaped:
         name = reshaped[0]
         parts.append(f"{len(reshaped)} with another shape (e.g. {name}: {list(old[name])} -> {list(new[name])})")
-    return "trainable parameters changed: " + "; ".join(parts or ["their order"])
+    return f"{what} parameters changed: " + "; ".join(parts or ["their order"])
 
 
 def adapters_of(model: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
