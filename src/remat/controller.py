@@ -102,6 +102,7 @@ class Controller:
     ):
         self._model = Ref(model)
         self.config, self.discovery, self.checkpoint_map = config, discovery, checkpoint_map
+        self._stacks = discovery.stacks(model)  # the lists holding the layers, and how many modules each held
         self.offloader, self.swapper = offloader, swapper
         self.off_by: str | None = None
         self.inference, self.disabled_by = False, "cm.disable()"  # what turned remat off, while it is off
@@ -162,6 +163,16 @@ class Controller:
                 f"{action}: another CheckpointedModel took this wrapper's model over after this one was disabled, so "
                 "this wrapper stays off (two wrappers would install on one model). Use the newer wrapper, or wrap the "
                 "model again once that one is disabled: cm = CheckpointedModel(model, config). Nothing was changed"
+            )
+
+    def check_layers(self, action: str) -> None:
+        """Refuse `action` where the model's layers changed since they were found (pruned, replaced, one added): the
+        map would name layers that no longer run, and a save of it would not load into the model as it is."""
+        if (change := self.discovery.changed(self.model, self._stacks)) is not None:
+            raise StateError(
+                f"{action}: the model's layers changed since it was wrapped ({change}), so the map no longer says what "
+                "runs. Call cm.disable(), then wrap the model as it is now: cm = CheckpointedModel(cm.model, ...). "
+                "Nothing was changed"
             )
 
     def enable(self, config: CheckpointConfig, *, off_by: str | None = None, cause: str = "enable()") -> None:
@@ -244,7 +255,7 @@ class Controller:
         was_enabled = self.is_enabled
         self.disable(cause=cause, say=False)  # installed again on `model` below
         self._adopted_from.append(self._model)
-        self._model, self.discovery = Ref(model), discovery
+        self._model, self.discovery, self._stacks = Ref(model), discovery, discovery.stacks(model)
         if (wrapper := self.wrapper()) is not None:
             wrapper.model = model
         self.replan(self.config, self.off_by, cause, said=True, install=was_enabled)  # the map, under the new names
@@ -281,6 +292,7 @@ class Controller:
         installing = install and not self.is_enabled
         live = installing or self.is_enabled
         if live:
+            self.check_layers(cause)
             self._check_swap_change(new_map)
             _refuse_prefix_tuning_checkpointed(self.model, new_map)
         # nothing refuses from here: what the new config plans is kept
@@ -510,6 +522,8 @@ class Controller:
         if not module.training and not self.inference and self.off_by is None and grad:
             self._say_eval_mode_runs_no_checkpoint()
         training = module.training and grad
+        if training and not self.inference and self.off_by is None:
+            self.check_layers("a training forward")
         if training and not self._said_stray_adapters:
             self._say_adapters_unsaved()
         if training and self.config.use_reentrant and not self.inference:

@@ -39,6 +39,33 @@ class Discovery:
     def names(self) -> list[str]:
         return [layer.name for layer in self.layers]
 
+    def stacks(self, model: nn.Module) -> dict[str, int]:
+        """How many modules each list holding layers holds: a layer appended (a deep copy, for depth up-scaling)
+        runs outside the map."""
+        parents = {layer.name.rpartition(".")[0] for layer in self.layers}
+        return {name: len(held) for name in parents if isinstance(held := _submodule(model, name), nn.ModuleList)}
+
+    def changed(self, model: nn.Module, stacks: dict[str, int]) -> str | None:
+        """How the layers found in `model` have changed since (pruned, replaced, added), in words; None: as found.
+        A layer inside a wrapper put in its place (torch.compile's, FSDP's) is still the layer."""
+        for layer in self.layers:
+            now, found = _submodule(model, layer.name), layer._module()
+            if now is None:
+                return f"{layer.name} is no longer in the model"
+            if found is None or (now is not found and not any(inner is found for inner in now.modules())):
+                return f"{layer.name} is another module than the layer wrapped"
+        for name, count in stacks.items():
+            if isinstance(held := _submodule(model, name), nn.ModuleList) and len(held) != count:
+                return f"{name or 'the model'} holds {len(held)} modules, {count} when wrapped"
+        return None
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
+
 
 def _class_names(value: str | type | Sequence[str | type] | None) -> set[str]:
     items = [] if value is None else [value] if isinstance(value, (str, type)) else value

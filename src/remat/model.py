@@ -397,6 +397,7 @@ class CheckpointedModel(nn.Module):
         touching no other file; a crash leaves the previous save or this one, never a mix. A replaced wrapper
         refuses: its config no longer runs on the model."""
         self._controller.check_not_replaced("save_pretrained()")
+        self._controller.check_layers("save_pretrained()")
         save_checkpointed_model(self._controller, save_directory, **kwargs)
 
     @classmethod
