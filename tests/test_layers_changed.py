@@ -77,6 +77,13 @@ def test_disabled_and_wrapped_again_the_changed_model_trains_exactly_with_its_ow
     expected_loss, expected = step_grads(reference, list(reference.named_parameters()), batch())
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
     assert_same_grads(expected, grads)
+    cm.disable()  # a layer copied from a flagged one (appended, or put in a place) carries no remat flag after it
+    assert [vars(layer).get("gradient_checkpointing", False) for layer in decoder_layers(model)] == [False] * len(
+        model.model.layers
+    )
+    counter.reset()
+    step_grads(model, named, batch())
+    assert counter.counts == [1] * len(model.model.layers)
 
 
 def test_a_layer_inside_a_wrapper_put_in_its_place_is_still_the_layer():

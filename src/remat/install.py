@@ -55,6 +55,8 @@ class FlagInstall(_Installed):
     def __init__(self, module: nn.Module, holder: bool = False):
         super().__init__(module)
         self.saved = {key: module.__dict__.get(key, MISSING) for key in (LAYER_FLAG, LAYER_FUNCTION)}
+        if isinstance(self.saved[LAYER_FLAG], _WhileGradientsAreOn):  # a copy of a layer another wrapper flagged
+            self.saved = dict.fromkeys(self.saved, MISSING)  # (a deep copy appended): not the model's own, undone
         self.was_checkpointing = self.saved[LAYER_FLAG] is True
         self.holder, self.nests = holder, holder and calls_checkpoint_directly(module)
 
