@@ -93,3 +93,24 @@ def test_a_layer_inside_a_wrapper_put_in_its_place_is_still_the_layer():
     model.model.layers[1] = torch.compile(model.model.layers[1])
     cm.enable(every_n_layers=2)
     assert [row.policy for row in cm.checkpoint_map] == ["recompute", "none", "recompute", "none"]
+
+
+def test_a_layer_peft_put_in_a_modules_to_save_wrapper_after_wrapping_is_a_change():
+    """PEFT's ModulesToSaveWrapper holds the layer but runs its copy: the map's row of that layer said nothing true
+    (`layer_policies={3: "none"}` left the copy recomputing, and past `disable()`; review helper-90)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model()
+    cm = CheckpointedModel(model, every_n_layers=1)
+    get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["layers.3"]))
+    with pytest.raises(StateError, match=r"model.layers.3 is another module than the layer wrapped"):
+        cm.enable(layer_policies={3: "none"})
+
+
+@pytest.mark.parametrize("call", ["profile", "memory_report"])
+def test_measuring_a_changed_model_is_refused_naming_the_call(call):
+    model = tiny_model()
+    cm = CheckpointedModel(model, every_n_layers=1)
+    _added(model)
+    with pytest.raises(StateError, match=rf"^{call}\(\): .*holds 5 modules, 4 when wrapped"):
+        getattr(cm, call)(batch())

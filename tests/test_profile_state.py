@@ -215,6 +215,5 @@ def test_embeddings_resized_since_the_profile_are_refused_naming_the_frozen_weig
     cm, _, profile = _profiled()
     vocab = cm.model.get_input_embeddings().weight.shape[0]
     cm.model.resize_token_embeddings(vocab + 2000)
-    changed = rf"frozen parameters changed: 2 with another shape \(e\.g\. \S*embed_tokens\.weight: \[{vocab}, 32\] -> "
-    with pytest.raises(StaleProfileError, match=changed + rf"\[{vocab + 2000}, 32\]\)"):
+    with pytest.raises(StaleProfileError, match=r"frozen parameters changed in name or shape \(resized embeddings"):
         profile.plan("1GiB")

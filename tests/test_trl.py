@@ -437,3 +437,21 @@ def test_sft_with_peft_config_resumes_its_own_checkpoint_with_the_saved_adapters
     assert all(torch.equal(loaded[0][name], saved[name]) for name in saved) and loaded[0].keys() == saved.keys()
     assert resumed.checkpoint_config.every_n_layers == 2 and run.state.global_step == 3
     assert counter.steps == [EVERY_2ND], "the step after the saved one ran the saved map"
+
+
+def test_trls_peft_config_route_over_layers_added_since_wrapping_is_refused_not_found_again(tmp_path):
+    """The route finds the layers again under the PeftModel's names: a layer appended after wrapping was counted as
+    if wrapped, and the map of six layers trained and saved over seven (review helper-90)."""
+    import copy
+
+    from peft import LoraConfig
+
+    from remat import StateError
+
+    cm = CheckpointedModel(_base(), CheckpointConfig(every_n_layers=1))
+    layers = cm.model.model.layers
+    layers.append(copy.deepcopy(layers[5]))
+    layers[6].self_attn.layer_idx, cm.model.config.num_hidden_layers = 6, 7
+    lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(StateError, match=r"SFTTrainer\(peft_config=...\): .*model.layers holds 7 modules, 6 when"):
+        _trl_trainer("SFTTrainer", tmp_path, cm, [], peft_config=lora)

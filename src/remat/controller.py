@@ -19,7 +19,7 @@ from .config import CheckpointConfig
 from .errors import BlockSwapError, ConfigError, ReplacedWrapperError, StateError
 from .head import ChunkedHead, HeadPlan, causal_lm, plan_head
 from .install import FlagInstall, ForwardInstall, installer_for
-from .layers import DiscoveredLayer, Discovery
+from .layers import DiscoveredLayer, Discovery, Placement
 from .offload import Offloader
 from .persistence import SaveLoadOverrides, stray_adapter_layers
 from .plan import CheckpointMap, plan_layers
@@ -102,7 +102,7 @@ class Controller:
     ):
         self._model = Ref(model)
         self.config, self.discovery, self.checkpoint_map = config, discovery, checkpoint_map
-        self._stacks = discovery.stacks(model)  # the lists holding the layers, and how many modules each held
+        self._placement = Placement(model, discovery)  # where the layers were found
         self.offloader, self.swapper = offloader, swapper
         self.off_by: str | None = None
         self.inference, self.disabled_by = False, "cm.disable()"  # what turned remat off, while it is off
@@ -168,12 +168,16 @@ class Controller:
     def check_layers(self, action: str) -> None:
         """Refuse `action` where the model's layers changed since they were found (pruned, replaced, one added): the
         map would name layers that no longer run, and a save of it would not load into the model as it is."""
-        if (change := self.discovery.changed(self.model, self._stacks)) is not None:
+        if self._placement.same():
+            return
+        model = self.model
+        if (change := self._placement.changed(model, self.discovery)) is not None:
+            then = "Call cm.disable(), then wrap" if self.is_enabled else "Wrap"
             raise StateError(
                 f"{action}: the model's layers changed since it was wrapped ({change}), so the map no longer says what "
-                "runs. Call cm.disable(), then wrap the model as it is now: cm = CheckpointedModel(cm.model, ...). "
-                "Nothing was changed"
+                f"runs. {then} the model as it is now: cm = CheckpointedModel(cm.model, ...). Nothing was changed"
             )
+        self._placement = Placement(model, self.discovery)  # wrappers put in the layers' places (compile, FSDP)
 
     def enable(self, config: CheckpointConfig, *, off_by: str | None = None, cause: str = "enable()") -> None:
         """Install with `config` (re-plan, if installed already)."""
@@ -241,6 +245,7 @@ class Controller:
         same layers under new names, the map kept. Raises, changing nothing, if a layer is missing."""
         if model is self.model:
             return
+        self.check_layers(cause)  # the layers as they were found, before they are found again under new names
         names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
         lost = [layer.name for layer in self.discovery.layers if id(layer.module) not in names]
         if id(self.model) not in names or lost:
@@ -255,7 +260,7 @@ class Controller:
         was_enabled = self.is_enabled
         self.disable(cause=cause, say=False)  # installed again on `model` below
         self._adopted_from.append(self._model)
-        self._model, self.discovery, self._stacks = Ref(model), discovery, discovery.stacks(model)
+        self._model, self.discovery, self._placement = Ref(model), discovery, Placement(model, discovery)
         if (wrapper := self.wrapper()) is not None:
             wrapper.model = model
         self.replan(self.config, self.off_by, cause, said=True, install=was_enabled)  # the map, under the new names

@@ -375,6 +375,7 @@ class CheckpointedModel(nn.Module):
 
         if self._controller.inference or not self.model.training:
             raise StateError("memory_report measures a training step: call cm.for_training() first")
+        self._controller.check_layers("memory_report()")
         return memory_report_leaving_state(self._controller, batch, loss_fn)
 
     def profile(
@@ -390,6 +391,7 @@ class CheckpointedModel(nn.Module):
         adds the whole step's peak (`scope="step"`). Everything is left as it was (`remat.planner`)."""
         from .planner import ProfileOptions, profile_model
 
+        self._controller.check_layers("profile()")
         return profile_model(self._controller, batch, ProfileOptions(loss_fn, optimizer, progress, repeats))
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
