@@ -8,6 +8,7 @@ import random
 
 import pytest
 import torch
+from accelerate.utils.memory import should_reduce_batch_size
 from conftest import add_lora, assert_same_grads, batch, step_grads, tiny_model
 from independent_memory import activation_bytes
 
@@ -129,9 +130,13 @@ def test_a_step_no_plan_fits_is_refused_before_its_forward_and_the_next_one_runs
     before = cm.checkpoint_map
     ran = []
     cm.layers[0].register_forward_pre_hook(lambda module, args: ran.append(1))
-    with pytest.raises(ConfigError, match=r"a step of 512 tokens fits no map .* the largest step that fits is \d+"):
+    with pytest.raises(
+        ConfigError, match=r"a step of 512 tokens fits no map .* The largest step that fits is \d+"
+    ) as info:
         cm(**batch(size=2, seq=256))
     assert ran == [] and cm.checkpoint_map == before
+    # torch's OutOfMemoryError too, as accelerate's batch-size finder (Trainer's auto_find_batch_size) reads it
+    assert isinstance(info.value, torch.OutOfMemoryError) and should_reduce_batch_size(info.value)
     largest = int(str(cm.budget_receipts) and _largest(cm, 512))
     assert 16 <= largest < 512
     cm(**batch(size=2, seq=8)).loss.backward()  # the next step runs
@@ -782,7 +787,7 @@ def test_a_step_of_long_rows_no_plan_fits_is_refused_naming_the_longest_row_that
     for seq in (128, 256):
         with pytest.raises(
             ConfigError,
-            match=r"in rows of \d+ fits no map .*; no step of such rows fits; one row of up to 96 tokens does",
+            match=r"in rows of \d+ fits no map .*memory\. No step of such rows fits; one row of up to 96 tokens does",
         ):
             cm(**batch(size=1, seq=seq, seed=1))
     cm(**batch(size=1, seq=96, seed=2)).loss.backward()  # as said
@@ -792,7 +797,7 @@ def test_a_step_of_long_rows_no_plan_fits_is_refused_naming_the_longest_row_that
     cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
     cm(**batch(size=8, seq=16)).loss.backward()
     for rows in (2, 4):
-        with pytest.raises(ConfigError, match=r"; a step of up to 1 row of 128 tokens fits: "):
+        with pytest.raises(ConfigError, match=r"out of memory\. A step of up to 1 row of 128 tokens fits: "):
             cm(**batch(size=rows, seq=128, seed=1))
     cm(**batch(size=1, seq=128, seed=2)).loss.backward()  # as said
 
@@ -878,3 +883,49 @@ def test_a_model_changed_in_place_is_measured_again_at_its_next_step_in_a_planne
         cm(**data).loss.backward()
     (measured,) = _measured(caplog)
     assert "the model changed since its profile" in measured and said in measured, measured
+
+
+def test_a_forward_whose_chunked_loss_runs_out_of_memory_owes_no_backward_to_a_retry_in_its_except_block():
+    """The budget's end-of-forward hook ran on torch's exception path too, taking the model's output of a forward
+    whose chunked head raised (out of memory in its chunk loop) as owing a backward: a retry with half the batch inside
+    the `except` block, where the traceback keeps that output alive, was refused (helper-91)."""
+    chunked = {"budget_scope": "activations", "head": "chunked", "head_chunk_tokens": 8}
+    probe = CheckpointedModel(_model(), CheckpointConfig(budget="1GiB", **chunked))
+    probe(**batch(size=4, seq=12)).loss.backward()
+    # the half batch runs another map than the whole one: a map that must not change while a backward is owed
+    budget = controller_of(probe).budget.profile.frontier(tokens=24)[-1].predicted_device_bytes
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, **chunked))
+    cm(**batch(size=4, seq=12)).loss.backward()  # profiled and planned
+    whole = [row.policy for row in cm.checkpoint_map]
+    calls = []
+
+    def second_chunk_out_of_memory(*_):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. (injected)")
+
+    handle = cm.model.get_output_embeddings().register_forward_pre_hook(second_chunk_out_of_memory)
+    try:
+        cm(**batch(size=4, seq=12)).loss.backward()
+    except torch.OutOfMemoryError:
+        cm(**batch(size=2, seq=12)).loss.backward()  # the retry, where such loops make it
+    handle.remove()
+    assert len(calls) > 2 and not controller_of(cm).budget.owed
+    assert [row.policy for row in cm.checkpoint_map] != whole, "the retry ran the half batch's own map"
+
+
+def test_a_forward_that_runs_out_of_memory_is_no_step_of_its_receipt():
+    """A receipt counted its forward as a step before it ran: retries after out-of-memory errors showed steps of a
+    bucket no forward completed (helper-91)."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="1GiB", budget_scope="activations"))
+    cm(**batch(size=4, seq=12)).loss.backward()
+    fail = [True, True]
+    handle = cm.layers[1].register_forward_pre_hook(
+        lambda *_: (_ for _ in ()).throw(torch.OutOfMemoryError("injected")) if fail and fail.pop() else None
+    )
+    for _ in range(3):
+        with contextlib.suppress(torch.OutOfMemoryError):
+            cm(**batch(size=4, seq=12)).loss.backward()
+    handle.remove()
+    (receipt,) = cm.budget_receipts
+    assert receipt.steps == 2, "the first step and the one after two failed forwards"

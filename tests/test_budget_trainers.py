@@ -5,6 +5,7 @@ kept through every generation toggle)."""
 import logging
 
 import datasets
+import pytest
 import torch
 import trl
 from conftest import tiny_model
@@ -194,3 +195,46 @@ def test_a_log_after_steps_of_one_token_bucket_in_rows_of_two_lengths_carries_th
     assert [(r.bucket_tokens, r.bucket_length) for r in (rows, packed)] == [(24, None), (24, 24)]
     (logged,) = [e for e in trainer.state.log_history if "loss" in e]
     assert logged["remat/budget_predicted_bytes"] == packed.predicted_peak_bytes
+
+
+def _oom_once(module):
+    """A forward pre-hook on `module` raising the device's out-of-memory error (CUDA's words) at its first call."""
+    fired = []
+
+    def hook(*_):
+        if not fired:
+            fired.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+
+    return module.register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("where", ["profile", "budget"])
+def test_auto_find_batch_size_halves_a_batch_the_budgets_first_step_or_the_budget_cannot_take(tmp_path, where):
+    """Trainer's `auto_find_batch_size=True` (accelerate's batch-size finder) halves the batch on an out-of-memory
+    error: remat's profile turned the device's into a StateError (no cause kept), and a budget's "fits no map" was a
+    ValueError, so training stopped where a smaller batch fits (helper-91). Both are torch's OutOfMemoryError too."""
+    ids = torch.randint(3, 96, (16, 12), generator=torch.Generator().manual_seed(0))
+    rows = [{"input_ids": r, "attention_mask": torch.ones_like(r), "labels": r.clone()} for r in ids]
+    budget: int | str = "1GiB"
+    if where == "budget":  # 8 rows of 12 tokens fit (every layer recomputed), 16 rows do not
+        probe = CheckpointedModel(_model(), CheckpointConfig(budget="1GiB", budget_scope="activations"))
+        probe(**{k: torch.stack([r[k] for r in rows[:8]]) for k in rows[0]}).loss.backward()
+        budget = int(1.2 * controller_of(probe).budget.profile.frontier(tokens=96)[0].predicted_device_bytes)
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    handle = _oom_once(next(iter(cm.layers[2].children()))) if where == "profile" else None
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=16,
+        auto_find_batch_size=True,
+        max_steps=2,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    trainer = RematTrainer(model=cm, args=args, train_dataset=rows)
+    trainer.train()
+    assert trainer._train_batch_size < 16 and trainer.state.global_step == 2  # accelerate's finder: 0.9x a retry
+    if handle is not None:
+        handle.remove()

@@ -92,3 +92,42 @@ def test_assigning_a_config_field_or_the_wrappers_config_is_a_remat_error_and_an
         cm.checkpoint_config = CheckpointConfig(every_n_layers=2)
     _is(info.value, AttributeError)
     assert cm.checkpoint_config is config and cm.checkpoint_map.checkpointed == [0, 1, 2, 3]
+
+
+def test_a_profile_whose_every_layer_recomputed_step_runs_out_of_memory_is_torchs_error_too():
+    """The device's out-of-memory error was replaced by a StateError with no cause: `except torch.OutOfMemoryError`
+    retry loops and accelerate's batch-size finder did not see it (helper-91)."""
+    import torch
+
+    from remat import OutOfMemoryError
+
+    cm = CheckpointedModel(tiny_model())
+    injected = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+    handle = cm.layers[1].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(injected))
+    with pytest.raises(torch.OutOfMemoryError, match=r"ran out of memory\. No map can fit it: try a smaller") as info:
+        cm.profile(batch(), progress=False)
+    handle.remove()
+    _is(info.value, RuntimeError)
+    assert isinstance(info.value, OutOfMemoryError) and info.value.__cause__ is injected
+    cm.profile(batch(), progress=False)  # the next one measures
+
+
+def test_a_profile_whose_step_checkpointing_nothing_runs_out_of_memory_says_that_map_is_not_offered():
+    """The map that checkpoints nothing left the frontier without a note when its step ran out of memory (a budget's
+    profile kept after Trainer's batch-size finder shrank the batch then never offered it; helper-91)."""
+    import torch
+
+    cm = CheckpointedModel(tiny_model())
+    layer = next(iter(cm.layers[2].children()))
+    ran = []
+
+    def out_of_memory_when_nothing_is_checkpointed(*_):
+        ran.append(1)
+        if all(not row.checkpointed for row in cm.checkpoint_map):
+            raise torch.OutOfMemoryError("CUDA out of memory. (injected)")
+
+    handle = layer.register_forward_pre_hook(out_of_memory_when_nothing_is_checkpointed)
+    profile = cm.profile(batch(), progress=False)
+    handle.remove()
+    assert "the map that checkpoints nothing ran out of memory on this batch: not offered" in profile.notes
+    assert all(set(plan.layer_policies.values()) != {"none"} for plan in profile.frontier())

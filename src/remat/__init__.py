@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING
 from .config import CheckpointConfig
 from .errors import (
     BlockSwapError,
+    BudgetExceededError,
     ConfigError,
     ConfigTypeError,
     FolderAccessError,
@@ -13,6 +14,7 @@ from .errors import (
     LockFileError,
     NoCheckpointableLayersError,
     NotSavedError,
+    OutOfMemoryError,
     PolicyError,
     RematError,
     ReplacedWrapperError,
@@ -29,6 +31,7 @@ if TYPE_CHECKING:  # what `__getattr__` loads on first use, named for type check
 
 __all__ = [
     "BlockSwapError",
+    "BudgetExceededError",
     "CheckpointConfig",
     "CheckpointMap",
     "CheckpointedModel",
@@ -42,6 +45,7 @@ __all__ = [
     "LockFileError",
     "NoCheckpointableLayersError",
     "NotSavedError",
+    "OutOfMemoryError",
     "PolicyError",
     "RematError",
     "RematTrainer",

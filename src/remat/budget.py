@@ -23,7 +23,7 @@ import torch
 
 from .compat.accelerator import peak_allocated, reset_peak
 from .compat.dispatch import compute_device
-from .errors import ConfigError, StateError
+from .errors import BudgetExceededError, ConfigError, StateError
 from .head import IGNORE_INDEX
 from .plan import head_label
 from .refs import Ref
@@ -90,6 +90,7 @@ class BudgetState:
     head_owed: Receipt | None = None  # the receipt of the forward in flight, until its head runs (`head_ran`)
     unlogged: set[tuple[Bucket, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
+    counting: Any = None  # the receipt of the forward running, until it returns (then one more of its steps)
     optimizer: Ref[Any] = field(default_factory=lambda: Ref(None))  # the trainer's (scope="step" counts its state)
     without_optimizer: bool = False  # its profile's step peak has no optimizer state
     fresh_key: Any = None  # `_model_key` when the profile was last found to describe the model
@@ -183,8 +184,7 @@ class BudgetState:
             kind = f" ({_kind_text(self.kind)})" if len(self.kind_ids) > 1 else ""  # once two kinds plan apart
             said = bucket_text(bucket)
             logger.info("budget: steps of up to %s%s run %r%s", said, kind, controller.checkpoint_map, far)
-        receipt.steps += 1
-        self.last_key, self.head_owed = key, receipt
+        self.last_key, self.head_owed, self.counting = key, receipt, receipt
         self.unlogged.add(key)
         reset_peak()
 
@@ -241,10 +241,10 @@ class BudgetState:
                 fitting = f"a step of up to {rows} row{'s' if rows > 1 else ''} of {length} tokens fits"
             elif bucket[1] is not None and (row := self.longest_row(config, length)):
                 fitting = f"no step of such rows fits; one row of up to {row} tokens does"
-            if fitting:
-                raise ConfigError(
-                    f"{said}; {fitting}: make the batch shorter or smaller, or give a larger budget. This forward "
-                    "did not run"
+            if fitting:  # an OutOfMemoryError too: Trainer's auto_find_batch_size=True halves the batch
+                raise BudgetExceededError(
+                    f"{said}: for the budget, out of memory. {fitting[0].upper()}{fitting[1:]}: make the batch "
+                    "shorter or smaller, or give a larger budget. This forward did not run"
                 )
             try:  # no step fits: the profile's own refusal names the smallest budget for this one
                 self.profile.plan(config.budget_bytes, scope=config.budget_scope, tokens=bucket[0], length=bucket[1])
@@ -365,7 +365,10 @@ class BudgetState:
             receipt.measured_peak_bytes = max(receipt.measured_peak_bytes or 0, peak)
 
     def watch_backward(self, output: Any) -> None:
-        """This forward owes a backward until one of its outputs gets a gradient, or all of them are freed."""
+        """This forward owes a backward until one of its outputs gets a gradient, or all of them are freed. It ran: a
+        step of its receipt (a forward that raised, out of memory, is none)."""
+        if self.counting is not None:
+            self.counting.steps, self.counting = self.counting.steps + 1, None
         tensors = [t for t in _tensors(output) if t.requires_grad]
         if not tensors:
             return

@@ -554,9 +554,11 @@ class Controller:
         if args and isinstance(args[0], torch.Tensor):
             batch.setdefault("input_ids", args[0])
         budget.before_step(self, batch)
-        # after every other hook (the chunked head's replaces the output): watch this forward's backward
+        # after every other hook (the chunked head's replaces the output): watch this forward's backward. Not called
+        # when the forward or a hook raises (the chunked head's loss out of memory): nothing was returned to owe a
+        # backward for, and the next forward (or `_uninstall`) removes it
         self._watch = handle = module.register_forward_hook(
-            lambda m, a, output: (handle.remove(), budget.watch_backward(output))[0], always_call=True
+            lambda m, a, output: (handle.remove(), budget.watch_backward(output))[0]
         )
         return args, kwargs
 

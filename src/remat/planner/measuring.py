@@ -23,7 +23,7 @@ from ..arguments import check_flag, check_optimizer
 from ..compat.accelerator import OUT_OF_MEMORY, empty_cache, synchronize
 from ..compat.dispatch import compute_device
 from ..config import CheckpointConfig
-from ..errors import ConfigError, PolicyError, StateError
+from ..errors import ConfigError, OutOfMemoryError, PolicyError, StateError
 from ..head import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, causal_lm, plan_head
 from ..loss import LossFn, check_loss_source, own_inputs, step_loss
 from ..policies import LayerProfile, policy
@@ -142,6 +142,7 @@ class _Steps:
         self.peak = StepPeak(self.model, batch, optimizer, self.device)
         self.extras: dict[tuple[str, bool], int] = {}  # (last layer's policy, checkpointing) -> peak - held
         self.n = len(state.checkpoint_map)
+        self.out_of_memory: BaseException | None = None  # the last step's that ran out (its frames let go)
         self.base = config.replace(budget=None, layer_policies=dict.fromkeys(range(self.n), "recompute"))
 
     def _run(self, policies: Mapping[int, str], step: Callable[[], Any], head: dict[str, Any] | None = None) -> Any:
@@ -154,8 +155,8 @@ class _Steps:
             )
             try:
                 found = step()
-            except OUT_OF_MEMORY:
-                found = None
+            except OUT_OF_MEMORY as error:
+                found, self.out_of_memory = None, error.with_traceback(None)
                 gc.collect()
                 empty_cache()
             except PolicyError as error:
@@ -304,10 +305,10 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
                 held[name][i] = (report.layers[i].device_bytes, report.layers[i].host_bytes)
 
     if (report := steps.held({})) is None:
-        raise StateError(
-            "profiling: even with every layer recomputed, one step of this batch does not fit on the device; "
-            "no map can fit it (try a smaller batch)"
-        )
+        raise OutOfMemoryError(
+            "profiling: even with every layer recomputed, one step of this batch ran out of memory. No map can fit "
+            "it: try a smaller batch"
+        ) from steps.out_of_memory
     record(report, dict.fromkeys(everything, "recompute"))
     inputs = {i: sum(held["recompute"][i]) for i in everything}
     turn = lambda i, k: rotation[(i + k) % len(rotation)]
@@ -344,6 +345,8 @@ def _bytes(steps: _Steps, names: list[str], rotation: list[str], swapped: set[in
             if (report := steps.held(dict.fromkeys(everything, "none"))) is not None:
                 alone = {i: (layer.device_bytes, layer.host_bytes) for i, layer in enumerate(report.layers)}
                 outside[False] = report.outside_device_bytes
+            else:
+                notes.append("the map that checkpoints nothing ran out of memory on this batch: not offered")
         elif 0 in held["none"]:
             alone = {0: held["none"][0]}  # n == 1: the rotation's "none" run checkpointed nothing
     return _Bytes(held, inputs, outside, alone, dict(steps.extras))

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..compat.accelerator import is_accelerator, timing_event
-from ..errors import StateError
+from ..errors import OutOfMemoryError, StateError
 from .chooser import TimePrices
 
 CALLS = 2  # timed per layer and step: the forward, and backward's recompute
@@ -159,9 +159,10 @@ def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced
 
     found = counted(dict.fromkeys(range(n), "recompute"))
     if found is None:
-        raise StateError(
-            "profiling: the step with every layer recomputed ran out of memory while counted; profile a smaller batch"
-        )
+        raise OutOfMemoryError(
+            "profiling: counting its ops, the step with every layer recomputed ran out of memory. Profile a smaller "
+            "batch"
+        ) from steps.out_of_memory
     forward, recompute = found
     selective: list[Work] = []
     if "selective" in names and (found := counted({i: "selective" for i in held["selective"]})) is not None:
@@ -190,7 +191,9 @@ def price_time(steps: Any, names: list[str], held: Held, repeats: int) -> Priced
             if seconds is not None:
                 offloaded.append(seconds)
     if not runs:
-        raise StateError("profiling: every timed step ran out of memory; profile with a smaller batch")
+        raise OutOfMemoryError(
+            "profiling: every timed step ran out of memory. Profile with a smaller batch"
+        ) from steps.out_of_memory
     balance = BALANCES.get(steps.device.type, BALANCES["cuda"])
     return _prices(n, names, held, Counts(forward, recompute, selective), balance, runs, offloaded)
 
