@@ -5,7 +5,6 @@ from typing import TYPE_CHECKING
 from .config import CheckpointConfig
 from .errors import (
     BlockSwapError,
-    BudgetExceededError,
     ConfigError,
     ConfigTypeError,
     FolderAccessError,
@@ -14,7 +13,6 @@ from .errors import (
     LockFileError,
     NoCheckpointableLayersError,
     NotSavedError,
-    OutOfMemoryError,
     PolicyError,
     RematError,
     ReplacedWrapperError,
@@ -26,6 +24,7 @@ from .plan import CheckpointMap, HeadPlan, LayerPlan
 from .version import __version__
 
 if TYPE_CHECKING:  # what `__getattr__` loads on first use, named for type checkers (py.typed)
+    from .memory_errors import BudgetExceededError, OutOfMemoryError
     from .model import CheckpointedModel
     from .trainer import RematTrainer, remat_trainer_class
 
@@ -59,9 +58,11 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The wrapper and Trainer support load on first use: `import remat` stays free of torch."""
+    """The wrapper, Trainer support and the out-of-memory errors load on first use: `import remat` stays torch-free."""
     if name == "CheckpointedModel":
         from . import model as home
+    elif name in ("OutOfMemoryError", "BudgetExceededError"):  # torch's OutOfMemoryError too
+        from . import memory_errors as home
     elif name in ("RematTrainer", "remat_trainer_class"):
         from . import trainer as home
     elif name == "RematTrainerMixin":

@@ -23,8 +23,9 @@ import torch
 
 from .compat.accelerator import peak_allocated, reset_peak
 from .compat.dispatch import compute_device
-from .errors import BudgetExceededError, ConfigError, StateError
+from .errors import ConfigError, StateError
 from .head import IGNORE_INDEX
+from .memory_errors import BudgetExceededError
 from .plan import head_label
 from .refs import Ref
 

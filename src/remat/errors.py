@@ -2,8 +2,6 @@
 
 from dataclasses import FrozenInstanceError
 
-import torch
-
 
 class RematError(Exception):
     """The base of every error remat raises: `except remat.RematError` catches them all."""
@@ -70,16 +68,3 @@ class ReplacedWrapperError(StateError):
 
 class StaleProfileError(RematError, ValueError):
     """The model changed since it was profiled: profile again."""
-
-
-class OutOfMemoryError(StateError, torch.OutOfMemoryError):
-    """A profile's step ran out of device memory even with every layer recomputed: no map fits that batch. Also
-    torch's `OutOfMemoryError`, whose message it keeps saying (" out of memory."), so a retry loop's `except
-    torch.OutOfMemoryError` and accelerate's batch-size finder (Trainer's `auto_find_batch_size=True`) shrink the
-    batch; torch's error is its `__cause__`."""
-
-
-class BudgetExceededError(ConfigError, torch.OutOfMemoryError):
-    """A step that fits no map under the budget, where a smaller one does (the message says which): a ValueError as
-    every budget refusal, and torch's `OutOfMemoryError` too, so Trainer's `auto_find_batch_size=True` halves the
-    batch as it would for the device's own."""

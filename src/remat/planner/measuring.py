@@ -23,9 +23,10 @@ from ..arguments import check_flag, check_optimizer
 from ..compat.accelerator import OUT_OF_MEMORY, empty_cache, synchronize
 from ..compat.dispatch import compute_device
 from ..config import CheckpointConfig
-from ..errors import ConfigError, OutOfMemoryError, PolicyError, StateError
+from ..errors import ConfigError, PolicyError, StateError
 from ..head import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, causal_lm, plan_head
 from ..loss import LossFn, check_loss_source, own_inputs, step_loss
+from ..memory_errors import OutOfMemoryError
 from ..policies import LayerProfile, policy
 from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, memory_report
 from ..snapshot import model_left_as_it_was

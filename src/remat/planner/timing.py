@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..compat.accelerator import is_accelerator, timing_event
-from ..errors import OutOfMemoryError, StateError
+from ..errors import StateError
+from ..memory_errors import OutOfMemoryError
 from .chooser import TimePrices
 
 CALLS = 2  # timed per layer and step: the forward, and backward's recompute
