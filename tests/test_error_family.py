@@ -103,12 +103,22 @@ def test_a_profile_whose_every_layer_recomputed_step_runs_out_of_memory_is_torch
 
     cm = CheckpointedModel(tiny_model())
     injected = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-    handle = cm.layers[1].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(injected))
+
+    def out_of_memory_while_handling_another(*_):  # its context's traceback holds this frame (and what it holds)
+        try:
+            raise RuntimeError("a kernel's fallback failed")
+        except RuntimeError:
+            raise injected from None
+
+    handle = cm.layers[1].register_forward_pre_hook(out_of_memory_while_handling_another)
     with pytest.raises(torch.OutOfMemoryError, match=r"ran out of memory\. No map can fit it: try a smaller") as info:
         cm.profile(batch(), progress=False)
     handle.remove()
     _is(info.value, RuntimeError)
-    assert isinstance(info.value, OutOfMemoryError) and info.value.__cause__ is injected
+    # the device's error as its cause, a copy: the one raised holds the failed step's tensors (review helper-92)
+    cause = info.value.__cause__
+    assert isinstance(info.value, OutOfMemoryError) and type(cause) is torch.OutOfMemoryError
+    assert cause.args == injected.args and cause.__traceback__ is None and cause.__context__ is None
     cm.profile(batch(), progress=False)  # the next one measures
 
 

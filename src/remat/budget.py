@@ -235,15 +235,21 @@ class BudgetState:
             rows = "" if bucket[1] is None else f" in rows of {length}"
             said = f"budget: a step of {tokens} tokens{rows} fits no map under budget={config.budget!r} "
             said += f"(budget_scope={config.budget_scope!r})"
-            fitting = None
+            fitting, fewer_rows_fit = None, False
             if bucket[1] is None and (fits := self.largest_fitting(config, bucket[0])):
-                fitting = f"the largest step that fits is {fits} tokens"
+                fitting, fewer_rows_fit = f"the largest step that fits is {fits} tokens", fits >= length
             elif bucket[1] is not None and (rows := self.most_rows(config, tokens, length)):
-                fitting = f"a step of up to {rows} row{'s' if rows > 1 else ''} of {length} tokens fits"
+                fitting, fewer_rows_fit = (
+                    f"a step of up to {rows} row{'s' if rows > 1 else ''} of {length} tokens fits",
+                    True,
+                )
             elif bucket[1] is not None and (row := self.longest_row(config, length)):
                 fitting = f"no step of such rows fits; one row of up to {row} tokens does"
-            if fitting:  # an OutOfMemoryError too: Trainer's auto_find_batch_size=True halves the batch
-                raise BudgetExceededError(
+            if fitting:
+                # where fewer rows fit, an OutOfMemoryError too: Trainer's auto_find_batch_size=True shrinks the batch
+                # (where only shorter rows fit, shrinking it reached zero and lost this message)
+                error = BudgetExceededError if fewer_rows_fit else ConfigError
+                raise error(
                     f"{said}: for the budget, out of memory. {fitting[0].upper()}{fitting[1:]}: make the batch "
                     "shorter or smaller, or give a larger budget. This forward did not run"
                 )

@@ -143,7 +143,7 @@ class _Steps:
         self.peak = StepPeak(self.model, batch, optimizer, self.device)
         self.extras: dict[tuple[str, bool], int] = {}  # (last layer's policy, checkpointing) -> peak - held
         self.n = len(state.checkpoint_map)
-        self.out_of_memory: BaseException | None = None  # the last step's that ran out (its frames let go)
+        self.out_of_memory: BaseException | None = None  # the last step's that ran out
         self.base = config.replace(budget=None, layer_policies=dict.fromkeys(range(self.n), "recompute"))
 
     def _run(self, policies: Mapping[int, str], step: Callable[[], Any], head: dict[str, Any] | None = None) -> Any:
@@ -156,8 +156,8 @@ class _Steps:
             )
             try:
                 found = step()
-            except OUT_OF_MEMORY as error:
-                found, self.out_of_memory = None, error.with_traceback(None)
+            except OUT_OF_MEMORY as error:  # kept as a copy: its traceback and context hold the failed step's tensors
+                found, self.out_of_memory = None, torch.OutOfMemoryError(*error.args)
                 gc.collect()
                 empty_cache()
             except PolicyError as error:
