@@ -6,6 +6,7 @@ RNG is replayed: a recompute that drew different dropout masks would give differ
 
 import pytest
 import torch
+import transformers
 from conftest import ARCHS, RecomputeCounter, add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
 
 from remat import CheckpointConfig, CheckpointedModel
@@ -125,3 +126,44 @@ def test_preserve_rng_state_is_what_makes_dropout_exact():
     _, got = step_grads(cm, named, data)
     with pytest.raises(AssertionError):
         assert_same_grads(ref, got)
+
+
+def _gemma3n_text(kv_shared: int):
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "gemma3n_text",
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=4,
+        intermediate_size=48,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=128,
+        laurel_rank=4,
+        num_kv_shared_layers=kv_shared,
+        sliding_window=4,
+        activation_sparsity_pattern=[0.0] * 4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
+
+
+def test_reentrant_checkpointing_of_layers_that_share_keys_and_values_is_refused_and_non_reentrant_is_exact():
+    """Gemma 3n's later layers read the keys and values earlier ones made (`num_kv_shared_layers`): reentrant
+    checkpointing runs those without gradients, and 32 of 101 gradients were wrong with the loss right (helper-93;
+    transformers' own reentrant checkpointing too). Refused before the forward; the default is exact."""
+    from remat import ConfigError
+
+    data = batch()
+    reference = _gemma3n_text(2)
+    expected_loss, expected = step_grads(reference, list(reference.named_parameters()), data)
+    model = _gemma3n_text(2)
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1, use_reentrant=True))
+    with pytest.raises(ConfigError, match=r"use_reentrant=True would lose gradients of this model's shared keys"):
+        cm(**data)
+    cm.enable(use_reentrant=False)
+    loss, grads = step_grads(cm, list(model.named_parameters()), data)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+    assert_same_grads(expected, grads)

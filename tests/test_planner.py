@@ -620,3 +620,28 @@ def test_an_encoder_decoders_fewer_longer_rows_are_never_priced_below_what_they_
         for option in profile.frontier(length=128):
             cm.enable(option)
             assert activation_bytes(cm, one_row) <= option.predicted_device_bytes * 1.01, (target, option)
+
+
+def test_a_model_that_refuses_half_the_profiled_length_is_measured_at_one_length_and_says_so():
+    """A profile also measures the batch at half its length; xLSTM takes multiples of its chunk_size only, and the
+    profile (and a budget's first step) failed with the model's ValueError naming a length never given (helper-93).
+    It measures at one length, prices other token counts in proportion, and says why."""
+    cm = CheckpointedModel(add_lora(tiny_model()), every_n_layers=2)
+    data = batch(size=2, seq=12)
+
+    def chunks_of_twelve(module, args, kwargs):
+        if kwargs["input_ids"].shape[-1] % 12:
+            raise ValueError(f"Sequence length {kwargs['input_ids'].shape[-1]} is not divisible by chunk size 12")
+
+    handle = cm.model.register_forward_pre_hook(chunks_of_twelve, with_kwargs=True)
+    profile = cm.profile(data, repeats=1, progress=False)
+    assert profile.measurements.shorter is None
+    assert any(
+        "measured at one length: the model refused half of it, ValueError: Sequence length 6" in n
+        for n in profile.notes
+    ), profile.notes
+    least = profile.frontier()[0]
+    assert profile.frontier(tokens=48)[0].predicted_device_bytes == pytest.approx(
+        2 * least.predicted_device_bytes, rel=0.01
+    )
+    handle.remove()

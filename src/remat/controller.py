@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .budget import BudgetState, bucket_text
-from .compat.transformers_compat import router_logits_recorded_inside_layers
+from .compat.transformers_compat import kv_shared_across_layers, router_logits_recorded_inside_layers
 from .config import CheckpointConfig
 from .errors import BlockSwapError, ConfigError, ReplacedWrapperError, StateError
 from .head import ChunkedHead, HeadPlan, causal_lm, plan_head
@@ -574,6 +574,12 @@ class Controller:
                 "records them by hooks inside the layers, which reentrant checkpointing runs without gradients (an "
                 "MoE's aux loss would not train its router). Use use_reentrant=False (the default), or do not ask for "
                 "them (output_router_logits=False)"
+            )
+        if kv_shared_across_layers(self.model):
+            raise ConfigError(
+                "use_reentrant=True would lose gradients of this model's shared keys and values: its later layers read "
+                "those earlier layers computed (num_kv_shared_layers), which reentrant checkpointing runs without "
+                "gradients, so the loss is right and the gradients are wrong. Use use_reentrant=False (the default)"
             )
 
     def _say_eval_mode_runs_no_checkpoint(self) -> None:

@@ -99,3 +99,12 @@ def router_logits_recorded_inside_layers(model: Any, kwargs: dict[str, Any]) -> 
             if kwargs.get("output_router_logits", getattr(config, "output_router_logits", False)):
                 return True
     return False
+
+
+def kv_shared_across_layers(model: Any) -> bool:
+    """Whether later layers read the keys and values earlier layers computed (Gemma 3n's `num_kv_shared_layers`,
+    passed along in a dict): under reentrant checkpointing those run without gradients, and the gradients of the
+    layers that made them were silently wrong (transformers' own reentrant checkpointing too)."""
+    config = getattr(model, "config", None)
+    configs = [config, getattr(config, "text_config", None)]
+    return any(isinstance(n := getattr(c, "num_kv_shared_layers", 0), int) and n > 0 for c in configs if c is not None)

@@ -23,7 +23,7 @@ from ..arguments import check_flag, check_optimizer
 from ..compat.accelerator import OUT_OF_MEMORY, empty_cache, synchronize
 from ..compat.dispatch import compute_device
 from ..config import CheckpointConfig
-from ..errors import ConfigError, PolicyError, StateError
+from ..errors import ConfigError, PolicyError, RematError, StateError
 from ..head import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, causal_lm, plan_head
 from ..loss import LossFn, check_loss_source, own_inputs, step_loss
 from ..memory_errors import OutOfMemoryError
@@ -267,8 +267,19 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
             at_short = _Steps(state, own_inputs(short), loss_fn, optimizer, bar, refused, config)
             ratio = batch_tokens(short) / batch_tokens(batch)
             scaled = {name: {i: t * ratio for i, t in per_layer.items()} for name, per_layer in seconds.items()}
-            found_short = _bytes(at_short, names, rotation, swapped, [])
-            shorter = _measurements(at_short, names, found_short, swapped, scaled, base * ratio, prices.scaled(ratio))
+            try:
+                found_short = _bytes(at_short, names, rotation, swapped, [])
+            except RematError:
+                raise
+            except Exception as error:  # a model that takes some lengths only (xLSTM's multiple of its chunk_size)
+                notes.append(
+                    "tokens: bytes scale in proportion (measured at one length: the model refused half of it, "
+                    f"{type(error).__name__}: {str(error)[:200]})"
+                )
+            else:
+                shorter = _measurements(
+                    at_short, names, found_short, swapped, scaled, base * ratio, prices.scaled(ratio)
+                )
         else:
             notes.append("tokens: bytes scale in proportion (the batch is not plain text: measured at one length)")
         # after the shorter length: a layer refused "selective" at that length only is offered it at neither
