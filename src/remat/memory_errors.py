@@ -14,6 +14,6 @@ class OutOfMemoryError(StateError, torch.OutOfMemoryError):
 
 
 class BudgetExceededError(ConfigError, torch.OutOfMemoryError):
-    """A step that fits no map under the budget, where a smaller one does (the message says which): a ValueError as
-    every budget refusal, and torch's `OutOfMemoryError` too, so Trainer's `auto_find_batch_size=True` halves the
-    batch as it would for the device's own."""
+    """A step that fits no map under the budget, where fewer rows of its length do (the message says which): a
+    ValueError as every budget refusal, and torch's `OutOfMemoryError` too, so Trainer's `auto_find_batch_size=True`
+    shrinks the batch as it would for the device's own."""
