@@ -93,19 +93,18 @@ class LiveStorages(TorchDispatchMode):
             del self._counted[key]
 
 
-def storage_key(tensor: torch.Tensor) -> tuple[int, int] | None:
-    """(data pointer, bytes) of a plain tensor's storage, or None for tensors without one."""
-    try:
-        storage = tensor.untyped_storage()
-        return storage.data_ptr(), storage.nbytes()
-    except (RuntimeError, NotImplementedError):  # meta tensors, a wrapper subclass's stand-in storage
-        return None
-
-
 def storage_keys(tensor: torch.Tensor) -> list[tuple[int, int]]:
-    """`storage_key` of the tensor, or of each plain tensor inside a wrapper subclass (a quantized weight of torchao
-    or optimum-quanto: int8 data and scales; its own storage is a stand-in with no data pointer)."""
-    return [key for plain in _plain_tensors(tensor) if (key := storage_key(plain)) is not None]
+    """(data pointer, bytes) of the tensor's storage, or of each plain tensor's inside a wrapper subclass (a quantized
+    weight of torchao or optimum-quanto: int8 data and scales; its own storage is a stand-in with no data pointer);
+    none for a meta tensor."""
+    keys = []
+    for plain in _plain_tensors(tensor):
+        try:
+            storage = plain.untyped_storage()
+            keys.append((storage.data_ptr(), storage.nbytes()))
+        except (RuntimeError, NotImplementedError):  # meta tensors
+            continue
+    return keys
 
 
 def _plain_tensors(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
