@@ -141,3 +141,105 @@ def test_a_holder_that_calls_torchs_checkpoint_itself_is_recognised_from_its_cod
     assert calls_checkpoint_directly(_holder(_CALLS_TORCH, in_a_file, tmp_path))
     assert calls_checkpoint_directly(_holder(_NESTED, in_a_file, tmp_path))
     assert not calls_checkpoint_directly(_holder(_THROUGH_THE_FUNCTION, in_a_file, tmp_path))
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + torch.tanh(self.proj(x))
+
+
+class SharedBlock(Block):
+    pass
+
+
+class Hybrid(nn.Module):
+    """A list entry that runs a block shared by every such entry, then its own block (Zamba's hybrid layer)."""
+
+    def __init__(self, shared):
+        super().__init__()
+        self.shared, self.own = shared, Block()
+
+    def forward(self, x):
+        return self.own(self.shared(x))
+
+
+class HybridStack(transformers.PreTrainedModel):
+    config_class = transformers.PretrainedConfig
+    _no_split_modules = ["Block", "SharedBlock"]
+
+    def __init__(self):
+        super().__init__(transformers.PretrainedConfig())
+        torch.manual_seed(0)
+        shared = SharedBlock()
+        self.layers = nn.ModuleList([Block(), Block(), Hybrid(shared), Block(), Hybrid(shared)])
+
+    def forward(self, x, labels=None):
+        for layer in self.layers:
+            x = layer(x)
+        return transformers.modeling_outputs.CausalLMOutput(loss=x.pow(2).mean())
+
+
+def zamba():
+    config = transformers.ZambaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        attention_hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        mamba_d_state=4,
+        mamba_dt_rank=4,
+        n_mamba_heads=1,
+        attn_layer_period=3,
+        attn_layer_offset=2,
+        use_mamba_kernels=False,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    return transformers.ZambaForCausalLM(config).train()
+
+
+@pytest.mark.parametrize("build", [HybridStack, zamba])
+def test_a_list_entry_holding_a_block_beside_blocks_is_the_layer_so_its_shared_block_is_checkpointed(build):
+    """Found by its blocks' classes (Zamba on transformers 4.x, whose layers carry no flag), a hybrid entry of the list
+    used to be found as its own Mamba block alone: the shared attention it also runs was never checkpointed."""
+    model, reference = build(), build()
+    stack = "layers" if build is HybridStack else "model.layers"
+    calls = {"model": [], "reference": []}
+    for key, built in (("model", model), ("reference", reference)):
+        shared = {id(m): m for m in built.modules() if type(m).__name__ in ("SharedBlock", "ZambaAttentionDecoderLayer")}
+        for module in shared.values():  # one module shared by the entries (transformers 4.x), or one each (5.x)
+            module.register_forward_pre_hook(lambda *args, key=key: calls[key].append(1))
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    assert [p.name for p in cm.checkpoint_map] == [f"{stack}.{i}" for i in range(len(model.get_submodule(stack)))]
+    data = {"x": torch.randn(2, 8)} if build is HybridStack else {"input_ids": torch.arange(24).view(2, 12) % 64}
+    data["labels"] = data.get("input_ids")
+    _, expected = step_grads(reference, list(reference.named_parameters()), data)
+    _, actual = step_grads(cm, list(model.named_parameters()), data)
+    assert len(calls["reference"]) == 2 and len(calls["model"]) == 4, "two hybrid entries, each recomputed"
+    assert expected.keys() == actual.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(actual[name], grad, rtol=1e-5, atol=0)
+
+
+def test_a_map_saved_when_a_hybrid_entry_was_found_as_its_inner_block_loads_as_it_was(tmp_path):
+    import json
+
+    CheckpointedModel(HybridStack(), CheckpointConfig(layer_policies={2: "none"})).save_pretrained(tmp_path)
+    file = tmp_path / "checkpoint_config.json"
+    saved = json.loads(file.read_text())
+    saved["layers"] = [f"{name}.own" if name in ("layers.2", "layers.4") else name for name in saved["layers"]]
+    file.write_text(json.dumps(saved))  # as remat wrote it before hybrid entries were the layers
+    loaded = CheckpointedModel.from_pretrained(HybridStack(), tmp_path)
+    assert loaded.checkpoint_config.layer_policies == {2: "none"}
+    assert [p.policy for p in loaded.checkpoint_map] == ["recompute", "recompute", "none", "recompute", "recompute"]
+    saved["layers"][1] = "layers.1.elsewhere.own"
+    saved["layers"][2] = "layers.3.own"
+    file.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="planned for 5 layers"):
+        CheckpointedModel.from_pretrained(HybridStack(), tmp_path)

@@ -123,6 +123,23 @@ def _repeated_stacks(model: nn.Module) -> set[int]:
     return found
 
 
+def _lift_into_stack(named: list[tuple[str, nn.Module]], blocks: list[tuple[str, nn.Module, str]]) -> list:
+    """Blocks found inside a module that sits in a list beside blocks are that module: it is what the list runs per
+    layer. (Zamba's hybrid layer on transformers 4.x, in the list of Mamba blocks, runs a shared attention block and a
+    Mamba block: taking the Mamba block alone would leave the attention, a third of the step, never checkpointed.)"""
+    names = {name for name, _, _ in blocks}
+    lifted: dict[str, tuple[str, nn.Module, str]] = {}
+    for name, module in named:
+        children = [f"{name}.{key}" if name else key for key in module._modules]
+        if not isinstance(module, nn.ModuleList) or not names.intersection(children):
+            continue
+        for child_name, child in zip(children, module._modules.values()):
+            if child_name not in names and any(n.startswith(child_name + ".") for n in names):
+                lifted[child_name] = (child_name, child, "wrap")
+    kept = [b for b in blocks if not any(b[0].startswith(outer + ".") for outer in lifted)]
+    return kept + list(lifted.values())
+
+
 _TORCH_CHECKPOINTS = frozenset({"checkpoint", "checkpoint_sequential"})
 
 
@@ -159,7 +176,7 @@ def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | t
         declared = _no_split_names(model)
         blocks = [(n, m, "wrap") for n, m in named if type(m).__name__ in declared]
         counts = Counter(type(m).__name__ for _, m, _ in blocks)
-        candidates = [c for c in blocks if counts[type(c[1]).__name__] >= 2]
+        candidates = _lift_into_stack(named, [c for c in blocks if counts[type(c[1]).__name__] >= 2])
         if not candidates:
             stacked = _repeated_stacks(model)
             candidates = [(n, m, "wrap") for n, m in named if id(m) in stacked]
