@@ -169,7 +169,7 @@ class Hybrid(nn.Module):
 
 class HybridStack(transformers.PreTrainedModel):
     config_class = transformers.PretrainedConfig
-    _no_split_modules = ["Block", "SharedBlock"]
+    _no_split_modules = ("Block", "SharedBlock")
 
     def __init__(self):
         super().__init__(transformers.PretrainedConfig())
@@ -212,7 +212,8 @@ def test_a_list_entry_holding_a_block_beside_blocks_is_the_layer_so_its_shared_b
     stack = "layers" if build is HybridStack else "model.layers"
     calls = {"model": [], "reference": []}
     for key, built in (("model", model), ("reference", reference)):
-        shared = {id(m): m for m in built.modules() if type(m).__name__ in ("SharedBlock", "ZambaAttentionDecoderLayer")}
+        kinds = ("SharedBlock", "ZambaAttentionDecoderLayer")
+        shared = {id(m): m for m in built.modules() if type(m).__name__ in kinds}
         for module in shared.values():  # one module shared by the entries (transformers 4.x), or one each (5.x)
             module.register_forward_pre_hook(lambda *args, key=key: calls[key].append(1))
     cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))

@@ -167,7 +167,7 @@ def _saved_readings(names: list[str]) -> list[list[str]]:
 def _same_layers(mine: list[str], saved: list[str]) -> bool:
     """The same layers: equal, or each saved one inside this model's at its index (remat before the hybrid-layer fix
     found Zamba's hybrid layers on transformers 4.x as their Mamba block: one layer per index all the same)."""
-    return len(mine) == len(saved) and all(s == m or s.startswith(m + ".") for m, s in zip(mine, saved))
+    return len(mine) == len(saved) and all(s == m or s.startswith(m + ".") for m, s in zip(mine, saved, strict=False))
 
 
 def _summary(names: list[str]) -> str:
