@@ -40,7 +40,7 @@ def test_block_swap_of_a_subclass_weight_is_refused_before_anything_moves():
     model, _ = _with_a_subclass_weight(layer=1)
     inside = {n: (p.a.data_ptr(), p.b.data_ptr()) for n, p in model.named_parameters() if isinstance(p, TwoTensor)}
     for swap in ([1], [0, 1], 4):
-        with pytest.raises(BlockSwapError, match=r"layer 1 .*up_proj.*TwoTensor.*Leave this layer out of swap_layers"):
+        with pytest.raises(BlockSwapError, match=r"layer 1 .*up_proj.*TwoTensor.*leave this layer out of swap_layers"):
             CheckpointedModel(model, swap_layers=swap)
         assert {n: (p.a.data_ptr(), p.b.data_ptr()) for n, p in model.named_parameters() if n in inside} == inside
     cm = CheckpointedModel(model, swap_layers=[0, 2])  # the others still swap

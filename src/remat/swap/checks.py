@@ -11,6 +11,9 @@ from torch import nn
 
 from ..errors import BlockSwapError
 
+# swap_layers=n chooses its layers itself: name the way to leave one out.
+LEAVE_OUT = "leave this layer out of swap_layers (a list of the indices to swap, where you gave a count)"
+
 
 def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -> None:
     """Raise BlockSwapError if any of these layers cannot be swapped."""
@@ -21,9 +24,7 @@ def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module) 
     for index, name, layer in layers:
         _check_layer(index, name, layer, units)
         if not own_frozen_params(layer, name, owners):
-            raise BlockSwapError(
-                f"layer {index} ({name}) has no frozen weights of its own to swap; leave it out of swap_layers"
-            )
+            raise BlockSwapError(f"layer {index} ({name}) has no frozen weights of its own to swap; {LEAVE_OUT}")
 
 
 def weights_in_use(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -> list[str]:
@@ -81,8 +82,8 @@ def _check_layer(index: int, name: str, layer: nn.Module, fsdp_units: list[tuple
             raise BlockSwapError(
                 f"layer {index} ({name}): its weight {pname} is on the meta device, with no data to swap (accelerate "
                 'offloads it: its hook loads the weight at each forward, from a device_map\'s "cpu" or "disk" or '
-                "cpu_offload; or the model was built under init_empty_weights). Leave this layer out of swap_layers: "
-                "accelerate already keeps its weights off the device"
+                "cpu_offload; or the model was built under init_empty_weights); accelerate already keeps its weights "
+                f"off the device: {LEAVE_OUT}"
             )
         if (sharding := _sharding_of(param)) is not None:
             raise BlockSwapError(
@@ -92,13 +93,12 @@ def _check_layer(index: int, name: str, layer: nn.Module, fsdp_units: list[tuple
             raise BlockSwapError(
                 f"layer {index} ({name}): its weight {pname} is a {type(param.data).__name__} (a tensor subclass: a "
                 "quantized weight of torchao or optimum-quanto), whose data block swap cannot move (its tensors are "
-                "inside it). Leave this layer out of swap_layers"
+                f"inside it); {LEAVE_OUT}"
             )
         if param.requires_grad and param.dim() >= 2 and id(param) not in adapters:
             raise BlockSwapError(
                 f"layer {index} ({name}): its base weight {pname} is trainable (full fine-tuning). Block swap keeps "
-                "frozen weights in host memory; freeze the base weights (e.g. train LoRA adapters) or do not swap "
-                "this layer"
+                f"frozen weights in host memory; freeze the base weights (e.g. train LoRA adapters), or {LEAVE_OUT}"
             )
 
 
