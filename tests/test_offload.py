@@ -402,3 +402,25 @@ def test_cuda_disable_gives_the_pinned_memory_back_to_the_system():
     cm.disable()
     # dropping the tensors alone would leave the blocks cached (and pinned) in torch's allocator
     assert torch.cuda.host_memory_stats()["allocated_bytes.current"] <= pinned_before
+
+
+@pytest.mark.parametrize("policy", ["none", "recompute", "offload"])
+def test_a_layer_input_changed_in_place_after_it_was_saved_raises_as_without_checkpointing(policy):
+    """torch raises at backward for a saved tensor changed in place; offload saved the input on the host, where the
+    change is copied along, so the recompute read the changed input and the gradients were silently wrong."""
+    model = tiny_model()
+    config = CheckpointConfig(layer_policies={i: policy for i in range(4)}, offload_min_bytes=0)
+    cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
+
+    def scale_the_input(module, args, output):
+        with torch.no_grad():
+            args[0].mul_(0.5)  # after the layer ran: its saved input is at another version
+
+    handle = decoder_layers(model)[0].register_forward_hook(scale_the_input)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        cm(**batch()).loss.backward()
+    handle.remove()
+    reference = tiny_model()
+    _, expected = step_grads(reference, list(reference.named_parameters()), batch())
+    _, got = step_grads(cm, list(model.named_parameters()), batch())  # the next step is whole
+    assert_same_grads(expected, got)

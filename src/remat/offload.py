@@ -106,6 +106,7 @@ class _Packed:
         self.layer, self.order = layer, order
         self.meta = TensorMeta(tensor.shape, tensor.dtype, tensor.device, tensor.nbytes)
         self.device_tensor: torch.Tensor | None = tensor
+        self.version, self.version_moved = tensor._version, tensor._version  # torch's check of a saved tensor
         self.host: torch.Tensor | None = None
         self.prefetched: tuple[torch.Tensor, Event] | None = None
         self.alive = True
@@ -113,6 +114,7 @@ class _Packed:
     def move_to_host(self) -> None:
         if self.device_tensor is None or self.host is not None:
             return
+        self.version_moved = self.device_tensor._version
         self.host = self.buffers.take(self.meta.nbytes)
         self.transport.to_host(self.device_tensor, self.host, self.layer)
         self.device_tensor = None  # the device memory is freed (after the copy, on CUDA)
@@ -125,6 +127,13 @@ class _Packed:
             self.stats[self.layer].copies_to_device += 1
 
     def fetch(self) -> torch.Tensor:
+        now = self.device_tensor._version if self.device_tensor is not None else self.version_moved
+        if now != self.version:  # as torch raises for a saved tensor it holds (the host copy would hide the change)
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"the input of layer {self.layer} that offload saved is at version {now}; expected version "
+                f"{self.version} instead (the layer, or code after it, changed its input in place: clone it first)"
+            )
         if self.device_tensor is not None:
             return self.device_tensor
         self.prefetch()
