@@ -244,3 +244,38 @@ def test_a_map_saved_when_a_hybrid_entry_was_found_as_its_inner_block_loads_as_i
     file.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match="planned for 5 layers"):
         CheckpointedModel.from_pretrained(HybridStack(), tmp_path)
+
+
+class PairedStack(transformers.PreTrainedModel):
+    """Blocks kept in pairs, a list of lists the forward loops over (`for first, second in self.layers`)."""
+
+    config_class = transformers.PretrainedConfig
+
+    def __init__(self):
+        super().__init__(transformers.PretrainedConfig())
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.ModuleList([Block(), Block()]) for _ in range(3)])
+
+    def forward(self, x, labels=None):
+        for first, second in self.layers:
+            x = second(first(x))
+        return transformers.modeling_outputs.CausalLMOutput(loss=x.pow(2).mean())
+
+
+def test_a_list_of_lists_is_not_the_layers_the_blocks_the_loop_calls_are():
+    """The inner lists (no forward: never called) were taken as the layers: the map said "recompute" and nothing
+    was checkpointed (and a swapped layer's weights stayed placeholders: wrong gradients)."""
+    model = PairedStack()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    assert [p.name for p in cm.checkpoint_map] == [f"layers.{i}.{j}" for i in range(3) for j in range(2)]
+    counter = RecomputeCounter([block for pair in model.layers for block in pair])
+    reference = PairedStack()
+    x = torch.randn(2, 8)
+    _, expected = step_grads(reference, list(reference.named_parameters()), {"x": x})
+    _, actual = step_grads(cm, list(model.named_parameters()), {"x": x})
+    assert counter.counts == [2] * 6
+    assert expected.keys() == actual.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(actual[name], grad, rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match=r"layer_class names \['ModuleList'\], a container with no forward"):
+        CheckpointedModel(PairedStack(), layer_class="ModuleList")

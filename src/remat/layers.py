@@ -113,12 +113,18 @@ def _no_split_names(model: nn.Module) -> set[str]:
     return {n for names in declared if isinstance(names, (list, tuple, set)) for n in names if isinstance(n, str)}
 
 
+def _runs(module: nn.Module) -> bool:
+    """Whether the module has a forward to call: a container (a `ModuleList` of the blocks a model's loop calls one by
+    one) has none, and a map over it would say "recompute" where nothing is checkpointed."""
+    return type(module).forward is not nn.Module.forward
+
+
 def _repeated_stacks(model: nn.Module) -> set[int]:
-    """ids of the children of ModuleLists holding >= 2 modules of one class, with parameters."""
+    """ids of the children of ModuleLists holding >= 2 modules of one class, with parameters and a forward."""
     found: set[int] = set()
     for module in model.modules():
         one_class = isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(c) for c in module}) == 1
-        if one_class and any(True for _ in module[0].parameters()) and len(list(module[0].children())):
+        if one_class and _runs(module[0]) and any(True for _ in module[0].parameters()) and len(module[0]._modules):
             found.update(id(child) for child in module)
     return found
 
@@ -169,6 +175,11 @@ def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | t
             raise NoCheckpointableLayersError(
                 f"layer_class names {missing}, but {type(model).__name__} has no module of that class. "
                 f"Classes that occur more than once in it: {repeated}; name one of those"
+            )
+        if containers := sorted({type(m).__name__ for _, m in named if type(m).__name__ in explicit and not _runs(m)}):
+            raise NoCheckpointableLayersError(
+                f"layer_class names {containers}, a container with no forward of its own: the model calls the blocks "
+                "inside it, so name the class of those blocks"
             )
         candidates += [(n, m, "wrap") for n, m in named if type(m).__name__ in explicit and not isinstance(m, gc_layer)]
     elif not candidates:
