@@ -167,3 +167,60 @@ def test_reentrant_checkpointing_of_layers_that_share_keys_and_values_is_refused
     loss, grads = step_grads(cm, list(model.named_parameters()), data)
     torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
     assert_same_grads(expected, grads)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, returns_dict: bool):
+        super().__init__()
+        self.proj, self.returns_dict = torch.nn.Linear(8, 8), returns_dict
+
+    def forward(self, x, bias=None):
+        out = x + torch.tanh(self.proj(x + bias))
+        return {"hidden": out} if self.returns_dict else out
+
+
+class _BiasedStack(transformers.PreTrainedModel):
+    """Plain blocks given a learned bias by keyword (a tensor with a graph before the blocks, as cross-attention's
+    encoder states are), returning a tensor or a dict."""
+
+    config_class = transformers.PretrainedConfig
+
+    def __init__(self, returns_dict: bool = False):
+        super().__init__(transformers.PretrainedConfig())
+        torch.manual_seed(0)
+        self.bias = torch.nn.Parameter(torch.randn(8))
+        self.layers = torch.nn.ModuleList([_Block(returns_dict) for _ in range(3)])
+
+    def forward(self, x, labels=None):
+        bias = self.bias * 2
+        for layer in self.layers:
+            x = layer(x, bias=bias)
+            x = x["hidden"] if isinstance(x, dict) else x
+        return transformers.modeling_outputs.CausalLMOutput(loss=x.pow(2).mean())
+
+
+def test_reentrant_plain_blocks_given_a_tensor_with_a_graph_by_keyword_are_exact():
+    """The keyword went into a closure: torch's reentrant recompute backpropagated through it into the graph before
+    the blocks at each layer, and the second layer's failed ("backward through the graph a second time")."""
+    reference, model = _BiasedStack(), _BiasedStack()
+    x = torch.randn(2, 8)
+    _, expected = step_grads(reference, list(reference.named_parameters()), {"x": x})
+    cm = CheckpointedModel(model, CheckpointConfig(use_reentrant=True))
+    counter = RecomputeCounter(list(model.layers))
+    _, got = step_grads(cm, list(model.named_parameters()), {"x": x})
+    assert counter.counts == [2, 2, 2]
+    assert_same_grads(expected, got, atol=0)
+
+
+def test_reentrant_refuses_a_block_returning_a_dict_whose_weights_would_get_no_gradient():
+    """torch's reentrant checkpoint carries a graph only out of tensors returned directly or in a tuple: a dict's
+    came out without one, and the blocks' weights silently got no gradient."""
+    model = _BiasedStack(returns_dict=True)
+    cm = CheckpointedModel(model, CheckpointConfig(use_reentrant=True))
+    with pytest.raises(ValueError, match=r"layer 0 returns a dict.*Leave use_reentrant at its default"):
+        cm(x=torch.randn(2, 8))
+    reference = _BiasedStack(returns_dict=True)
+    _, expected = step_grads(reference, list(reference.named_parameters()), {"x": torch.ones(2, 8)})
+    cm.enable(CheckpointConfig())  # the default, non-reentrant: exact
+    _, got = step_grads(cm, list(model.named_parameters()), {"x": torch.ones(2, 8)})
+    assert_same_grads(expected, got, atol=0)

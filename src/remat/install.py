@@ -3,7 +3,6 @@ instance: a transformers layer's own flag, a plain block's `forward`, or a holde
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from typing import Any
@@ -99,7 +98,7 @@ class ForwardInstall(_Installed):
         if not args and self.first_parameter in kwargs:
             # The checkpoint saves (and offload moves) positional inputs: pass the hidden states so.
             args = (kwargs.pop(self.first_parameter),)
-        return self.function(functools.partial(original, **kwargs), *args)
+        return self.function(original, *args, **kwargs)
 
     def restore(self) -> None:
         # Switched off even if something patched `forward` after remat and still calls this wrapper.

@@ -5,6 +5,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -18,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .compat.deepspeed import frozen_zero3_parameters_held
 from .compat.dispatch import offloads_weights
+from .errors import ConfigError
 from .refs import Ref
 from .snapshot import Watched
 
@@ -123,6 +126,8 @@ class LayerCheckpoint:
         self.early_stop = not offloads_weights(module)
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self.use_reentrant and isinstance(function, functools.partial) and not function.args:
+            function, kwargs = function.func, {**function.keywords, **kwargs}  # transformers binds the keywords
         self.offloader.checkpoint_started()
         target = next((a for a in args if isinstance(a, torch.Tensor)), None)
         saving = self.offloader.hooks(self.index, target) if self.offload else contextlib.nullcontext()
@@ -173,16 +178,46 @@ class LayerCheckpoint:
         if not self.use_reentrant or distributed_training():
             options = {**self.options, "early_stop": self.early_stop}
             return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=rng, **options, **kwargs)
-        if kwargs:  # torch's reentrant checkpoint takes positional inputs only
-            bound, kwargs = function, dict(kwargs)
-            function = lambda *a: bound(*a, **kwargs)
+        if kwargs:  # torch's reentrant checkpoint takes positional inputs only; tensors go as inputs (in a closure,
+            # one that carries a graph, a learned bias, would be backpropagated through at every layer's recompute)
+            bound, count, rest = function, len(args), {k: v for k, v in kwargs.items() if not torch.is_tensor(v)}
+            named = [k for k, v in kwargs.items() if torch.is_tensor(v)]
+            function = lambda *a: bound(*a[:count], **rest, **dict(zip(named, a[count:], strict=True)))
+            args = (*args, *(kwargs[k] for k in named))
         if torch.is_grad_enabled() and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             first = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()), -1)
             args = tuple(a.detach().requires_grad_(True) if i == first else a for i, a in enumerate(args))
-        return checkpoint(function, *args, use_reentrant=True, preserve_rng_state=rng)
+        output = checkpoint(function, *args, use_reentrant=True, preserve_rng_state=rng)
+        if torch.is_grad_enabled() and _tensors_out_of_reach(output):
+            raise ConfigError(
+                f"use_reentrant=True: layer {self.index} returns a {type(output).__name__}, and torch's reentrant "
+                "checkpoint carries gradients only out of a tensor or a tuple of tensors: the layer's weights would "
+                "get none. Leave use_reentrant at its default (False)"
+            )
+        return output
 
     def __repr__(self) -> str:
         return (
             f"LayerCheckpoint(layer={self.index}, policy={self.policy.name}, offload={self.offload}, "
             f"use_reentrant={self.use_reentrant}, preserve_rng_state={self.preserve_rng_state})"
         )
+
+
+def _tensors_out_of_reach(output: Any) -> bool:
+    """Whether a layer's output holds floating-point tensors only inside a dict, dataclass or nested sequence, none
+    directly or in a tuple: those left torch's reentrant checkpoint without a graph."""
+    if torch.is_tensor(output) or (isinstance(output, (tuple, list)) and any(torch.is_tensor(item) for item in output)):
+        return False
+    pending, seen = [output], 0
+    while pending and seen < 10_000:
+        item, seen = pending.pop(), seen + 1
+        if torch.is_tensor(item):
+            if item.is_floating_point():
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (tuple, list)):
+            pending.extend(item)
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            pending.extend(getattr(item, field.name, None) for field in dataclasses.fields(item))
+    return False
