@@ -224,3 +224,39 @@ def test_reentrant_refuses_a_block_returning_a_dict_whose_weights_would_get_no_g
     cm.enable(CheckpointConfig())  # the default, non-reentrant: exact
     _, got = step_grads(cm, list(model.named_parameters()), {"x": torch.ones(2, 8)})
     assert_same_grads(expected, got, atol=0)
+
+
+class _NormedStack(transformers.PreTrainedModel):
+    config_class = transformers.PretrainedConfig
+
+    def __init__(self):
+        super().__init__(transformers.PretrainedConfig())
+        torch.manual_seed(0)
+        blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh()) for _ in range(3)]
+        self.layers = torch.nn.ModuleList(blocks)
+
+    def forward(self, x, labels=None):
+        for layer in self.layers:
+            x = x + layer(x)
+        return transformers.modeling_outputs.CausalLMOutput(loss=x.pow(2).mean())
+
+
+def test_batch_norms_running_statistics_are_updated_once_a_step_and_left_as_they_were_by_measuring():
+    """torch's batch norm updates its running statistics without bumping their version, so a recompute went unseen
+    and updated them a second time (the eval model then differed), and measuring steps left them changed."""
+    reference, model = _NormedStack(), _NormedStack()
+    x = torch.randn(6, 8)
+    _, expected = step_grads(reference, list(reference.named_parameters()), {"x": x})
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    _, got = step_grads(cm, list(model.named_parameters()), {"x": x})
+    assert_same_grads(expected, got, atol=0)
+    buffers = lambda m: {n: b.clone() for n, b in m.named_buffers()}  # noqa: E731
+    after_one_step = buffers(reference)
+    assert after_one_step.keys() == buffers(model).keys()
+    for name, value in buffers(model).items():
+        torch.testing.assert_close(value, after_one_step[name], rtol=0, atol=0, msg=name)
+    loss = lambda outputs, batch: outputs.loss  # noqa: E731
+    cm.memory_report({"x": x * 3}, loss_fn=loss)
+    cm.profile({"x": x * 3}, loss_fn=loss)
+    for name, value in buffers(model).items():
+        torch.testing.assert_close(value, after_one_step[name], rtol=0, atol=0, msg=name)

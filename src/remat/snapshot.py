@@ -25,11 +25,17 @@ from .refs import Ref
 logger = logging.getLogger("remat")
 
 
+# Batch norm's running statistics, which torch's kernel updates in place without bumping their version counter (a
+# recompute in training mode would update them twice)
+_UNVERSIONED = ("running_mean", "running_var")
+
+
 @dataclass(frozen=True)
 class _Entry:
     owner: Ref[nn.Module]
     name: str
     buffer: bool  # a buffer, or an int/float attribute
+    unversioned: bool = False  # written by torch without a version bump: compared by value, not version
 
     def current(self) -> Any:
         module = self.owner()
@@ -45,7 +51,8 @@ class Watched:
         self.numbers: list[_Entry] = []
         for module in modules:
             owner = Ref(module)
-            self.buffers += [_Entry(owner, n, True) for n, b in module._buffers.items() if b is not None]
+            silent = _UNVERSIONED if isinstance(module, nn.modules.batchnorm._NormBase) else ()
+            self.buffers += [_Entry(owner, n, True, n in silent) for n, b in module._buffers.items() if b is not None]
             self.numbers += [_Entry(owner, k, False) for k, v in vars(module).items() if type(v) in (int, float)]
 
     def __bool__(self) -> bool:
@@ -69,7 +76,9 @@ class Snapshot:
     def changed(self) -> Watched:
         """The entries changed since: a buffer replaced or written to, a number with another value."""
         changed = Watched()
-        changed.buffers = [e for e, t, version, _ in self.buffers if t._version != version or e.current() is not t]
+        changed.buffers = [
+            e for e, t, version, _ in self.buffers if t._version != version or e.current() is not t or e.unversioned
+        ]
         changed.numbers = [entry for entry, value in self.numbers if entry.current() != value]
         return changed
 
@@ -82,7 +91,7 @@ class Snapshot:
                 continue
             if module._buffers.get(entry.name) is not tensor:
                 module._buffers[entry.name] = tensor  # replaced by a new tensor (a rotary cache)
-            if tensor._version == version:
+            if tensor._version == version and not (entry.unversioned and copy is not None):
                 continue
             if copy is None:
                 lost.append(entry.name)
