@@ -232,8 +232,8 @@ class _NormedStack(transformers.PreTrainedModel):
     def __init__(self):
         super().__init__(transformers.PretrainedConfig())
         torch.manual_seed(0)
-        blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh()) for _ in range(3)]
-        self.layers = torch.nn.ModuleList(blocks)
+        block = lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Tanh())
+        self.layers = torch.nn.ModuleList([block() for _ in range(3)])
 
     def forward(self, x, labels=None):
         for layer in self.layers:
@@ -250,12 +250,12 @@ def test_batch_norms_running_statistics_are_updated_once_a_step_and_left_as_they
     cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
     _, got = step_grads(cm, list(model.named_parameters()), {"x": x})
     assert_same_grads(expected, got, atol=0)
-    buffers = lambda m: {n: b.clone() for n, b in m.named_buffers()}  # noqa: E731
+    buffers = lambda m: {n: b.clone() for n, b in m.named_buffers()}
     after_one_step = buffers(reference)
     assert after_one_step.keys() == buffers(model).keys()
     for name, value in buffers(model).items():
         torch.testing.assert_close(value, after_one_step[name], rtol=0, atol=0, msg=name)
-    loss = lambda outputs, batch: outputs.loss  # noqa: E731
+    loss = lambda outputs, batch: outputs.loss
     cm.memory_report({"x": x * 3}, loss_fn=loss)
     cm.profile({"x": x * 3}, loss_fn=loss)
     for name, value in buffers(model).items():
