@@ -934,3 +934,57 @@ def test_a_forward_that_runs_out_of_memory_is_no_step_of_its_receipt():
     handle.remove()
     (receipt,) = cm.budget_receipts
     assert receipt.steps == 2, "the first step and the one after two failed forwards"
+
+
+class _PositionalGPT(torch.nn.Module):
+    """A model called as nanoGPT is, `model(idx, targets)`, inside a PreTrainedModel (as remote code is)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = torch.nn.Embedding(64, 16), torch.nn.Linear(16, 64)
+        self.blocks = torch.nn.ModuleList(
+            [torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16)) for _ in range(3)]
+        )
+
+    def run(self, idx, targets=None):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _positional_model(named: bool):
+    import transformers
+
+    class Model(transformers.PreTrainedModel):
+        config_class = transformers.PretrainedConfig
+
+        def __init__(self):
+            super().__init__(transformers.PretrainedConfig())
+            self.inner = _PositionalGPT()
+
+        def forward(self, *args, **kwargs):
+            return transformers.modeling_outputs.CausalLMOutput(loss=self.inner.run(*args, **kwargs))
+
+    if named:
+        Model.forward = lambda self, idx, targets=None: transformers.modeling_outputs.CausalLMOutput(
+            loss=self.inner.run(idx, targets)
+        )
+    return Model()
+
+
+def test_a_budget_takes_a_batch_given_positionally_by_the_names_the_forward_gives_it():
+    """The budget named the first positional argument `input_ids` and dropped the others: its measuring step then
+    called `model(input_ids=...)`, which a forward taking `(idx, targets)` refused with a TypeError."""
+    idx = torch.randint(0, 64, (2, 12))
+    cm = CheckpointedModel(_positional_model(named=True), CheckpointConfig(budget="1GiB"))
+    loss = cm(idx, idx).loss
+    loss.backward()
+    torch.testing.assert_close(loss, _positional_model(named=True)(idx=idx, targets=idx).loss, rtol=1e-6, atol=0)
+    assert len(cm.budget_receipts) == 1
+    unnamed = CheckpointedModel(_positional_model(named=False), CheckpointConfig(budget="1GiB"))
+    with pytest.raises(ConfigError, match=r"2 positional argument\(s\).*pass the batch by keyword"):
+        unnamed(idx, idx)
+    unnamed(idx=idx, targets=idx).loss.backward()  # by keyword: measured and run

@@ -486,7 +486,10 @@ def _every_label_counted(batch: dict[str, Any]) -> dict[str, Any]:
 
 def logits_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
     """A loss for profiling a batch without labels (GRPO, DPO: the trainer computes its loss from the
-    logits): the logits' mean, whose backward reaches every layer as any loss over the logits does."""
+    logits): the logits' mean, whose backward reaches every layer as any loss over the logits does; the model's own
+    loss where it gave one (its targets under another name)."""
+    if isinstance(loss := outputs.get("loss") if isinstance(outputs, Mapping) else None, torch.Tensor):
+        return loss
     logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
     return logits.float().mean()
 

@@ -550,9 +550,7 @@ class Controller:
                 )
         if self.measuring:
             return args, kwargs
-        budget, batch = self.budget, dict(kwargs)
-        if args and isinstance(args[0], torch.Tensor):
-            batch.setdefault("input_ids", args[0])
+        budget, batch = self.budget, {**_named_positionals(module, args), **kwargs}
         budget.before_step(self, batch)
         # after every other hook (the chunked head's replaces the output): watch this forward's backward. Not called
         # when the forward or a hook raises (the chunked head's loss out of memory): nothing was returned to owe a
@@ -688,6 +686,35 @@ def _use_cache_slot(model: nn.Module) -> int | None:
     if not named and _use_cache_of(base) is None:
         return None
     return _use_cache_position(model.forward)
+
+
+def _named_positionals(model: nn.Module, args: tuple[Any, ...]) -> dict[str, Any]:
+    """The call's positional arguments by the names the model's forward gives them (the transformers model's under a
+    forward taking *args), as the budget's measuring steps call the model: `model(**batch)`."""
+    names: tuple[str, ...] = ()
+    for forward in (model.forward, causal_lm(model).forward) if args else ():
+        names = _positional_names(getattr(forward, "__func__", forward), hasattr(forward, "__self__"))
+        if len(names) >= len(args):
+            return dict(zip(names, args, strict=False))
+    if args:
+        raise ConfigError(
+            f"budget: this call passes {len(args)} positional argument(s) and {type(model).__name__}.forward names "
+            f"{len(names)} ({', '.join(names) or 'none'}); pass the batch by keyword (cm(input_ids=..., labels=...)), "
+            "as the budget's measuring steps call the model with it"
+        )
+    return {}
+
+
+@functools.cache
+def _positional_names(function: Any, bound: bool) -> tuple[str, ...]:
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(function).parameters.values())[int(bound) :]
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in parameters if p.kind in kinds)
 
 
 @functools.cache
