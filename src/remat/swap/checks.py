@@ -97,8 +97,9 @@ def _check_layer(index: int, name: str, layer: nn.Module, fsdp_units: list[tuple
             )
         if param.requires_grad and param.dim() >= 2 and id(param) not in adapters:
             raise BlockSwapError(
-                f"layer {index} ({name}): its base weight {pname} is trainable (full fine-tuning). Block swap keeps "
-                f"frozen weights in host memory; freeze the base weights (e.g. train LoRA adapters), or {LEAVE_OUT}"
+                f"layer {index} ({name}): its weight {pname} trains and is no PEFT adapter's (full fine-tuning, or an "
+                "adapter added by hand). Block swap keeps frozen weights in host memory and leaves PEFT's adapters on "
+                f"the device; freeze the base weights and train PEFT adapters (get_peft_model), or {LEAVE_OUT}"
             )
 
 
