@@ -117,4 +117,4 @@ def test_a_trainable_base_module_named_like_an_adapter_is_refused():
     weight that trains (full fine-tuning of that module), and would stay resident unannounced."""
     model = add_lora(tiny_model())
     decoder_layers(model)[1].lora_gate = nn.Linear(32, 32)  # trainable, not a PEFT adapter
-    _refused(model, CheckpointConfig(swap_layers=[1]), r"base weight lora_gate.weight is trainable")
+    _refused(model, CheckpointConfig(swap_layers=[1]), "its weight lora_gate.weight trains and is no PEFT adapter")
