@@ -118,3 +118,11 @@ def test_a_trainable_base_module_named_like_an_adapter_is_refused():
     model = add_lora(tiny_model())
     decoder_layers(model)[1].lora_gate = nn.Linear(32, 32)  # trainable, not a PEFT adapter
     _refused(model, CheckpointConfig(swap_layers=[1]), "its weight lora_gate.weight trains and is no PEFT adapter")
+
+
+def test_a_layer_run_at_two_places_of_the_stack_is_refused_naming_the_other_place():
+    """Its weights are held by both places, so none is its own: the refusal said only "no frozen weights of its own"."""
+    model = tiny_model()
+    model.requires_grad_(False)
+    model.model.layers[2] = model.model.layers[0]  # one block run twice, as ALBERT's is
+    _refused(model, CheckpointConfig(swap_layers=[0]), r"layer 0 .* also held by model\.layers\.2\.")

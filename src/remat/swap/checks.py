@@ -24,7 +24,14 @@ def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module) 
     for index, name, layer in layers:
         _check_layer(index, name, layer, units)
         if not own_frozen_params(layer, name, owners):
-            raise BlockSwapError(f"layer {index} ({name}) has no frozen weights of its own to swap; {LEAVE_OUT}")
+            inside = {name} | {f"{name}.{n}" for n, _ in layer.named_modules() if n}
+            shared = sorted({o for p in layer.parameters() if not p.requires_grad for o in owners[id(p)] - inside})
+            why = (
+                f" (its frozen weights are also held by {shared[0]}: shared weights stay on the device)"
+                if shared
+                else ""
+            )
+            raise BlockSwapError(f"layer {index} ({name}) has no frozen weights of its own to swap{why}; {LEAVE_OUT}")
 
 
 def weights_in_use(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -> list[str]:
