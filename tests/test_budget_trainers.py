@@ -155,6 +155,47 @@ def test_under_gradient_accumulation_each_log_carries_the_largest_micro_batch_an
     assert len(evaluated) == 2 and not any(key.startswith("remat/budget") for e in evaluated for key in e)
 
 
+def test_a_log_carries_the_micro_batch_predicting_the_most_bytes_not_the_longest(tmp_path):
+    """The log took the micro-batch of most tokens, whose plan (recomputing more) may predict less than a shorter one's:
+    the step's peak was the shorter one's, and the line showed the other's, below it."""
+    from conftest import add_lora, batch
+    from independent_memory import activation_bytes
+
+    build = lambda: add_lora(tiny_model(num_hidden_layers=4, attention_dropout=0.0), dropout=0.0)
+    profile = CheckpointedModel(build()).profile(batch(size=2, seq=16), repeats=1, progress=False)
+    budget = next(  # a budget where 2 rows of 16 keep more than 2 rows of 24 may (found from the bytes alone)
+        b
+        for b in range(60_000, 400_000, 1_000)
+        if (short := _fits(profile, b, 32, None)) and (long := _fits(profile, b, 48, 24)) and short > long
+    )
+    cm = CheckpointedModel(build(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    args = TrainingArguments(
+        **_common(tmp_path, max_steps=1, save_strategy="no", per_device_train_batch_size=2, logging_steps=1),
+        gradient_accumulation_steps=2,
+    )
+
+    class InOrder(RematTrainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    trainer = InOrder(model=cm, args=args, train_dataset=_rows([16, 16, 24, 24]))
+    trainer.train()
+    receipts = {r.bucket_tokens: r for r in cm.budget_receipts}
+    assert receipts.keys() == {32, 48} and receipts[32].predicted_peak_bytes > receipts[48].predicted_peak_bytes
+    (logged,) = [e for e in trainer.state.log_history if "loss" in e]
+    assert logged["remat/budget_bucket_tokens"] == 32
+    assert logged["remat/budget_predicted_bytes"] == receipts[32].predicted_peak_bytes
+    held = {n: activation_bytes(cm, {k: torch.tensor([v] * 2) for k, v in _rows([n])[0].items()}) for n in (16, 24)}
+    assert held[16] > held[24], "measured apart: the shorter micro-batch holds more"
+
+
+def _fits(profile, budget, tokens, length):
+    try:
+        return profile.plan(budget, tokens=tokens, length=length).predicted_device_bytes
+    except ValueError:
+        return None
+
+
 def test_a_profile_saved_without_an_optimizer_is_measured_again_on_the_trainers_first_step(tmp_path, caplog):
     """Saved from a plain loop (no optimizer state counted), loaded, trained by RematTrainer: the first step planned
     from the saved profile as if the optimizer held nothing, and the second measured again."""

@@ -98,9 +98,10 @@ class _RematTrainerMixin:
         cm = self.checkpointed_model
         budget = controller_of_wrapper(cm).budget if cm is not None else None
         if budget is not None and budget.unlogged and "loss" in logs:  # a training line (Trainer's, TRL's)
-            bucket = max(budget.unlogged, key=lambda key: (key[0][0], key[0][1] or 0, key[1]))  # (tokens, rows), kind
+            ran = [r for key in budget.unlogged if (r := budget.receipts.get(key)) is not None]
             budget.unlogged.clear()
-            if (receipt := budget.receipts.get(bucket)) is not None:
+            if ran:  # the plan predicting the most bytes sets the step's peak (a larger bucket may recompute more)
+                receipt = max(ran, key=lambda r: (r.predicted_peak_bytes or 0, r.bucket_tokens, r.bucket_length or 0))
                 logs = {**logs, **receipt.log_values()}
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
