@@ -3,6 +3,7 @@ training step from a profile of its batch, re-planned per token bucket from the 
 map changing only between steps, a step no plan fits refused before its forward, the receipt."""
 
 import contextlib
+import gc
 import logging
 import random
 
@@ -288,6 +289,33 @@ def test_a_forward_whose_backward_is_owed_keeps_the_map_and_a_new_bucket_is_refu
     assert cm.checkpoint_map.checkpointed
 
 
+def test_a_loss_made_from_a_forward_owes_its_backward_after_the_output_is_dropped_and_a_second_forward_is_said(
+    caplog,
+):
+    """Owed was read off the output's tensors alone: a loss made from one (`out.loss * 1.0`, as trainers return)
+    held the graph after the output was dropped, and a second forward re-planned the map inside the step (1.7x the
+    budget); one of the same map ran beside the first's graph without a word (1.6x)."""
+    budget = _budget_between(tokens_none=32, seq_none=16)
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget, budget_scope="activations"))
+    loss = cm(**batch(size=2, seq=8)).loss * 1.0
+    gc.collect()
+    with pytest.raises(StateError, match="an earlier forward's backward has not run"):
+        cm(**batch(size=2, seq=64))
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        for _ in range(2):
+            loss = loss + cm(**batch(size=2, seq=8, seed=1)).loss  # the same map: runs, beside the first graph
+    said = [r.getMessage() for r in caplog.records if "both graphs are held at once" in r.getMessage()]
+    assert len(said) == 1 and "started while an earlier forward's backward is owed" in said[0]
+    loss.backward()
+    cm(**batch(size=2, seq=64)).loss.backward()  # owed no more: re-planned
+    assert cm.checkpoint_map.checkpointed
+    del loss
+    dropped = cm(**batch(size=2, seq=8)).loss * 1.0
+    del dropped  # a graph dropped without backward owes nothing
+    gc.collect()
+    cm(**batch(size=2, seq=64)).loss.backward()
+
+
 def test_with_the_chunked_head_the_first_step_profiles_the_head_and_trains_exactly():
     """The profile measures the head's options inside the first step's pre-hooks (the chunked head's
     own hooks among them): that step still gets its loss, equal to the model's own, and so do the next."""
@@ -544,8 +572,8 @@ def test_two_kinds_of_forward_before_one_backward_run_and_each_kind_is_measured_
         for _ in range(3):
             both()
         assert len(_measured(caplog)) == 1
-        owed = [r.getMessage() for r in caplog.records if "backward is owed" in r.getMessage()]
-        assert len(owed) == 1 and "autocast cpu bfloat16" in owed[0]
+        owed = [r.getMessage() for r in caplog.records if "another kind of step" in r.getMessage()]
+        assert len(owed) == 1 and "autocast cpu bfloat16" in owed[0] and "backward is owed" in owed[0]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             cm(**data).loss.backward()  # starts clean: measured
         assert len(_measured(caplog)) == 2

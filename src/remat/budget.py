@@ -100,6 +100,7 @@ class BudgetState:
     profiles: dict[Any, tuple[Any, ...]] = field(default_factory=dict)  # another kind -> its `_kind_state`
     kind_ids: dict[Any, int] = field(default_factory=dict)  # kind -> a number, in the receipts' keys
     said_owed_kinds: set[Any] = field(default_factory=set)  # kinds priced from another's profile, said once
+    said_two_graphs: bool = False  # a training forward while an earlier one's backward is owed, said once
 
     def __reduce__(self) -> Any:
         """A copy (deepcopy, pickle) starts afresh: its profile would check and plan another wrapper's model."""
@@ -157,6 +158,14 @@ class BudgetState:
         self._close_receipt()
         started = time.perf_counter()
         planned, bucket = self._plan_for(controller, batch, tokens, length)
+        if self.owed and not self.said_two_graphs:
+            self.said_two_graphs = True
+            logger.warning(
+                "budget: a training forward (%d tokens) started while an earlier forward's backward is owed: both "
+                "graphs are held at once, and each is planned as the step's only one, so the step holds more than "
+                "its budget by what the earlier graph holds. Run them as one forward, or call backward between them",
+                tokens,
+            )
         if planned != self.active:  # another map (two buckets often plan the same one: nothing to apply)
             if self.owed:
                 raise StateError(
@@ -372,8 +381,9 @@ class BudgetState:
             receipt.measured_peak_bytes = max(receipt.measured_peak_bytes or 0, peak)
 
     def watch_backward(self, output: Any) -> None:
-        """This forward owes a backward until one of its outputs gets a gradient, or all of them are freed. It ran: a
-        step of its receipt (a forward that raised, out of memory, is none)."""
+        """This forward owes a backward until one of its outputs gets a gradient, or the graphs of all of them are
+        freed (not the outputs: a loss made from one, as trainers return, holds the graph after the output is
+        dropped). It ran: a step of its receipt (a forward that raised, out of memory, is none)."""
         if self.counting is not None:
             self.counting.steps, self.counting = self.counting.steps + 1, None
         tensors = [t for t in _tensors(output) if t.requires_grad]
@@ -389,7 +399,18 @@ class BudgetState:
 
         for tensor in tensors:
             tensor.register_hook(lambda grad: self.owed.discard(token))
-            weakref.finalize(tensor, freed)
+            if (node := tensor.grad_fn) is None:  # a leaf: its graph is itself
+                weakref.finalize(tensor, freed)
+            else:
+                marker = _GraphAlive()
+                node.metadata[id(marker)] = marker
+                weakref.finalize(marker, freed)
+
+
+class _GraphAlive:
+    """Kept in the metadata of an output's autograd node, so freed with the graph that node belongs to."""
+
+    __slots__ = ("__weakref__",)
 
 
 def agreed_size(tokens: int, length: int, model: Any) -> tuple[int, int]:
