@@ -218,3 +218,20 @@ def test_a_route_other_code_replaced_before_a_pickle_stays_after_disable():
     assert "save_pretrained" not in vars(loaded.model)
     kept()
     assert loaded.model.base_model.model.is_gradient_checkpointing, "the wrapper reached transformers' method"
+
+
+def test_disable_from_inference_mode_leaves_no_guard_on_the_layers():
+    """The guards that refuse a layer's forward with gradients in inference mode stayed after `disable()` from it: the
+    model, trained again on its own, refused its layers' forwards, one hook left on each."""
+    model = tiny_model()
+    hooks = hook_snapshot(model)
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    cm.for_inference()
+    cm.disable()
+    assert hook_snapshot(model) == hooks
+    model.train()
+    layer = decoder_layers(model)[0]
+    hidden = torch.randn(1, 4, model.config.hidden_size, requires_grad=True)
+    position = model.model.rotary_emb(hidden, torch.arange(4)[None])
+    layer(hidden, position_embeddings=position).sum().backward()  # trains as a never-wrapped model's layer does
+    assert hidden.grad is not None

@@ -39,6 +39,16 @@ def test_layers_are_found_in_module_order_with_their_qualified_names():
     assert [modules[p.name] for p in cm.checkpoint_map] == decoder_layers(model) == cm.layers
 
 
+def test_layer_ten_and_up_are_not_taken_for_layers_inside_layer_one():
+    model = tiny_model(num_hidden_layers=12)
+    cm = CheckpointedModel(model)
+    assert [p.name for p in cm.checkpoint_map] == [f"model.layers.{i}" for i in range(12)]
+    counter = RecomputeCounter(decoder_layers(model))
+    ids = torch.randint(3, 90, (1, 6))
+    step_grads(cm, list(model.named_parameters()), {"input_ids": ids, "labels": ids})
+    assert counter.recomputed() == list(range(12))
+
+
 def test_vision_tower_and_text_layers_share_one_map_in_transformers_order():
     model = tiny_llava()
     names = discover_layers(model).names
@@ -279,3 +289,15 @@ def test_a_list_of_lists_is_not_the_layers_the_blocks_the_loop_calls_are():
         torch.testing.assert_close(actual[name], grad, rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match=r"layer_class names \['ModuleList'\], a container with no forward"):
         CheckpointedModel(PairedStack(), layer_class="ModuleList")
+
+
+def test_with_no_layer_checkpointed_the_holders_leave_the_cache_as_an_unwrapped_model_has_it(caplog):
+    """Holders turn `use_cache` off while layers checkpoint (as transformers does); with every layer "none" the cache
+    is the model's again, with no warning that it is incompatible with checkpointing."""
+    data = {"input_ids": torch.randint(3, 90, (1, 6)), "use_cache": True}
+    expected = tiny_model()(**data).past_key_values.get_seq_length()
+    cm = CheckpointedModel(tiny_model(), CheckpointConfig(layer_policies={i: "none" for i in range(4)}))
+    with caplog.at_level("WARNING"):
+        out = cm(**data)
+    assert expected == 6 and out.past_key_values.get_seq_length() == expected
+    assert not [r for r in caplog.records if "incompatible with gradient checkpointing" in r.getMessage()]

@@ -682,6 +682,17 @@ def test_an_adapter_on_the_head_added_after_wrapping_trains_exactly():
     assert any("lm_head.lora_A.second" in name for name in grads)
 
 
+def test_logits_to_keep_zero_keeps_every_position_and_the_chunked_head():
+    """transformers reads `logits_to_keep=0` as every position: the chunked head computes that loss, and the head row
+    says so."""
+    data = batch()
+    expected = tiny_model()(**data).loss
+    cm = CheckpointedModel(tiny_model(), CheckpointConfig(head="chunked"))
+    loss = cm(**data, logits_to_keep=0).loss
+    assert cm.checkpoint_map.head.policy == "chunked"
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+
+
 def test_logits_to_keep_as_a_tensor_runs_the_models_own_head():
     data = batch()
     keep = torch.tensor([4, 9, 11])

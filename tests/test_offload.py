@@ -128,6 +128,9 @@ def test_inputs_under_the_floor_stay_on_the_device():
     assert_same_grads(ref, got)
     assert transport.log == []
     assert all(cm.offload_stats[i].kept_because == {KEPT_SMALL: LAYER_INPUT} for i in range(4))
+    cm.enable(cm.checkpoint_config.replace(offload_min_bytes=LAYER_INPUT))  # "under" the floor: one of it goes
+    step_grads(cm, named, batch())
+    assert {layer for op, layer in transport.log if op == "to_host"} == {0, 1, 2}
 
 
 def test_each_steps_host_buffers_are_freed_with_its_graph():

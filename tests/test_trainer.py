@@ -189,6 +189,19 @@ def test_the_map_that_runs_reaches_the_trainers_logs_once_at_train_begin_as_numb
     assert _remat_entries(reported.logs) == [summary], "the integrations receive it through on_log"
 
 
+def test_a_wrapper_left_in_inference_mode_logs_the_map_its_training_runs(tmp_path):
+    """Logged at train begin, before the first training forward switched the wrapper back: every layer "none", while
+    the map ran."""
+    cm = CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=3))
+    cm.for_inference()
+    counter = RecomputeCounter(decoder_layers(cm.model))
+    trainer = RematTrainer(model=cm, args=_log_args(tmp_path), train_dataset=_dataset())
+    trainer.train()
+    assert counter.counts == [4, 2, 2, 4], "layers 0 and 3 recomputed at both steps"
+    (summary,) = _remat_entries(trainer.state.log_history)
+    assert summary["remat/checkpointed_layers"] == 2 and summary["remat/layers_recompute"] == 2
+
+
 def test_a_planned_map_logs_its_predicted_bytes_and_budget(tmp_path):
     """A planned config (what `profile.plan` returns) keeps its prediction through the Trainer's
     own enable call, and the logs carry it. Built directly, as a profile costs seconds."""

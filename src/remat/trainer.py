@@ -251,7 +251,8 @@ def map_summary(controller: Any) -> dict[str, int | float]:
     """The map that runs as numbers: layers per policy, swapped, and a planned config's prediction. Under a budget
     the map is planned per step (each step's is logged with its loss, `Receipt.log_values`): the budget instead."""
     plans = list(controller.checkpoint_map)
-    policies = [plan.policy if controller.is_enabled and not controller.inference else "none" for plan in plans]
+    # (a wrapper left in inference mode runs its map from the first training forward: the trainer's is one)
+    policies = [plan.policy if controller.is_enabled else "none" for plan in plans]
     summary: dict[str, int | float] = {"remat/enabled": int(controller.is_enabled), "remat/layers": len(plans)}
     if (budget := controller.config.budget_bytes) is not None:
         summary["remat/budget_bytes"] = budget
