@@ -35,7 +35,7 @@ class _Entry:
     owner: Ref[nn.Module]
     name: str
     buffer: bool  # a buffer, or an int/float attribute
-    unversioned: bool = False  # written by torch without a version bump: compared by value, not version
+    unversioned: bool = False  # written by torch without a version bump: always taken as changed
 
     def current(self) -> Any:
         module = self.owner()
