@@ -1013,6 +1013,26 @@ def test_a_budget_takes_a_batch_given_positionally_by_the_names_the_forward_give
     torch.testing.assert_close(loss, _positional_model(named=True)(idx=idx, targets=idx).loss, rtol=1e-6, atol=0)
     assert len(cm.budget_receipts) == 1
     unnamed = CheckpointedModel(_positional_model(named=False), CheckpointConfig(budget="1GiB"))
-    with pytest.raises(ConfigError, match=r"2 positional argument\(s\).*pass the batch by keyword"):
+    with pytest.raises(ConfigError, match=r"2 positional arguments.*pass the batch by keyword"):
         unnamed(idx, idx)
     unnamed(idx=idx, targets=idx).loss.backward()  # by keyword: measured and run
+
+
+def test_a_budget_read_of_a_forward_accelerate_replaced_does_not_keep_the_model_alive():
+    """The forward's signature was cached by the function read: accelerate's hooks set a partial holding the model as
+    its forward, and the cache kept every such model alive."""
+    import gc
+    import weakref
+
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    model = tiny_model()
+    add_hook_to_module(model, ModelHook())  # as dispatch_model does
+    alive = weakref.ref(model)
+    cm = CheckpointedModel(model, CheckpointConfig(budget="1GiB"))
+    data = batch()
+    cm(data["input_ids"], labels=data["labels"]).loss.backward()  # positional: its name read off the forward
+    cm.disable()
+    del cm, model
+    gc.collect()
+    assert alive() is None

@@ -254,6 +254,10 @@ def test_a_map_saved_when_a_hybrid_entry_was_found_as_its_inner_block_loads_as_i
     file.write_text(json.dumps(saved))
     with pytest.raises(ValueError, match="planned for 5 layers"):
         CheckpointedModel.from_pretrained(HybridStack(), tmp_path)
+    saved["layers"] = [f"layers.{i}.proj" for i in range(5)]  # other layers altogether (layer_class= a block's part)
+    file.write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match="planned for 5 layers"):
+        CheckpointedModel.from_pretrained(HybridStack(), tmp_path)
 
 
 class PairedStack(transformers.PreTrainedModel):
@@ -301,3 +305,30 @@ def test_with_no_layer_checkpointed_the_holders_leave_the_cache_as_an_unwrapped_
         out = cm(**data)
     assert expected == 6 and out.past_key_values.get_seq_length() == expected
     assert not [r for r in caplog.records if "incompatible with gradient checkpointing" in r.getMessage()]
+
+
+class MixedStack(transformers.PreTrainedModel):
+    """Blocks and, among them, a list of blocks the loop runs one by one (no forward of its own)."""
+
+    config_class = transformers.PretrainedConfig
+    _no_split_modules = ("Block",)
+
+    def __init__(self):
+        super().__init__(transformers.PretrainedConfig())
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([Block(), nn.ModuleList([Block(), Block()]), Block()])
+
+    def forward(self, x, labels=None):
+        for entry in self.layers:
+            for block in entry if isinstance(entry, nn.ModuleList) else [entry]:
+                x = block(x)
+        return transformers.modeling_outputs.CausalLMOutput(loss=x.pow(2).mean())
+
+
+def test_a_list_entry_with_no_forward_is_never_taken_for_the_layer_of_the_blocks_in_it():
+    model = MixedStack()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    assert [p.name for p in cm.checkpoint_map] == ["layers.0", "layers.1.0", "layers.1.1", "layers.2"]
+    counter = RecomputeCounter(cm.layers)
+    step_grads(cm, list(model.named_parameters()), {"x": torch.randn(2, 8)})
+    assert counter.counts == [2, 2, 2, 2]

@@ -170,13 +170,14 @@ def test_reentrant_checkpointing_of_layers_that_share_keys_and_values_is_refused
 
 
 class _Block(torch.nn.Module):
-    def __init__(self, returns_dict: bool):
+    def __init__(self, returns: str):
         super().__init__()
-        self.proj, self.returns_dict = torch.nn.Linear(8, 8), returns_dict
+        self.proj, self.returns, self.debug_seen = torch.nn.Linear(8, 8), returns, []
 
-    def forward(self, x, bias=None):
+    def forward(self, x, bias=None, debug=False):
+        self.debug_seen.append(debug)
         out = x + torch.tanh(self.proj(x + bias))
-        return {"hidden": out} if self.returns_dict else out
+        return {"dict": {"hidden": out}, "list": [out]}.get(self.returns, out)
 
 
 class _BiasedStack(transformers.PreTrainedModel):
@@ -185,17 +186,17 @@ class _BiasedStack(transformers.PreTrainedModel):
 
     config_class = transformers.PretrainedConfig
 
-    def __init__(self, returns_dict: bool = False):
+    def __init__(self, returns: str = "tensor"):
         super().__init__(transformers.PretrainedConfig())
         torch.manual_seed(0)
         self.bias = torch.nn.Parameter(torch.randn(8))
-        self.layers = torch.nn.ModuleList([_Block(returns_dict) for _ in range(3)])
+        self.layers = torch.nn.ModuleList([_Block(returns) for _ in range(3)])
 
-    def forward(self, x, labels=None):
+    def forward(self, x, labels=None, debug=False):
         bias = self.bias * 2
         for layer in self.layers:
-            x = layer(x, bias=bias)
-            x = x["hidden"] if isinstance(x, dict) else x
+            x = layer(x, bias=bias, debug=debug)
+            x = x["hidden"] if isinstance(x, dict) else x[0] if isinstance(x, list) else x
         return transformers.modeling_outputs.CausalLMOutput(loss=x.pow(2).mean())
 
 
@@ -212,14 +213,15 @@ def test_reentrant_plain_blocks_given_a_tensor_with_a_graph_by_keyword_are_exact
     assert_same_grads(expected, got, atol=0)
 
 
-def test_reentrant_refuses_a_block_returning_a_dict_whose_weights_would_get_no_gradient():
+@pytest.mark.parametrize("returns", ["dict", "list"])
+def test_reentrant_refuses_a_block_returning_a_dict_whose_weights_would_get_no_gradient(returns):
     """torch's reentrant checkpoint carries a graph only out of tensors returned directly or in a tuple: a dict's
-    came out without one, and the blocks' weights silently got no gradient."""
-    model = _BiasedStack(returns_dict=True)
+    came out without one, and the blocks' weights silently got no gradient (a list's: torch's own error)."""
+    model = _BiasedStack(returns=returns)
     cm = CheckpointedModel(model, CheckpointConfig(use_reentrant=True))
-    with pytest.raises(ValueError, match=r"layer 0 returns a dict.*Leave use_reentrant at its default"):
+    with pytest.raises(ValueError, match=rf"layer 0 returns a {returns}.*Leave use_reentrant at its default"):
         cm(x=torch.randn(2, 8))
-    reference = _BiasedStack(returns_dict=True)
+    reference = _BiasedStack(returns=returns)
     _, expected = step_grads(reference, list(reference.named_parameters()), {"x": torch.ones(2, 8)})
     cm.enable(CheckpointConfig())  # the default, non-reentrant: exact
     _, got = step_grads(cm, list(model.named_parameters()), {"x": torch.ones(2, 8)})
@@ -241,13 +243,15 @@ class _NormedStack(transformers.PreTrainedModel):
         return transformers.modeling_outputs.CausalLMOutput(loss=x.pow(2).mean())
 
 
-def test_batch_norms_running_statistics_are_updated_once_a_step_and_left_as_they_were_by_measuring():
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_batch_norms_running_statistics_are_updated_once_a_step_and_left_as_they_were_by_measuring(reentrant):
     """torch's batch norm updates its running statistics without bumping their version, so a recompute went unseen
-    and updated them a second time (the eval model then differed), and measuring steps left them changed."""
+    and updated them a second time (the eval model then differed), and measuring steps left them changed. Put back
+    after a recompute, they keep their version (torch's reentrant backward checks it: batch norm saves them)."""
     reference, model = _NormedStack(), _NormedStack()
     x = torch.randn(6, 8)
     _, expected = step_grads(reference, list(reference.named_parameters()), {"x": x})
-    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1, use_reentrant=reentrant))
     _, got = step_grads(cm, list(model.named_parameters()), {"x": x})
     assert_same_grads(expected, got, atol=0)
     buffers = lambda m: {n: b.clone() for n, b in m.named_buffers()}
@@ -260,3 +264,39 @@ def test_batch_norms_running_statistics_are_updated_once_a_step_and_left_as_they
     cm.profile({"x": x * 3}, loss_fn=loss)
     for name, value in buffers(model).items():
         torch.testing.assert_close(value, after_one_step[name], rtol=0, atol=0, msg=name)
+    for module in model.modules():  # frozen batch norm (as vision fine-tuning runs it): read only
+        if isinstance(module, torch.nn.BatchNorm1d):
+            module.eval()
+    step_grads(cm, list(model.named_parameters()), {"x": x})
+    for name, value in buffers(model).items():
+        torch.testing.assert_close(value, after_one_step[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_blocks_keyword_named_as_an_option_of_torchs_checkpoint_reaches_the_block(reentrant):
+    """Passed through torch's `checkpoint(**kwargs)`, a block's `debug=` was taken by torch as its own option (and
+    `early_stop=` raised "got multiple values")."""
+    model = _BiasedStack()
+    cm = CheckpointedModel(model, CheckpointConfig(use_reentrant=reentrant))
+    cm(x=torch.randn(2, 8), debug="the block's").loss.backward()
+    assert [seen for layer in model.layers for seen in layer.debug_seen] == ["the block's"] * 6  # forward, recompute
+
+
+def test_reentrant_transformers_layers_given_position_embeddings_with_a_graph_are_exact():
+    """transformers passes its layers' keywords in a partial (on 5.2x with the layer as its first argument): a tuple
+    of tensors with a graph (position embeddings scaled by a trained factor) was backpropagated through at each
+    layer's recompute ("Trying to backward through the graph a second time")."""
+
+    def scaled(model):
+        model.rope_scale = torch.nn.Parameter(torch.tensor(1.5))
+        model.model.rotary_emb.register_forward_hook(lambda m, a, out: tuple(t * model.rope_scale for t in out))
+        return model
+
+    reference, model = scaled(tiny_model()), scaled(tiny_model())
+    _, expected = step_grads(reference, list(reference.named_parameters()), batch())
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1, use_reentrant=True))
+    counter = RecomputeCounter(decoder_layers(model))
+    _, got = step_grads(cm, list(model.named_parameters()), batch())
+    assert counter.recomputed() == [0, 1, 2, 3]
+    assert "rope_scale" in got
+    assert_same_grads(expected, got)

@@ -99,6 +99,21 @@ def test_last_checkpointed_layer_of_forward_stays_and_backward_prefetches_in_ord
     assert all(stats[i].offloaded_bytes == LAYER_INPUT and stats[i].kept_bytes == 0 for i in range(3))
 
 
+def test_a_graph_backpropagated_twice_counts_the_input_it_kept_once_and_never_moves_it_later():
+    """backward(retain_graph=True) twice: the last layer's input, kept on the device as backward's first, was counted
+    kept at each backward, and a forward while that graph lived copied it to the host then."""
+    transport = SimulatedTransport()
+    model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)
+    loss = cm(**batch()).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert cm.offload_stats[3].kept_because == {KEPT_LAST: LAYER_INPUT}
+    cm(**batch(seed=1)).loss.backward()  # a forward while the first graph lives
+    assert ("to_host", 3) not in transport.log
+    assert cm.offload_stats[3].kept_because == {KEPT_LAST: 2 * LAYER_INPUT}
+    del loss
+
+
 def test_keep_last_follows_the_map_when_it_changes_between_steps():
     transport = SimulatedTransport()
     model, named, cm = _wrapped(CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0), transport)

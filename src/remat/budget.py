@@ -171,7 +171,7 @@ class BudgetState:
                 raise StateError(
                     f"budget: this forward ({tokens} tokens) needs the plan for {bucket_text(bucket)}, but an earlier "
                     "forward's backward has not run, and the map must not change inside a step. Call backward (or "
-                    "drop that forward's outputs) first; nothing was changed"
+                    "drop that forward's outputs and what was made from them) first; nothing was changed"
                 )
             before, (self.active, self.active_bucket) = (self.active, self.active_bucket), (planned, bucket)
             try:

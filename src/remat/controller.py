@@ -4,8 +4,10 @@ all undone by `disable()`. It holds the model weakly and the model's patches hol
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 import logging
 import weakref
 from typing import Any
@@ -660,16 +662,7 @@ class Controller:
 def _use_cache_position(forward: Any) -> int | None:
     """The position of the `use_cache` argument of `forward` (what torch calls: a class's method, or one set on the
     instance), -1 where it goes by keyword only or into **kwargs, None where it cannot be passed."""
-    return _position_in(getattr(forward, "__func__", forward), hasattr(forward, "__self__"))
-
-
-@functools.cache
-def _position_in(function: Any, bound: bool) -> int | None:
-    import inspect
-
-    try:
-        parameters = list(inspect.signature(function).parameters.values())[int(bound) :]
-    except (TypeError, ValueError):  # no signature to read: left as the caller gave it
+    if (parameters := _parameters_of(forward)) is None:  # no signature to read: left as the caller gave it
         return None
     for position, parameter in enumerate(parameters):
         if parameter.name == "use_cache":
@@ -682,7 +675,7 @@ def _use_cache_slot(model: nn.Module) -> int | None:
     PEFT or not) reads it: its forward names it, or hands it on through **kwargs with the setting in its config (a
     VLM's text model); None when it does not (a remote-code model's **kwargs may reach blocks that refuse it)."""
     base = causal_lm(model)
-    named = "use_cache" in _parameter_names(type(base).forward)
+    named = any(p.name == "use_cache" for p in _parameters_of(type(base).forward) or ())
     if not named and _use_cache_of(base) is None:
         return None
     return _use_cache_position(model.forward)
@@ -690,41 +683,41 @@ def _use_cache_slot(model: nn.Module) -> int | None:
 
 def _named_positionals(model: nn.Module, args: tuple[Any, ...]) -> dict[str, Any]:
     """The call's positional arguments by the names the model's forward gives them (the transformers model's under a
-    forward taking *args), as the budget's measuring steps call the model: `model(**batch)`."""
-    names: tuple[str, ...] = ()
+    forward taking *args), as the budget's measuring steps call the model: `model(**batch)`. One it cannot name is
+    `input_ids`, as transformers' first argument is."""
+    names: list[str] = []
     for forward in (model.forward, causal_lm(model).forward) if args else ():
-        names = _positional_names(getattr(forward, "__func__", forward), hasattr(forward, "__self__"))
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = [p.name for p in _parameters_of(forward) or () if p.kind in kinds]
         if len(names) >= len(args):
             return dict(zip(names, args, strict=False))
-    if args:
+    if len(args) > 1:
         raise ConfigError(
-            f"budget: this call passes {len(args)} positional argument(s) and {type(model).__name__}.forward names "
+            f"budget: this call passes {len(args)} positional arguments and {type(model).__name__}.forward names "
             f"{len(names)} ({', '.join(names) or 'none'}); pass the batch by keyword (cm(input_ids=..., labels=...)), "
             "as the budget's measuring steps call the model with it"
         )
-    return {}
+    return {"input_ids": args[0]} if args else {}
 
 
-@functools.cache
-def _positional_names(function: Any, bound: bool) -> tuple[str, ...]:
-    import inspect
+# forward -> its parameters, held weakly: a partial set on one instance (accelerate's hooks) holds its module, which a
+# cache holding it would keep alive
+_PARAMETERS: weakref.WeakKeyDictionary[Any, tuple[inspect.Parameter, ...] | None] = weakref.WeakKeyDictionary()
 
+
+def _parameters_of(forward: Any) -> tuple[inspect.Parameter, ...] | None:
+    """The parameters of `forward` after `self` where it is a bound method; None where it has no signature."""
+    function, bound = getattr(forward, "__func__", forward), hasattr(forward, "__self__")
     try:
-        parameters = list(inspect.signature(function).parameters.values())[int(bound) :]
-    except (TypeError, ValueError):
-        return ()
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in parameters if p.kind in kinds)
-
-
-@functools.cache
-def _parameter_names(function: Any) -> frozenset[str]:
-    import inspect
-
-    try:
-        return frozenset(inspect.signature(function).parameters)
-    except (TypeError, ValueError):
-        return frozenset()
+        parameters = _PARAMETERS[function]
+    except (KeyError, TypeError):  # not read yet, or cannot be held weakly (then read each time)
+        try:
+            parameters = tuple(inspect.signature(function).parameters.values())
+        except (TypeError, ValueError):
+            parameters = None
+        with contextlib.suppress(TypeError):
+            _PARAMETERS[function] = parameters
+    return None if parameters is None else parameters[int(bound) :]
 
 
 def _use_cache_of(model: nn.Module) -> bool | None:

@@ -140,7 +140,7 @@ def _lift_into_stack(named: list[tuple[str, nn.Module]], blocks: list[tuple[str,
         if not isinstance(module, nn.ModuleList) or not names.intersection(children):
             continue
         for child_name, child in zip(children, module._modules.values(), strict=True):
-            if child_name not in names and any(n.startswith(child_name + ".") for n in names):
+            if child_name not in names and _runs(child) and any(n.startswith(child_name + ".") for n in names):
                 lifted[child_name] = (child_name, child, "wrap")
     kept = [b for b in blocks if not any(b[0].startswith(outer + ".") for outer in lifted)]
     return kept + list(lifted.values())

@@ -126,8 +126,10 @@ class LayerCheckpoint:
         self.early_stop = not offloads_weights(module)
 
     def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self.use_reentrant and isinstance(function, functools.partial) and not function.args:
-            function, kwargs = function.func, {**function.keywords, **kwargs}  # transformers binds the keywords
+        if self.use_reentrant and isinstance(function, functools.partial) and not _holds_tensors(function.args):
+            # transformers binds the keywords (and on 5.2x the layer): they become the checkpoint's inputs below
+            bound = functools.partial(function.func, *function.args) if function.args else function.func
+            function, kwargs = bound, {**function.keywords, **kwargs}
         self.offloader.checkpoint_started()
         target = next((a for a in args if isinstance(a, torch.Tensor)), None)
         saving = self.offloader.hooks(self.index, target) if self.offload else contextlib.nullcontext()
@@ -177,13 +179,12 @@ class LayerCheckpoint:
         rng = self.preserve_rng_state
         if not self.use_reentrant or distributed_training():
             options = {**self.options, "early_stop": self.early_stop}
-            return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=rng, **options, **kwargs)
+            if kwargs:  # bound, not passed: torch's checkpoint would take a block's `debug=` or `early_stop=` itself
+                function = functools.partial(function, **kwargs)
+            return checkpoint(function, *args, use_reentrant=False, preserve_rng_state=rng, **options)
         if kwargs:  # torch's reentrant checkpoint takes positional inputs only; tensors go as inputs (in a closure,
             # one that carries a graph, a learned bias, would be backpropagated through at every layer's recompute)
-            bound, count, rest = function, len(args), {k: v for k, v in kwargs.items() if not torch.is_tensor(v)}
-            named = [k for k, v in kwargs.items() if torch.is_tensor(v)]
-            function = lambda *a: bound(*a[:count], **rest, **dict(zip(named, a[count:], strict=True)))
-            args = (*args, *(kwargs[k] for k in named))
+            function, args = _keyword_tensors_as_inputs(function, args, kwargs)
         if torch.is_grad_enabled() and not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             first = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()), -1)
             args = tuple(a.detach().requires_grad_(True) if i == first else a for i, a in enumerate(args))
@@ -192,7 +193,7 @@ class LayerCheckpoint:
             raise ConfigError(
                 f"use_reentrant=True: layer {self.index} returns a {type(output).__name__}, and torch's reentrant "
                 "checkpoint carries gradients only out of a tensor or a tuple of tensors: the layer's weights would "
-                "get none. Leave use_reentrant at its default (False)"
+                "get none (or backward fails). Leave use_reentrant at its default (False)"
             )
         return output
 
@@ -203,10 +204,37 @@ class LayerCheckpoint:
         )
 
 
+def _holds_tensors(values: tuple[Any, ...]) -> bool:
+    return any(torch.is_tensor(v) or (type(v) in (tuple, list) and _holds_tensors(tuple(v))) for v in values)
+
+
+def _keyword_tensors_as_inputs(
+    function: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """`function` taking the keyword tensors (alone, or a tuple or list of them: rotary's `(cos, sin)`) after `args`,
+    and the arguments to call it with: every tensor an input of the checkpoint."""
+    spread = {
+        k: v
+        for k, v in kwargs.items()
+        if torch.is_tensor(v) or (type(v) in (tuple, list) and v and all(torch.is_tensor(t) for t in v))
+    }
+    rest, count = {k: v for k, v in kwargs.items() if k not in spread}, len(args)
+    shapes = [(k, None if torch.is_tensor(v) else (type(v), len(v))) for k, v in spread.items()]
+
+    def call(*given: Any) -> Any:
+        tensors, keywords = iter(given[count:]), dict(rest)
+        for key, shape in shapes:
+            keywords[key] = next(tensors) if shape is None else shape[0](next(tensors) for _ in range(shape[1]))
+        return function(*given[:count], **keywords)
+
+    flat = [t for v in spread.values() for t in ((v,) if torch.is_tensor(v) else v)]
+    return call, (*args, *flat)
+
+
 def _tensors_out_of_reach(output: Any) -> bool:
-    """Whether a layer's output holds floating-point tensors only inside a dict, dataclass or nested sequence, none
-    directly or in a tuple: those left torch's reentrant checkpoint without a graph."""
-    if torch.is_tensor(output) or (isinstance(output, (tuple, list)) and any(torch.is_tensor(item) for item in output)):
+    """Whether a layer's output holds floating-point tensors only inside a dict, dataclass, list or nested sequence,
+    none directly or in a tuple: those left torch's reentrant checkpoint without a graph."""
+    if torch.is_tensor(output) or (isinstance(output, tuple) and any(torch.is_tensor(item) for item in output)):
         return False
     pending, seen = [output], 0
     while pending and seen < 10_000:

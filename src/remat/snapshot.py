@@ -77,7 +77,7 @@ class Snapshot:
         """The entries changed since: a buffer replaced or written to, a number with another value."""
         changed = Watched()
         changed.buffers = [
-            e for e, t, version, _ in self.buffers if t._version != version or e.current() is not t or e.unversioned
+            e for e, t, version, _ in self.buffers if t._version != version or e.current() is not t or _updated(e)
         ]
         changed.numbers = [entry for entry, value in self.numbers if entry.current() != value]
         return changed
@@ -91,18 +91,24 @@ class Snapshot:
                 continue
             if module._buffers.get(entry.name) is not tensor:
                 module._buffers[entry.name] = tensor  # replaced by a new tensor (a rotary cache)
-            if tensor._version == version and not (entry.unversioned and copy is not None):
+            if tensor._version == version and not (_updated(entry) and copy is not None):
                 continue
             if copy is None:
                 lost.append(entry.name)
                 continue
             with torch.no_grad():
-                tensor.copy_(copy)
+                # batch norm's statistics without a version bump, as torch writes them: its backward may check it
+                (tensor.data if entry.unversioned else tensor).copy_(copy)
         for entry, value in self.numbers:
             module = entry.owner()
             if module is not None and value is not None and vars(module).get(entry.name) != value:
                 object.__setattr__(module, entry.name, value)
         return lost
+
+
+def _updated(entry: _Entry) -> bool:
+    """Whether an unversioned buffer may have been written: its module trains (in eval, batch norm reads it only)."""
+    return entry.unversioned and (module := entry.owner()) is not None and module.training
 
 
 def _copy(tensor: torch.Tensor, limit: int | None) -> torch.Tensor | None:

@@ -165,9 +165,12 @@ def _saved_readings(names: list[str]) -> list[list[str]]:
 
 
 def _same_layers(mine: list[str], saved: list[str]) -> bool:
-    """The same layers: equal, or each saved one inside this model's at its index (remat before the hybrid-layer fix
-    found Zamba's hybrid layers on transformers 4.x as their Mamba block: one layer per index all the same)."""
-    return len(mine) == len(saved) and all(s == m or s.startswith(m + ".") for m, s in zip(mine, saved, strict=False))
+    """The same layers: equal, or some equal and each other saved one inside this model's at its index (remat before
+    the hybrid-layer fix found Zamba's hybrid layers on transformers 4.x as their Mamba block, the others as they are:
+    one layer per index all the same). A map of other layers altogether (`layer_class=` a block's MLP) is not."""
+    pairs = list(zip(mine, saved, strict=False))
+    inside = all(s == m or s.startswith(m + ".") for m, s in pairs)
+    return len(mine) == len(saved) and inside and (mine == saved or any(s == m for m, s in pairs))
 
 
 def _summary(names: list[str]) -> str:
