@@ -1036,3 +1036,18 @@ def test_a_budget_read_of_a_forward_accelerate_replaced_does_not_keep_the_model_
     del cm, model
     gc.collect()
     assert alive() is None
+
+
+def test_a_first_budgeted_forward_where_nothing_trains_is_refused_naming_no_grad():
+    """A frozen teacher wrapped with a budget, run with gradients on (as a distillation loop may): measuring ran a
+    backward with nothing to differentiate and failed with torch's "element 0 of tensors does not require grad"."""
+    teacher = tiny_model().requires_grad_(False)
+    cm = CheckpointedModel(teacher, CheckpointConfig(budget="1GiB"))
+    with pytest.raises(StateError, match=r"nothing in it trains .*torch\.no_grad\(\)"):
+        cm(**batch())
+    with torch.no_grad():
+        logits = cm(**batch()).logits  # as it should run: no step, nothing planned
+    assert logits.shape[:2] == batch()["input_ids"].shape and not cm.budget_receipts
+    embeds = teacher.get_input_embeddings()(batch()["input_ids"]).requires_grad_(True)  # a gradient of the input
+    cm(inputs_embeds=embeds, labels=batch()["labels"]).loss.backward()
+    assert embeds.grad is not None and len(cm.budget_receipts) == 1

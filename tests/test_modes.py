@@ -118,6 +118,25 @@ def test_a_forward_with_gradients_in_eval_mode_says_once_that_it_runs_no_checkpo
     assert counter.recomputed() == [0, 1, 2, 3] and remat_logs.text.count("in eval mode") == 1
 
 
+def test_checkpointed_layers_in_eval_mode_inside_a_training_model_are_said_once(remat_logs):
+    """A student built from a teacher's layers: `teacher.eval()` put them in eval mode, and they ran without their
+    checkpoint (as in transformers) while the map and the model's mode said otherwise, with no word."""
+    model = tiny_model()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    layers = decoder_layers(model)
+    layers[0].eval(), layers[2].eval()  # as another model sharing them would leave them
+    counter = RecomputeCounter(layers)
+    for _ in range(2):
+        step_grads(cm, list(model.named_parameters()), batch())
+    assert counter.counts == [2, 4, 2, 4], "layers 0 and 2 ran once a step"
+    said = [line for line in remat_logs.text.splitlines() if "are in eval mode" in line]
+    assert len(said) == 1 and "layers [0, 2]" in said[0] and "cm.train()" in said[0]
+    cm.train()
+    counter.reset()
+    step_grads(cm, list(model.named_parameters()), batch())
+    assert counter.recomputed() == [0, 1, 2, 3]
+
+
 def test_no_eval_mode_warning_where_a_route_turned_checkpointing_off(remat_logs):
     """cm.train() would not checkpoint there either (the route's "off" holds until an enable)."""
     model = tiny_model().eval()

@@ -171,7 +171,8 @@ class BudgetState:
                 raise StateError(
                     f"budget: this forward ({tokens} tokens) needs the plan for {bucket_text(bucket)}, but an earlier "
                     "forward's backward has not run, and the map must not change inside a step. Call backward (or "
-                    "drop that forward's outputs and what was made from them) first; nothing was changed"
+                    "drop that forward's outputs and what was made from them) first, or run this forward under "
+                    "torch.no_grad() if it trains nothing; nothing was changed"
                 )
             before, (self.active, self.active_bucket) = (self.active, self.active_bucket), (planned, bucket)
             try:
@@ -343,10 +344,19 @@ class BudgetState:
             logger.info("budget: the saved profile is not used (%s): measuring again", "; ".join(changes))
         from .planner.peak import NO_OPTIMIZER_NOTE, WITHOUT_OPTIMIZER
 
+        if not any(p.requires_grad for p in controller.model.parameters()) and not any(
+            isinstance(v, torch.Tensor) and v.requires_grad for v in batch.values()
+        ):  # measuring runs backward: a frozen teacher's or a reference pass's forward has none to run
+            raise StateError(
+                "budget: a forward with gradients in training mode, but nothing in it trains (no parameter or input "
+                "requires grad), so it is no training step to plan for: run it under torch.no_grad() (a frozen "
+                "teacher, a reference pass); nothing was changed"
+            )
         if self.owed:  # its steps would run beside the graph an earlier forward still holds
             raise StateError(
                 f"budget: this forward needs a new profile ({why}), but an earlier forward's backward has not run. "
-                "Call backward (or drop that forward's outputs) first; nothing was changed"
+                "Call backward (or drop that forward's outputs and what was made from them) first, or run this "
+                "forward under torch.no_grad() if it trains nothing; nothing was changed"
             )
         optimizer = self.optimizer() if config.budget_scope == "step" else None
         if optimizer is None and config.budget_scope == "step":

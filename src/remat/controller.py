@@ -122,6 +122,7 @@ class Controller:
         self._adopted_from: list[Ref[nn.Module]] = []  # models this one wrapped before `adopt`
         self._has_installed = False
         self._said_eval_mode = False
+        self._said_layers_in_eval = False
         self._said_switched_back = False
         self._said_stray_adapters = False  # adapter layers in a model that is not a PeftModel: said once
         self._said_no_cache = False  # a budget's training forwards run without a KV cache: said once
@@ -531,6 +532,8 @@ class Controller:
         training = module.training and grad
         if training and not self.inference and self.off_by is None:
             self.check_layers("a training forward")
+            if not self._said_layers_in_eval:
+                self._say_layers_in_eval_mode()
         if training and not self._said_stray_adapters:
             self._say_adapters_unsaved()
         if training and self.config.use_reentrant and not self.inference:
@@ -590,6 +593,19 @@ class Controller:
                 "a forward with gradients while the model is in eval mode (model.eval(), or as from_pretrained "
                 "returned it): layers checkpoint only in training mode, as in transformers, so this one keeps every "
                 "activation (and runs no dropout). Call cm.train() or cm.for_training() to train with the map"
+            )
+
+    def _say_layers_in_eval_mode(self) -> None:
+        """Once per wrapper: checkpointed layers in eval mode inside a model that trains (another model's `.eval()`
+        reached layers the two share, or a mode set by hand) run without their checkpoint, as in transformers."""
+        layers = self.discovery.layers
+        if idle := [i for i in self.checkpoint_map.checkpointed if not layers[i].module.training]:
+            self._said_layers_in_eval = True
+            logger.warning(
+                "a training forward while layers %s are in eval mode (another model's .eval() on layers it shares, or "
+                "set by hand): layers checkpoint only in training mode, as in transformers, so these keep every "
+                "activation although the map checkpoints them. Call cm.train() to train with the map",
+                idle,
             )
 
     def _say_adapters_unsaved(self) -> None:

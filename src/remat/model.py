@@ -178,9 +178,10 @@ class CheckpointedModel(nn.Module):
         if live := [owner for owner in owners_of(model) if owner.wrapper() is not None]:
             raise ConfigError(
                 f"another CheckpointedModel wraps {type(live[0].model).__name__}, which shares this model's layers "
-                f"({live[0].discovery.names[0]}, ...): a model inside this one, or one around it (a PeftModel built "
-                "after wrapping). A layer has one wrapper: call that wrapper's disable() first, then wrap the model "
-                "you train (the PeftModel, if you added adapters). Nothing was changed"
+                f"({live[0].discovery.names[0]}, ...): a model inside this one, one around it (a PeftModel built "
+                "after wrapping), or one beside it built from the same layer objects. A layer has one wrapper: "
+                "call that wrapper's disable() first, then wrap the model you train (the PeftModel, if you added "
+                "adapters). Nothing was changed"
             )
         options.host_budget()
         return discover_layers(model, options.layer_class)
