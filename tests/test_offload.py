@@ -442,3 +442,27 @@ def test_a_layer_input_changed_in_place_after_it_was_saved_raises_as_without_che
     _, expected = step_grads(reference, list(reference.named_parameters()), batch())
     _, got = step_grads(cm, list(model.named_parameters()), batch())  # the next step is whole
     assert_same_grads(expected, got)
+
+
+def test_the_default_host_budget_is_shared_by_the_wrappers_of_a_process(monkeypatch, caplog):
+    """Each wrapper took the whole default: two offloading models could pin twice what the process was allowed."""
+    monkeypatch.setattr(transport_module, "default_host_budget", lambda: 4 * LAYER_INPUT)
+    monkeypatch.setattr("remat.offload.default_host_budget", lambda: 4 * LAYER_INPUT)
+    transport = SimulatedTransport()
+    config = CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0)
+    first, second = (CheckpointedModel(tiny_model(), config, offload_transport=transport) for _ in range(2))
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        held = first(**batch()).loss  # 3 inputs pinned (the last stays on the device), its graph alive
+        second(**batch()).loss.backward()  # 1 more fits the default; 2 go pageable
+        held.backward()
+    buffers = controller_of(second).offloader.host_buffers[0]
+    assert buffers.pageable_fallbacks == 2
+    assert [r.getMessage() for r in caplog.records if "host budget" in r.getMessage()] == [
+        f"offload: the host budget of {4 * LAYER_INPUT} bytes would be exceeded; using pageable host memory, so "
+        "copies will not overlap compute"
+    ]
+    own = CheckpointedModel(tiny_model(), config, offload_transport=transport, offload_host_budget=3 * LAYER_INPUT)
+    held = first(**batch()).loss
+    own(**batch()).loss.backward()  # its own budget: not shared
+    held.backward()
+    assert controller_of(own).offloader.host_buffers[0].pageable_fallbacks == 0

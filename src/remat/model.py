@@ -108,7 +108,8 @@ class CheckpointedModel(nn.Module):
         offload_transport: how "offload" moves bytes (default: per device; `remat.testing.SimulatedTransport`).
         swap_mover: how block swap copies weights host to device (default: one per device).
         layer_class: the class(es), or name(s), of the repeated block where discovery cannot decide.
-        offload_host_budget: pinned host bytes offload may hold, or "8GiB" (default: half the host's, per process).
+        offload_host_budget: pinned host bytes this wrapper's offload may hold, or "8GiB" (default: half the host's,
+            shared by every wrapper of the process that takes the default).
         **fields: `CheckpointConfig` fields changed on `config`: `CheckpointedModel(model, every_n_layers=2)`.
 
     Raises `remat.RematError` subclasses (TypeError / ValueError) before anything changes.

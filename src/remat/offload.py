@@ -46,14 +46,20 @@ def _signature(tensor: torch.Tensor) -> tuple:
     return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device)
 
 
+# The host buffers of every wrapper offloading under the default host budget (held weakly)
+_SHARING_THE_DEFAULT: weakref.WeakSet[HostBuffers] = weakref.WeakSet()
+
+
 class HostBuffers:
     """One device's transport and the pinned bytes offloaded inputs hold there, against the host budget. Past it, or
     where pinning fails, a buffer is pageable (one warning): copies do not overlap compute, but host memory is never
     exhausted. A GC pass (any thread, mid-method) gives buffers back, so `give_back` only pops (atomic): no lock."""
 
-    def __init__(self, transport: OffloadTransport, max_bytes: int):
+    def __init__(self, transport: OffloadTransport, max_bytes: int, *, shared: bool = False):
         self.transport = transport
         self.max_bytes = max_bytes
+        if shared:  # the default budget is the process's: every wrapper's pinned bytes count against it
+            _SHARING_THE_DEFAULT.add(self)
         self.pageable_fallbacks = 0
         self._pinned: dict[int, int] = {}  # storage pointer -> bytes, of every pinned buffer a graph holds
         self._returning = False  # nothing offloads: give the host memory back once the last buffer is freed
@@ -65,7 +71,8 @@ class HostBuffers:
 
     def take(self, nbytes: int) -> torch.Tensor:
         self._returning = False
-        if self.pinned_bytes + nbytes > self.max_bytes:
+        sharing = [self] if self not in _SHARING_THE_DEFAULT else list(_SHARING_THE_DEFAULT)
+        if sum(buffers.pinned_bytes for buffers in sharing) + nbytes > self.max_bytes:
             return self._pageable(nbytes, f"the host budget of {self.max_bytes} bytes would be exceeded")
         try:
             buffer = self.transport.allocate_host(nbytes)
@@ -157,7 +164,8 @@ class Offloader:
     def __init__(self, min_bytes: int, transport: OffloadTransport | None = None, max_host_bytes: int | None = None):
         self.min_bytes = min_bytes
         self.max_host_bytes = default_host_budget() if max_host_bytes is None else max_host_bytes
-        self._fixed = HostBuffers(transport, self.max_host_bytes) if transport is not None else None
+        self._shared = max_host_bytes is None
+        self._fixed = HostBuffers(transport, self.max_host_bytes, shared=self._shared) if transport else None
         self._routes: dict[torch.device, HostBuffers | None] = {}
         self._stays_because: dict[torch.device, str] = {}
         self.stats: dict[int, LayerOffloadStats] = defaultdict(LayerOffloadStats)
@@ -169,7 +177,8 @@ class Offloader:
         """A copy (deepcopy, pickle) keeps settings and counters, not buffers (this process's, this graph's)."""
         transport = self._fixed.transport if self._fixed is not None else None
         stats = defaultdict(LayerOffloadStats, self.stats)
-        return (type(self), (self.min_bytes, transport, self.max_host_bytes), {"stats": stats})
+        budget = None if self._shared else self.max_host_bytes
+        return (type(self), (self.min_bytes, transport, budget), {"stats": stats})
 
     def _route(self, tensor: torch.Tensor) -> HostBuffers | None:
         if self._fixed is not None:
@@ -177,7 +186,8 @@ class Offloader:
         if tensor.device not in self._routes:
             transport = transport_for(tensor.device)
             handled = transport.handles(tensor)
-            self._routes[tensor.device] = HostBuffers(transport, self.max_host_bytes) if handled else None
+            route = HostBuffers(transport, self.max_host_bytes, shared=self._shared) if handled else None
+            self._routes[tensor.device] = route
         return self._routes[tensor.device]
 
     def _why_it_stays(self, device: torch.device) -> str:
