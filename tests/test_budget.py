@@ -606,7 +606,7 @@ def test_the_step_kind_counts_inputs_beyond_the_tokens_and_an_encoder_decoders_r
     features = torch.ones(2, 80, 300)
     short = step_kind(seq2seq, {"input_features": features, "labels": torch.ones(2, 4, dtype=torch.long)})
     long = step_kind(seq2seq, {"input_features": features, "labels": torch.ones(2, 128, dtype=torch.long)})
-    assert (short[2], long[2]) == (-4, 1)  # log2(8 / 160), log2(256 / 160): 80 mel rows a step, as batch_tokens counts
+    assert (short[2], long[2]) == (-6, -1)  # log2(8 / 600), log2(256 / 600): 300 frames a row, as batch_tokens counts
 
 
 def test_a_measuring_that_fails_after_a_saved_profile_was_outgrown_leaves_the_next_step_measuring(
@@ -1051,3 +1051,29 @@ def test_a_first_budgeted_forward_where_nothing_trains_is_refused_naming_no_grad
     embeds = teacher.get_input_embeddings()(batch()["input_ids"]).requires_grad_(True)  # a gradient of the input
     cm(inputs_embeds=embeds, labels=batch()["labels"]).loss.backward()
     assert embeds.grad is not None and len(cm.budget_receipts) == 1
+
+
+def test_an_image_batch_is_planned_for_its_pixels_not_its_rows_times_channels():
+    """Tokens were batch x the second dimension, an image's channels: a step of larger images took the plan profiled
+    on small ones, 7.9x over the budget at 3x the side, without a word."""
+    import transformers
+    from independent_memory import activation_bytes
+
+    config = transformers.Dinov2Config(
+        hidden_size=32, num_hidden_layers=4, num_attention_heads=2, mlp_ratio=2, image_size=32, patch_size=8
+    )
+    torch.manual_seed(0)
+    model = transformers.Dinov2ForImageClassification(config).train()
+
+    def images(side):
+        return {"pixel_values": torch.randn(4, 3, side, side), "labels": torch.tensor([0, 1, 0, 1])}
+
+    small, large = images(32), images(64)
+    probe = CheckpointedModel(model)
+    budget = probe.profile(small, repeats=1, progress=False).frontier()[-1].predicted_device_bytes  # all kept, 32px
+    probe.disable()
+    cm = CheckpointedModel(model, CheckpointConfig(budget=budget, budget_scope="activations"))
+    assert activation_bytes(cm, small) <= budget
+    assert activation_bytes(cm, large) <= budget
+    assert [r.bucket_tokens for r in cm.budget_receipts] == [bucket_of(4 * 32 * 32), bucket_of(4 * 64 * 64)]
+    assert cm.budget_receipts[1].policies.count("recompute") > cm.budget_receipts[0].policies.count("recompute")

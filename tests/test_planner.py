@@ -645,3 +645,32 @@ def test_a_model_that_refuses_half_the_profiled_length_is_measured_at_one_length
         2 * least.predicted_device_bytes, rel=0.01
     )
     handle.remove()
+
+
+def test_an_audio_profile_runs_every_layer_whatever_its_layerdrop_and_counts_its_samples_whatever_the_key_order():
+    """Measuring steps ran with LayerDrop live: a layer a draw skipped was priced at nothing (Hubert at 0.5: every
+    plan kept every layer, steps then 2.5x the budget). And a CTC batch whose labels came first had its label ids
+    counted as the step's tokens, so 4x longer audio took the short audio's plan."""
+    config = dict(
+        hidden_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16),
+        conv_stride=(5, 2),
+        conv_kernel=(10, 3),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+        vocab_size=16,
+        mask_time_prob=0.0,
+    )
+    held = {}
+    for layerdrop in (0.0, 0.6):
+        torch.manual_seed(0)
+        model = transformers.HubertForCTC(transformers.HubertConfig(**config, layerdrop=layerdrop))
+        data = {"labels": torch.randint(1, 16, (2, 5)), "input_values": torch.randn(2, 1600)}  # labels first
+        profile = CheckpointedModel(model.train()).profile(data, repeats=1, progress=False)
+        held[layerdrop] = [p.held["none"] for p in profile.measurements.layers]
+        assert profile.tokens == 2 * 1600, "the samples, not the labels"
+        assert model.hubert.encoder.config.layerdrop == layerdrop, "put back after measuring"
+    assert held[0.6] == held[0.0] and all(device > 0 for device, _ in held[0.0])

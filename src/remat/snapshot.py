@@ -129,9 +129,30 @@ def _python_and_numpy_rng() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _every_layer_runs(model: nn.Module) -> Iterator[None]:
+    """LayerDrop off (a module's `layerdrop`, a config's `layerdrop`, `encoder_layerdrop`, ...): a measuring step that
+    skipped a layer priced it at nothing (Hubert at layerdrop=0.5: every layer's "none" at 0 bytes, the steps after at
+    2.5x the budget). A training step runs at most every layer: it holds at most what was measured."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    dropped = [
+        (owner, key, value)
+        for owner in (*model.modules(), *configs.values())
+        for key, value in list(getattr(owner, "__dict__", {}).items())
+        if key.endswith("layerdrop") and type(value) is float and value > 0
+    ]
+    for owner, key, _ in dropped:
+        object.__setattr__(owner, key, 0.0)
+    try:
+        yield
+    finally:
+        for owner, key, value in dropped:
+            object.__setattr__(owner, key, value)
+
+
+@contextlib.contextmanager
 def model_left_as_it_was(model: nn.Module, *, copy_limit: int, what: str) -> Iterator[None]:
-    """Run the body (training steps) and put back, whatever happens: the parameters' gradients
-    (the body starts with none), every module's buffers and int/float attributes, and the RNG of
+    """Run the body (training steps, every layer running: LayerDrop off) and put back, whatever happens: the
+    parameters' gradients (the body starts with none), every module's buffers and int/float attributes, and the RNG of
     the CPU and the model's accelerator, and Python's and numpy's global RNG (some models draw there:
     Musicgen's LayerDrop from `random`, Wav2Vec2's SpecAugment from `numpy.random`). Buffers over
     `copy_limit` bytes are not copied; if one changed, a warning names it (`what` says who measured)."""
@@ -147,7 +168,7 @@ def model_left_as_it_was(model: nn.Module, *, copy_limit: int, what: str) -> Ite
     for param, _ in grads:
         param.grad = None
     failures: list[BaseException] = []
-    with rng, _python_and_numpy_rng():
+    with rng, _python_and_numpy_rng(), _every_layer_runs(model):
         try:
             yield
         finally:

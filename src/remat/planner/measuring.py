@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -89,22 +90,40 @@ def check_measurable(state: Controlled, batch: Mapping[str, Any], loss_fn: LossF
 
 
 def batch_tokens(batch: Mapping[str, Any]) -> int:
-    """Batch x sequence length: of `input_ids`, `inputs_embeds`, or the first tensor of 2+ dims."""
-    if isinstance(ids := batch.get("input_ids"), torch.Tensor):
-        return ids.numel()
-    if isinstance(embeds := batch.get("inputs_embeds"), torch.Tensor):
-        return embeds.numel() // embeds.shape[-1]
-    return next((v.shape[0] * v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), 1)
+    """What a step's activations grow with, "tokens": batch x sequence length (of `input_ids` or `inputs_embeds`), of
+    an image batch its pixels, of audio its samples or feature frames (`_rows_and_length`)."""
+    rows, length = _rows_and_length(batch)
+    return rows * length
 
 
 def batch_length(batch: Mapping[str, Any]) -> int:
-    """The rows' length (sequence length, padding included): of `input_ids`, `inputs_embeds`, or the first tensor
-    of 2+ dims, as `batch_tokens` counts them."""
+    """The rows' length, as `batch_tokens` counts them (sequence length, padding included; an image's pixels)."""
+    return _rows_and_length(batch)[1]
+
+
+# Inputs besides token ids, with where their length starts: an image's (C, H, W) grow with H x W, a video's
+# (T, C, H, W) with T x H x W, audio features (mel bins, frames) with the frames, samples with themselves
+_LENGTH_FROM = {"pixel_values": -2, "pixel_values_videos": -2, "input_features": -1, "input_values": 1}
+
+
+def _rows_and_length(batch: Mapping[str, Any]) -> tuple[int, int]:
     if isinstance(ids := batch.get("input_ids"), torch.Tensor):
-        return ids.shape[-1] if ids.dim() else 1
-    if isinstance(embeds := batch.get("inputs_embeds"), torch.Tensor):
-        return embeds.shape[-2] if embeds.dim() >= 2 else 1
-    return next((v.shape[1] for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2), 1)
+        return (ids.numel() // ids.shape[-1], ids.shape[-1]) if ids.dim() and ids.shape[-1] else (1, ids.numel())
+    if isinstance(embeds := batch.get("inputs_embeds"), torch.Tensor) and embeds.dim() >= 2:
+        return embeds.numel() // embeds.shape[-1] // embeds.shape[-2], embeds.shape[-2]
+    for key, start in _LENGTH_FROM.items():
+        if isinstance(value := batch.get(key), torch.Tensor) and value.dim() >= 2:
+            length = math.prod(value.shape[start:])
+            if key == "pixel_values_videos" or (key == "pixel_values" and value.dim() == 5):
+                length *= value.shape[1]  # a video's frames
+            return value.shape[0], length
+    # else the first tensor of 2+ dims that is no target (a CTC batch's labels may come first)
+    inputs = (v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and not _is_target(k))
+    return next(((v.shape[0], v.shape[1]) for v in inputs), (1, 1))
+
+
+def _is_target(key: str) -> bool:
+    return "label" in key or key.startswith("decoder_")
 
 
 def candidates(state: Controlled) -> tuple[list[str], list[str]]:

@@ -23,8 +23,10 @@ from .state import ModelState, attention_of
 # 2: the head's options measured with the last layer kept too (1 under-priced some plans: measure again); 3: the
 # profiled rows' length kept (2 priced a packed row as the profile's rows, up to 1.7x under: measure again); 4: whether
 # what grows with the length's square grows per row (3 priced T5's fewer, longer rows per row, 3x under); 5: a digest
-# of the frozen parameters' shapes (4 planned a model whose embeddings were resized since at the old head's bytes)
-FORMAT = 5
+# of the frozen parameters' shapes (4 planned a model whose embeddings were resized since at the old head's bytes); 6:
+# an image batch's tokens are its pixels, audio's its frames or samples (5 counted rows x channels: any image size
+# took the profiled size's plan, 7.9x over at 3x the side)
+FORMAT = 6
 _TYPES: dict[str, Any] = {
     cls.__name__: cls for cls in (Measurements, LayerProfile, Outside, StepMemory, TimePrices, HeadProfile, ModelState)
 }
