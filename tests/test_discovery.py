@@ -332,3 +332,33 @@ def test_a_list_entry_with_no_forward_is_never_taken_for_the_layer_of_the_blocks
     counter = RecomputeCounter(cm.layers)
     step_grads(cm, list(model.named_parameters()), {"x": torch.randn(2, 8)})
     assert counter.counts == [2, 2, 2, 2]
+
+
+def tiny_swin():
+    config = transformers.SwinConfig(
+        image_size=32, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 2], window_size=4, num_labels=3
+    )
+    torch.manual_seed(0)
+    return transformers.SwinForImageClassification(config).train()
+
+
+def test_a_stage_holding_a_list_of_layers_gives_way_to_them_and_layer_class_wins_over_a_layer_around_it():
+    """Swin's stages hold its blocks; on transformers 5.2x both are checkpointing layers, and the map took the stages:
+    recomputed whole, a stage held 2.4x what its blocks do, and `layer_class="SwinLayer"` was ignored silently."""
+    blocks = [f"swin.encoder.layers.{s}.blocks.{b}" for s in range(2) for b in range(2)]
+    stages_are_the_only_layers = not isinstance(tiny_swin().swin.encoder.layers[0].blocks[0], GradientCheckpointingLayer)
+    default = CheckpointedModel(tiny_swin(), CheckpointConfig(every_n_layers=1))
+    assert [p.name for p in default.checkpoint_map] == (
+        ["swin.encoder.layers.0", "swin.encoder.layers.1"] if stages_are_the_only_layers else blocks
+    )
+    model, reference = tiny_swin(), tiny_swin()
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1), layer_class="SwinLayer")
+    assert [p.name for p in cm.checkpoint_map] == blocks
+    counter = RecomputeCounter(cm.layers)
+    data = {"pixel_values": torch.randn(2, 3, 32, 32), "labels": torch.tensor([0, 2])}
+    _, expected = step_grads(reference, list(reference.named_parameters()), data)
+    _, got = step_grads(cm, list(model.named_parameters()), data)
+    assert counter.counts == [2, 2, 2, 2]
+    assert expected.keys() == got.keys()
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name], grad, rtol=1e-5, atol=1e-7)

@@ -146,6 +146,19 @@ def _lift_into_stack(named: list[tuple[str, nn.Module]], blocks: list[tuple[str,
     return kept + list(lifted.values())
 
 
+def _gives_way(module: nn.Module, candidates: list[tuple[str, nn.Module, str]], explicit: set[str]) -> bool:
+    """Whether a layer holding other layers is left for them (else it is taken, and they are not): a class named by
+    `layer_class` inside it, or a list of layers it holds (Swin's stage, a layer on transformers 5.2x as its blocks
+    are: recomputed whole, a stage held 2.4x what its blocks do). Zamba's hybrid layer, whose Mamba block is a layer
+    held directly beside the shared attention, stays the layer."""
+    inside = {id(m) for m in module.modules() if m is not module}
+    found = [m for _, m, _ in candidates if id(m) in inside]
+    if any(type(m).__name__ in explicit for m in found):
+        return True
+    held = {id(m) for m in found}
+    return any(isinstance(child, nn.ModuleList) and any(id(c) in held for c in child) for child in module.children())
+
+
 _TORCH_CHECKPOINTS = frozenset({"checkpoint", "checkpoint_sequential"})
 
 
@@ -195,7 +208,9 @@ def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | t
     candidates.sort(key=lambda c: order[c[0]])
     layers: list[DiscoveredLayer] = []
     for name, module, kind in candidates:
-        if not any(name.startswith(outer.name + ".") for outer in layers):
+        if not any(name.startswith(outer.name + ".") for outer in layers) and not _gives_way(
+            module, candidates, explicit
+        ):
             layers.append(DiscoveredLayer(name, module, kind))
     if not layers:
         searched = f"modules of class {sorted(explicit)} (layer_class)"
