@@ -346,7 +346,8 @@ def test_a_stage_holding_a_list_of_layers_gives_way_to_them_and_layer_class_wins
     """Swin's stages hold its blocks; on transformers 5.2x both are checkpointing layers, and the map took the stages:
     recomputed whole, a stage held 2.4x what its blocks do, and `layer_class="SwinLayer"` was ignored silently."""
     blocks = [f"swin.encoder.layers.{s}.blocks.{b}" for s in range(2) for b in range(2)]
-    stages_are_the_only_layers = not isinstance(tiny_swin().swin.encoder.layers[0].blocks[0], GradientCheckpointingLayer)
+    first_block = tiny_swin().swin.encoder.layers[0].blocks[0]
+    stages_are_the_only_layers = not isinstance(first_block, GradientCheckpointingLayer)
     default = CheckpointedModel(tiny_swin(), CheckpointConfig(every_n_layers=1))
     assert [p.name for p in default.checkpoint_map] == (
         ["swin.encoder.layers.0", "swin.encoder.layers.1"] if stages_are_the_only_layers else blocks
