@@ -674,3 +674,14 @@ def test_an_audio_profile_runs_every_layer_whatever_its_layerdrop_and_counts_its
         assert profile.tokens == 2 * 1600, "the samples, not the labels"
         assert model.hubert.encoder.config.layerdrop == layerdrop, "put back after measuring"
     assert held[0.6] == held[0.0] and all(device > 0 for device, _ in held[0.0])
+
+
+def test_audio_features_count_their_frames_whichever_axis_holds_them_and_flattened_patches_their_patches():
+    """How a budget buckets a step (tokens): Whisper's features are (mel bins, frames), Speech2Text's and
+    Wav2Vec2-BERT's (frames, features); flattened image patches (Qwen2-VL's) are one row of patches."""
+    from remat.planner.measuring import batch_length, batch_tokens
+
+    for features in (torch.ones(2, 80, 3000), torch.ones(2, 3000, 80)):
+        assert (batch_tokens({"input_features": features}), batch_length({"input_features": features})) == (6000, 3000)
+    patches = {"pixel_values": torch.ones(512, 1176)}
+    assert (batch_tokens(patches), batch_length(patches)) == (512, 512)

@@ -146,17 +146,22 @@ def _lift_into_stack(named: list[tuple[str, nn.Module]], blocks: list[tuple[str,
     return kept + list(lifted.values())
 
 
-def _gives_way(module: nn.Module, candidates: list[tuple[str, nn.Module, str]], explicit: set[str]) -> bool:
+def _gives_way(module: nn.Module, kind: str, candidates: list[tuple[str, nn.Module, str]], explicit: set[str]) -> bool:
     """Whether a layer holding other layers is left for them (else it is taken, and they are not): a class named by
-    `layer_class` inside it, or a list of layers it holds (Swin's stage, a layer on transformers 5.2x as its blocks
-    are: recomputed whole, a stage held 2.4x what its blocks do). Zamba's hybrid layer, whose Mamba block is a layer
-    held directly beside the shared attention, stays the layer."""
+    `layer_class` inside it (unless its own class is named too), or, a transformers layer, a list of transformers
+    layers it holds (Swin's stage on transformers 5.2x: recomputed whole, a stage held 2.4x what its blocks do).
+    Zamba's hybrid layer, whose Mamba block is a layer held directly beside the shared attention, stays the layer, and
+    so do blocks found by class or by structure (their inner stacks leave out what the block does around them)."""
+    if type(module).__name__ in explicit:
+        return False
     inside = {id(m) for m in module.modules() if m is not module}
-    found = [m for _, m, _ in candidates if id(m) in inside]
-    if any(type(m).__name__ in explicit for m in found):
+    found = [(m, k) for _, m, k in candidates if id(m) in inside]
+    if any(type(m).__name__ in explicit for m, _ in found):
         return True
-    held = {id(m) for m in found}
-    return any(isinstance(child, nn.ModuleList) and any(id(c) in held for c in child) for child in module.children())
+    held = {id(m) for m, k in found if k == "flag"}
+    return kind == "flag" and any(
+        isinstance(child, nn.ModuleList) and any(id(c) in held for c in child) for child in module.children()
+    )
 
 
 _TORCH_CHECKPOINTS = frozenset({"checkpoint", "checkpoint_sequential"})
@@ -209,7 +214,7 @@ def discover_layers(model: nn.Module, layer_class: str | type | Sequence[str | t
     layers: list[DiscoveredLayer] = []
     for name, module, kind in candidates:
         if not any(name.startswith(outer.name + ".") for outer in layers) and not _gives_way(
-            module, candidates, explicit
+            module, kind, candidates, explicit
         ):
             layers.append(DiscoveredLayer(name, module, kind))
     if not layers:

@@ -102,7 +102,8 @@ def batch_length(batch: Mapping[str, Any]) -> int:
 
 
 # Inputs besides token ids, with where their length starts: an image's (C, H, W) grow with H x W, a video's
-# (T, C, H, W) with T x H x W, audio features (mel bins, frames) with the frames, samples with themselves
+# (T, C, H, W) with T x H x W, audio features with their frames (the longer of the two axes: Whisper's are (mel bins,
+# frames), Speech2Text's (frames, features)), samples with themselves
 _LENGTH_FROM = {"pixel_values": -2, "pixel_values_videos": -2, "input_features": -1, "input_values": 1}
 
 
@@ -112,11 +113,16 @@ def _rows_and_length(batch: Mapping[str, Any]) -> tuple[int, int]:
     if isinstance(embeds := batch.get("inputs_embeds"), torch.Tensor) and embeds.dim() >= 2:
         return embeds.numel() // embeds.shape[-1] // embeds.shape[-2], embeds.shape[-2]
     for key, start in _LENGTH_FROM.items():
-        if isinstance(value := batch.get(key), torch.Tensor) and value.dim() >= 2:
-            length = math.prod(value.shape[start:])
-            if key == "pixel_values_videos" or (key == "pixel_values" and value.dim() == 5):
-                length *= value.shape[1]  # a video's frames
-            return value.shape[0], length
+        if not (isinstance(value := batch.get(key), torch.Tensor) and value.dim() >= 2):
+            continue
+        if key.startswith("pixel_values") and value.dim() == 2:
+            return 1, value.shape[0]  # flattened patches (Qwen2-VL's), one row
+        if key == "input_features" and value.dim() == 3:
+            return value.shape[0], max(value.shape[1:])  # frames: Whisper's (mel bins, frames), others' transposed
+        length = math.prod(value.shape[start:])
+        if key == "pixel_values_videos" or (key == "pixel_values" and value.dim() == 5):
+            length *= value.shape[1]  # a video's frames
+        return value.shape[0], length
     # else the first tensor of 2+ dims that is no target (a CTC batch's labels may come first)
     inputs = (v for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() >= 2 and not _is_target(k))
     return next(((v.shape[0], v.shape[1]) for v in inputs), (1, 1))
