@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
-from conftest import add_lora, assert_same_grads, batch, step_grads, tiny_model
+from conftest import add_lora, assert_same_grads, batch, decoder_layers, step_grads, tiny_model
 from independent_memory import activation_bytes
 
 from remat import CheckpointConfig, CheckpointedModel
@@ -329,6 +329,34 @@ def test_with_the_chunked_head_the_first_step_profiles_the_head_and_trains_exact
         assert_same_grads(expected, grads)
     assert controller_of(cm).budget.profile.measurements.head is not None, "the head's options were measured"
     assert cm.checkpoint_map.head.policy in ("plain", "chunked")
+
+
+def test_a_tensor_outside_the_model_gets_one_steps_gradient_from_the_first_step_and_none_from_a_profile():
+    """A steering vector added by a layer's forward hook (a trained tensor the model does not own): the measuring
+    steps inside the first step (and `cm.profile`) ran a full backward, adding 13 steps' gradients to its `.grad`
+    (and 16 from a profile) that no snapshot of the model put back."""
+
+    def steered(model):
+        vector = torch.zeros(model.config.hidden_size, requires_grad=True)
+
+        def steer(module, args, output):
+            return (output[0] + vector, *output[1:]) if isinstance(output, tuple) else output + vector
+
+        decoder_layers(model)[1].register_forward_hook(steer)
+        return vector
+
+    plain = _model()
+    expected_vector = steered(plain)
+    data = batch(size=2, seq=32)
+    plain(**data).loss.backward()
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="1GiB"))
+    vector = steered(cm.model)
+    cm(**data).loss.backward()
+    assert controller_of(cm).budget.profile is not None, "the first step measured"
+    torch.testing.assert_close(vector.grad, expected_vector.grad, rtol=1e-5, atol=1e-7)
+    before = vector.grad.clone()
+    cm.profile(data, repeats=1, progress=False)
+    assert torch.equal(vector.grad, before), "a profile leaves a tensor outside the model as it was"
 
 
 def test_a_forward_without_labels_is_profiled_through_its_logits_and_trains_exactly():

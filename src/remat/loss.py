@@ -1,7 +1,7 @@
 """The loss of a measuring step (the memory report's, the planner's) and the inputs it runs on: the
 model's own (`outputs.loss`) or `loss_fn(outputs, batch)`, a batch with neither refused before any
 work; a batch tensor that requires grad (a soft prompt) becomes a fresh leaf, so the steps'
-gradients never reach it."""
+gradients never reach it, and the steps' backward reaches only the model's parameters and those leaves."""
 
 from __future__ import annotations
 
@@ -74,3 +74,12 @@ def step_loss(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None
             "not a scalar tensor: pass loss_fn=lambda outputs, batch: ... returning the scalar loss"
         )
     return loss
+
+
+def step_backward(loss: torch.Tensor, model: nn.Module, batch: Mapping[str, Any]) -> None:
+    """Backward into the model's trainable parameters and the batch's leaves only: a tensor outside both (a
+    steering vector a hook adds, an embedding the user keeps) would get every measuring step's gradient added to
+    its `.grad`, which no snapshot of the model can put back."""
+    inputs = [p for p in model.parameters() if p.requires_grad]
+    inputs += [v for v in batch.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    torch.autograd.backward(loss, inputs=inputs or None)

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 from .compat.accelerator import memory_allocated, synchronize
 from .compat.dispatch import compute_device
 from .display import mib, render_table
-from .loss import LossFn, check_loss_source, own_inputs, step_loss
+from .loss import LossFn, check_loss_source, own_inputs, step_backward, step_loss
 from .measure import LiveStorages, storage_keys, weight_storages
 from .snapshot import model_left_as_it_was
 
@@ -207,7 +207,7 @@ def memory_report(state: Measured, batch: Mapping[str, Any], loss_fn: LossFn | N
         for owner, refs in [(None, hooks.outputs), *enumerate(hooks.inputs)]:
             for ptr in _alive_storages(refs) & held.keys():
                 held[ptr] = (held[ptr][0], owner, held[ptr][2])
-        loss.backward()
+        step_backward(loss, model, batch)
     finally:
         hooks.remove()
     by_layer = [[0, offloaded.get(i, 0)] for i in range(len(layers))]  # [device, host] bytes held

@@ -235,8 +235,10 @@ def best_model(model) -> dict:
         remat_logger.removeHandler(said)
         remat_logger.setLevel(level)
     trainable = [(n, p) for n, p in cm.model.named_parameters() if p.requires_grad]
-    with deepspeed.zero.GatheredParameters([p for _, p in trainable]):  # ZeRO-3's shards, whole
-        adapters = {n: p.detach().clone() for n, p in trainable}
+    adapters = {}
+    for name, parameter in trainable:  # ZeRO-3's shards, whole, one at a time: DeepSpeed < 0.19.8 gathers a
+        with deepspeed.zero.GatheredParameters([parameter]):  # list on gloo waiting on its last handle only, so
+            adapters[name] = parameter.detach().clone()  # another could still be arriving (PR #8539)
     return {
         "best": trainer.state.best_model_checkpoint,
         "adapters": adapters,

@@ -26,7 +26,7 @@ from ..compat.dispatch import compute_device
 from ..config import CheckpointConfig
 from ..errors import ConfigError, PolicyError, RematError, StateError
 from ..head import DEFAULT_CHUNK_TOKENS, IGNORE_INDEX, causal_lm, plan_head
-from ..loss import LossFn, check_loss_source, own_inputs, step_loss
+from ..loss import LossFn, check_loss_source, own_inputs, step_backward, step_loss
 from ..memory_errors import OutOfMemoryError
 from ..policies import LayerProfile, policy
 from ..report import BUFFER_COPY_LIMIT, Measured, counters_left_as_they_were, memory_report
@@ -221,7 +221,7 @@ class _Steps:
             synchronize(self.device)
             start = time.perf_counter()
             with within:
-                step_loss(self.model, self.batch, self.loss_fn).backward()
+                step_backward(step_loss(self.model, self.batch, self.loss_fn), self.model, self.batch)
             synchronize(self.device)
             return time.perf_counter() - start
 
