@@ -657,6 +657,29 @@ def test_an_output_embedding_or_setting_changed_after_wrapping_is_the_one_the_ch
     changed("qwen2_moe", lambda model: setattr(model, "router_aux_loss_coef", 0.5))
 
 
+def test_hooks_on_the_head_run_once_on_each_token_before_or_after_wrapping():
+    """A pre-hook that shifts the hidden states ran on the whole sequence and again on each chunk (the chunks read
+    the states after it): loss and every gradient as a model with the shift applied twice. A forward hook's logit
+    bias, and either hook added after wrapping, apply once too."""
+
+    def hooked(model):
+        head = model.get_output_embeddings()
+        head.register_forward_pre_hook(lambda module, args: (args[0] + 0.1,))
+        head.register_forward_hook(lambda module, args, output: output + 0.2 * torch.arange(output.shape[-1]) / VOCAB)
+        return model
+
+    _same_as_plain(lambda: hooked(tiny_model("llama")), _half_ignored())
+    data = _half_ignored()
+    reference = hooked(tiny_model("llama"))
+    plain_loss, plain = step_grads(reference, list(reference.named_parameters()), data)
+    cm = CheckpointedModel(tiny_model("llama"), CheckpointConfig(head="chunked", head_chunk_tokens=CHUNK))
+    hooked(cm.model)
+    loss, grads = step_grads(cm, list(cm.model.named_parameters()), data)
+    assert cm(**data).logits is None, "the chunked head ran"
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-5, atol=1e-7)
+    assert_same_grads(plain, grads)
+
+
 def test_an_adapter_on_the_head_added_after_wrapping_trains_exactly():
     from peft import LoraConfig
 

@@ -223,7 +223,7 @@ class _Call:
         decoder = getattr(base, getattr(base, "base_model_prefix", ""), None)
         entered = decoder if isinstance(decoder, nn.Module) else base
         self.handles = [
-            self.head.register_forward_pre_hook(self.capture),
+            self.head.register_forward_pre_hook(self.capture, prepend=True),  # the hidden states before your hooks
             entered.register_forward_pre_hook(self.enter),
         ]
 
