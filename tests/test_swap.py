@@ -300,6 +300,43 @@ def test_cuda_torch_compile_with_block_swap_trains_exactly():
         torch._dynamo.reset()
 
 
+def test_hooks_on_a_swapped_layer_read_its_weights_whenever_they_were_added():
+    """The fetch was a pre-hook after the ones added before wrapping, the release a forward hook before the ones added
+    after: those hooks read placeholder zeros (an activation-norm logger, a probe reading a weight)."""
+    model, named = _lora_model()
+    layer = decoder_layers(model)[1]
+    weight = layer.mlp.down_proj.base_layer.weight
+    true_norm = weight.norm().item()
+    read = collections.defaultdict(list)
+
+    def reader(when):
+        return lambda module, *args: read[when].append(weight.norm().item())
+
+    layer.register_forward_pre_hook(reader("pre, before wrapping"))
+    layer.register_forward_hook(reader("post, before wrapping"))
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=2))
+    assert cm.checkpoint_map[1].swapped
+    layer.register_forward_pre_hook(reader("pre, after wrapping"))
+    layer.register_forward_hook(reader("post, after wrapping"))
+    step_grads(cm, named, batch())
+    assert weight.norm().item() == 0, "the weight is swapped out between uses"
+    assert len(read) == 4 and all(norms and set(norms) == {true_norm} for norms in read.values()), dict(read)
+
+
+def test_a_swapped_weight_replaced_by_a_parametrization_after_wrapping_is_refused_not_trained_as_nan():
+    """weight_norm added on a swapped layer's frozen weight made its parametrization from the placeholder zeros: the
+    loss was nan from then on, with no error. The next forward is refused; disable() brings the weight home."""
+    model, named = _lora_model()
+    proj = decoder_layers(model)[1].mlp.down_proj.base_layer
+    weight, kept = proj.weight, proj.weight.detach().clone()
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=2))
+    torch.nn.utils.parametrizations.weight_norm(proj)
+    with pytest.raises(BlockSwapError, match="no longer its parameters.*weight_norm"):
+        cm(**batch())
+    cm.disable()
+    assert torch.equal(weight, kept), "the swapped weight came home into its own Parameter"
+
+
 def test_a_swapped_layer_with_gradients_in_eval_mode_is_refused_not_silently_wrong():
     model, named = _lora_model()
     cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))

@@ -1,7 +1,7 @@
 """The loss of a measuring step (the memory report's, the planner's) and the inputs it runs on: the
 model's own (`outputs.loss`) or `loss_fn(outputs, batch)`, a batch with neither refused before any
 work; a batch tensor that requires grad (a soft prompt) becomes a fresh leaf, so the steps'
-gradients never reach it, and the steps' backward reaches only the model's parameters and those leaves."""
+gradients never reach it, and a leaf outside the model gets its `.grad` back after each step's backward."""
 
 from __future__ import annotations
 
@@ -76,10 +76,32 @@ def step_loss(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None
     return loss
 
 
-def step_backward(loss: torch.Tensor, model: nn.Module, batch: Mapping[str, Any]) -> None:
-    """Backward into the model's trainable parameters and the batch's leaves only: a tensor outside both (a
-    steering vector a hook adds, an embedding the user keeps) would get every measuring step's gradient added to
-    its `.grad`, which no snapshot of the model can put back."""
-    inputs = [p for p in model.parameters() if p.requires_grad]
-    inputs += [v for v in batch.values() if isinstance(v, torch.Tensor) and v.requires_grad]
-    torch.autograd.backward(loss, inputs=inputs or None)
+def step_backward(loss: torch.Tensor, model: nn.Module) -> None:
+    """`loss.backward()`, then the leaves outside the model that it reached (a steering vector a hook adds, an
+    embedding the user keeps) given back the `.grad` they had: every measuring step's gradient was added to theirs,
+    and the model's snapshot cannot see them. Backward's `inputs=` would say it, but torch refuses it under reentrant
+    checkpointing (the model's own, or `use_reentrant=True`). A leaf that only a reentrant checkpoint's inner graph
+    uses is not reached from the loss, and still gets the gradient."""
+    own = {id(p) for p in model.parameters()}
+    outside = [(leaf, leaf.grad) for leaf in _leaves(loss) if id(leaf) not in own]
+    for leaf, _ in outside:
+        leaf.grad = None  # backward adds into a `.grad` in place
+    try:
+        loss.backward()
+    finally:
+        for leaf, grad in outside:
+            leaf.grad = grad
+
+
+def _leaves(loss: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors whose gradients the graph of `loss` accumulates (its AccumulateGrad nodes' variables)."""
+    seen, todo, leaves = set(), [loss.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            leaves.append(node.variable)
+        todo.extend(child for child, _ in node.next_functions)
+    return leaves

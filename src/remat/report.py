@@ -207,7 +207,7 @@ def memory_report(state: Measured, batch: Mapping[str, Any], loss_fn: LossFn | N
         for owner, refs in [(None, hooks.outputs), *enumerate(hooks.inputs)]:
             for ptr in _alive_storages(refs) & held.keys():
                 held[ptr] = (held[ptr][0], owner, held[ptr][2])
-        step_backward(loss, model, batch)
+        step_backward(loss, model)
     finally:
         hooks.remove()
     by_layer = [[0, offloaded.get(i, 0)] for i in range(len(layers))]  # [device, host] bytes held

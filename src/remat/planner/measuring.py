@@ -221,7 +221,7 @@ class _Steps:
             synchronize(self.device)
             start = time.perf_counter()
             with within:
-                step_backward(step_loss(self.model, self.batch, self.loss_fn), self.model, self.batch)
+                step_backward(step_loss(self.model, self.batch, self.loss_fn), self.model)
             synchronize(self.device)
             return time.perf_counter() - start
 

@@ -171,10 +171,11 @@ def guard_layer(swapper: WeightSwapper, layer: SwappedLayer, module: nn.Module) 
     or below), which torch and users call without the layer's: `layer.mlp.state_dict()` read placeholder zeros, its
     `.to(dtype)` was undone at the next fetch, its copies held zeros."""
     guard = _LayerGuard(swapper, layer.index, layer.name, module)
-    layer.handles += [
-        module.register_forward_pre_hook(torch.compiler.disable(guard.before_forward)),
-        module.register_forward_hook(torch.compiler.disable(guard.after_forward), always_call=True),
-    ]
+    # the fetch before your pre-hooks and the release after your forward hooks (kept last at each call, as you may add
+    # one after wrapping): a hook that read the layer's weights read placeholder zeros
+    guard.release = module.register_forward_hook(torch.compiler.disable(guard.after_forward), always_call=True)
+    layer.handles += [module.register_forward_pre_hook(torch.compiler.disable(guard.before_forward), prepend=True)]
+    layer.handles.append(guard.release)
     swapped = {id(p) for p in layer.params}
     for inner in module.modules():
         if not any(id(p) in swapped for p in inner.parameters()):
@@ -220,8 +221,12 @@ class _LayerGuard:
 
     def __init__(self, swapper: WeightSwapper, index: int, name: str, module: nn.Module):
         self.swapper, self.index, self.name, self.module = swapper, index, name, Ref(module)
+        self.release: Any = None  # the forward hook's handle, moved after any hook added since
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
+        hooks = self.release.hooks_dict_ref() if self.release is not None else None
+        if hooks is not None and self.release.id in hooks:
+            hooks.move_to_end(self.release.id)  # torch reads the forward hooks after the pre-hooks have run
         schedule = self.swapper.schedule
         if schedule.in_recompute:
             return
@@ -230,6 +235,15 @@ class _LayerGuard:
                 f"block swap: layer {self.index} ran in eval mode with gradients enabled. Its weights go back to "
                 "host memory after it runs, which a graph built outside checkpointing cannot survive. Evaluate "
                 "under torch.no_grad() (generate already does), or train with cm.for_training()."
+            )
+        layer = self.swapper.layers[self.index]
+        owned = {id(p) for p in module.parameters()}
+        if replaced := sum(id(p) not in owned for p in layer.params):
+            raise BlockSwapError(
+                f"layer {self.index} ({self.name}): {replaced} of its swapped weights are no longer its parameters: "
+                "replaced since it was swapped (a parametrization such as weight_norm, or a new Parameter), from "
+                "placeholder zeros, not the weights. Make such a change before swapping or with remat disabled: "
+                "cm.disable() brings the swapped weights home into their own Parameter objects"
             )
         schedule.start(self.index, forward=True)
 
