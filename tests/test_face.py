@@ -3,6 +3,7 @@
 the Trainer support is `RematTrainer` / `remat_trainer_class`. Names a user may still write are
 refused with the way that replaced them."""
 
+import inspect
 import json
 
 import pytest
@@ -40,6 +41,14 @@ def test_cm_config_is_the_models_config_and_checkpoint_config_is_remats_after_en
 
 def test_remat_trainer_class_of_trainer_is_remat_trainer():
     assert remat_trainer_class(Trainer) is RematTrainer
+    with pytest.raises(remat.ConfigTypeError, match=r"needs a transformers.Trainer subclass, got \[1\]"):
+        remat_trainer_class([1])  # was a bare "unhashable type" from the cache
+
+
+def test_dir_and_help_list_the_names_loaded_on_first_use_and_the_configs_fields():
+    assert set(remat.__all__) <= set(dir(remat)), set(remat.__all__) - set(dir(remat))
+    fields = list(inspect.signature(CheckpointConfig).parameters)
+    assert fields[:3] == ["every_n_layers", "offload_min_bytes", "swap_layers"], fields
 
 
 def test_offload_is_asked_for_as_a_policy_and_the_old_flag_is_refused_naming_it():

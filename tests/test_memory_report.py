@@ -195,6 +195,19 @@ def _train(tmp_path, with_reports):
     return {n: p.detach().clone() for n, p in cm.model.named_parameters()}, callback.reports
 
 
+def test_the_counters_read_before_a_step_stay_as_they_were_read():
+    """`offload_stats` and `swap_stats` held the live counters: a `before` taken for one step's own counts grew
+    with that step (16384 -> 32768 bytes), and the difference came out zero."""
+    config = CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0, swap_layers=[1])
+    cm = CheckpointedModel(add_lora(tiny_model()), config)
+    cm(**batch()).loss.backward()
+    offload, swap = cm.offload_stats, cm.swap_stats
+    kept, fetches = offload[0].kept_bytes, swap[1].fetches
+    cm(**batch()).loss.backward()
+    assert (offload[0].kept_bytes, swap[1].fetches) == (kept, fetches)
+    assert (cm.offload_stats[0].kept_bytes, cm.swap_stats[1].fetches) == (2 * kept, 2 * fetches)
+
+
 def test_reports_in_a_trainer_callback_leave_the_trained_weights_bitwise(tmp_path):
     reported, reports = _train(tmp_path / "a", with_reports=True)
     plain, _ = _train(tmp_path / "b", with_reports=False)

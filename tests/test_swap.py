@@ -331,7 +331,7 @@ def test_a_swapped_weight_replaced_by_a_parametrization_after_wrapping_is_refuse
     weight, kept = proj.weight, proj.weight.detach().clone()
     cm = CheckpointedModel(model, CheckpointConfig(swap_layers=2))
     torch.nn.utils.parametrizations.weight_norm(proj)
-    with pytest.raises(BlockSwapError, match="no longer its parameters.*weight_norm"):
+    with pytest.raises(BlockSwapError, match=r"no longer its parameters.*weight_norm"):
         cm(**batch())
     cm.disable()
     assert torch.equal(weight, kept), "the swapped weight came home into its own Parameter"

@@ -57,19 +57,26 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    """The wrapper, Trainer support and the out-of-memory errors load on first use: `import remat` stays torch-free."""
-    if name == "CheckpointedModel":
-        from . import model as home
-    elif name in ("OutOfMemoryError", "BudgetExceededError"):  # torch's OutOfMemoryError too
-        from . import memory_errors as home
-    elif name in ("RematTrainer", "remat_trainer_class"):
-        from . import trainer as home
-    elif name == "RematTrainerMixin":
-        raise AttributeError(
-            "remat.RematTrainerMixin is gone: remat.RematTrainer for transformers' Trainer, "
-            "remat.remat_trainer_class(YourTrainer) for any other Trainer class (TRL's, your own)"
-        )
-    else:
-        raise AttributeError(f"module 'remat' has no attribute {name!r}")
-    return getattr(home, name)
+if not TYPE_CHECKING:  # a checker reads the imports above: a misspelt `from remat import ...` is its error
+
+    def __getattr__(name: str) -> object:
+        """The wrapper, Trainer support and the out-of-memory errors load on first use: `import remat` stays
+        torch-free."""
+        if name == "CheckpointedModel":
+            from . import model as home
+        elif name in ("OutOfMemoryError", "BudgetExceededError"):  # torch's OutOfMemoryError too
+            from . import memory_errors as home
+        elif name in ("RematTrainer", "remat_trainer_class"):
+            from . import trainer as home
+        elif name == "RematTrainerMixin":
+            raise AttributeError(
+                "remat.RematTrainerMixin is gone: remat.RematTrainer for transformers' Trainer, "
+                "remat.remat_trainer_class(YourTrainer) for any other Trainer class (TRL's, your own)"
+            )
+        else:
+            raise AttributeError(f"module 'remat' has no attribute {name!r}")
+        return getattr(home, name)
+
+    def __dir__() -> list[str]:
+        """`dir(remat)` and `help(remat)` list the names loaded on first use too."""
+        return sorted({*globals(), *__all__})

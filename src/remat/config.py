@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import json
 import logging
 import math
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,8 +168,8 @@ class CheckpointConfig:
     """
 
     every_n_layers: int = 1
-    offload_min_bytes: int = 2 * 1024**2
-    swap_layers: int | tuple[int, ...] = 0
+    offload_min_bytes: int | str = 2 * 1024**2  # bytes once made (a size given is parsed)
+    swap_layers: int | Sequence[int] = 0  # a tuple once made
     swap_placement: str = "spread"
     layer_policies: Mapping[int, str] = field(default_factory=dict)
     checkpoint_policy: str = "recompute"
@@ -315,6 +316,12 @@ class CheckpointConfig:
 
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
+# `help()` and `inspect.signature` read the fields, not `__new__`'s (*args, **fields)
+CheckpointConfig.__signature__ = inspect.signature(
+    CheckpointConfig.__init__
+).replace(  # type: ignore[attr-defined]
+    parameters=list(inspect.signature(CheckpointConfig.__init__).parameters.values())[1:]
+)
 _FORMAT_3_FIELDS = (  # in every save since format_version 3 (head and budget came later: older saves lack them)
     "every_n_layers",
     "offload_min_bytes",

@@ -3,6 +3,7 @@ does. Arguments are checked here, before anything changes; the map and what is i
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import logging
@@ -307,16 +308,17 @@ class CheckpointedModel(nn.Module):
 
     @property
     def offload_stats(self) -> dict[int, LayerOffloadStats]:
-        """Per layer: bytes offloaded and kept (and why), copies made, since made or reset."""
-        return dict(self._controller.offloader.stats)
+        """Per layer: bytes offloaded and kept (and why), copies made, since made or reset: a copy, which later
+        steps leave as it is (take one before and one after a step for its own)."""
+        return copy.deepcopy(dict(self._controller.offloader.stats))
 
     def reset_offload_stats(self) -> None:
         self._controller.offloader.reset_stats()
 
     @property
     def swap_stats(self) -> dict[int, LayerSwapStats]:
-        """Per swapped layer: fetches and bytes, since the layer was swapped or reset."""
-        return {i: e.stats for i, e in self._controller.swapper.layers.items()}
+        """Per swapped layer: fetches and bytes, since the layer was swapped or reset: a copy, as `offload_stats`."""
+        return {i: dataclasses.replace(e.stats) for i, e in self._controller.swapper.layers.items()}
 
     def reset_swap_stats(self) -> None:
         self._controller.swapper.reset_stats()

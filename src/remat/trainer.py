@@ -10,7 +10,7 @@ import logging
 import os
 import re
 import weakref
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from accelerate.utils import is_compiled_module
@@ -387,11 +387,19 @@ class RematTrainer(_RematTrainerMixin, Trainer):
     PeftModel, with `checkpoint_config.json` in every checkpoint and the saved map applied on resume."""
 
 
-@functools.cache
-def remat_trainer_class(base: type[Trainer]) -> type[Trainer]:
-    """`base` made remat-aware as `RematTrainer` is `Trainer`: `remat_trainer_class(trl.GRPOTrainer)`."""
+_T = TypeVar("_T", bound=Trainer)
+
+
+def remat_trainer_class(base: type[_T]) -> type[_T]:
+    """`base` made remat-aware as `RematTrainer` is `Trainer`: `remat_trainer_class(trl.GRPOTrainer)`, typed as
+    `base` (its own keywords type-check), the same class at each call."""
     if not (isinstance(base, type) and issubclass(base, Trainer)):
         raise ConfigTypeError(f"remat_trainer_class needs a transformers.Trainer subclass, got {base!r}")
+    return cast("type[_T]", _made_aware(base))
+
+
+@functools.cache
+def _made_aware(base: type[Trainer]) -> type[Trainer]:
     if base is Trainer:
         return RematTrainer
     if issubclass(base, _RematTrainerMixin):
