@@ -141,7 +141,7 @@ def main() -> None:
     print("| --- | --- | --- | --- |")
     for r in sorted(budget_cm.budget_receipts, key=lambda r: r.bucket_tokens):
         recomputed = sum(p != "none" for p in r.policies)
-        print(f"| {r.bucket_tokens} | {r.steps} | {recomputed} | {r.predicted_peak_bytes / 2**20:.2f} |")
+        print(f"| {r.bucket_tokens} | {r.steps} | {recomputed} | {r.predicted_bytes / 2**20:.2f} |")
 
 
 if __name__ == "__main__":

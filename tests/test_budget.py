@@ -106,7 +106,7 @@ def test_a_long_tailed_run_replans_per_bucket_fits_every_step_and_trains_exactly
     assert () in maps, "the short steps recompute nothing"
     receipts = cm.budget_receipts  # one per plan a bucket ran
     assert sum(r.steps for r in receipts) == len(lengths) + counted
-    assert all(r.predicted_peak_bytes <= budget for r in receipts)
+    assert all(r.predicted_bytes <= budget for r in receipts)
 
 
 def test_a_step_budget_in_a_plain_loop_counts_the_whole_step_without_an_optimizer_and_says_so():
@@ -120,7 +120,7 @@ def test_a_step_budget_in_a_plain_loop_counts_the_whole_step_without_an_optimize
     cm(**long).loss.backward()
     (_, receipt) = sorted(cm.budget_receipts, key=lambda r: r.bucket_tokens)
     measured = measure_step_peak(cm, long)
-    assert abs(measured - receipt.predicted_peak_bytes) <= 0.05 * receipt.predicted_peak_bytes
+    assert abs(measured - receipt.predicted_bytes) <= 0.05 * receipt.predicted_bytes
     assert "no optimizer state" in str(controller_of(cm).budget.active)
 
 
@@ -331,6 +331,22 @@ def test_with_the_chunked_head_the_first_step_profiles_the_head_and_trains_exact
     assert cm.checkpoint_map.head.policy in ("plain", "chunked")
 
 
+def test_the_same_budget_spelt_another_way_is_the_same_config_and_plans_nothing_again():
+    """Compared as given, "1MiB", "1M" and 1048576 were three configs: each re-enable planned again and added a
+    receipt."""
+    spellings = ["64MiB", "64M", 64 * 1024**2, "0.0625GiB"]
+    configs = [CheckpointConfig(budget=b, budget_scope="activations") for b in spellings]
+    assert len(set(configs)) == 1 and configs[0] != configs[0].replace(budget="65MiB")
+    assert configs[0].changed_fields(configs[0].replace(budget="65MiB")) == {"budget": ("64MiB", "65MiB")}
+    cm = CheckpointedModel(_model(), configs[0])
+    data = batch(size=2, seq=16)
+    cm(**data).loss.backward()
+    for spelt in spellings[1:]:
+        cm.enable(budget=spelt)
+        cm(**data).loss.backward()
+    assert len(cm.budget_receipts) == 1 and cm.budget_receipts[0].steps == len(spellings)
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_tensor_outside_the_model_gets_one_steps_gradient_from_the_first_step_and_none_from_a_profile(reentrant):
     """A steering vector added by a layer's forward hook (a trained tensor the model does not own): the measuring
@@ -433,7 +449,7 @@ def test_a_bucket_planned_anew_gets_a_receipt_of_the_map_it_runs(caplog):
     first, second = cm.budget_receipts
     assert first.bucket_tokens == second.bucket_tokens == 32 and first.steps == second.steps == 1
     assert second.policies == tuple(p.policy for p in cm.checkpoint_map) != first.policies
-    assert second.predicted_peak_bytes == least.predicted_device_bytes
+    assert second.predicted_bytes == least.predicted_device_bytes
     assert sum("steps of up to 32 tokens run" in r.getMessage() for r in caplog.records) == 1
     assert _measured(caplog) == [], "the same profile planned the new budget"
     cm.enable(budget="64MiB", budget_scope="step")  # measured again (a step peak), then back to the first map
@@ -442,7 +458,7 @@ def test_a_bucket_planned_anew_gets_a_receipt_of_the_map_it_runs(caplog):
     cm(**data).loss.backward()
     *_, step, held = cm.budget_receipts
     assert (step.scope, held.scope) == ("step", "activations") and step.policies == held.policies
-    assert held.predicted_peak_bytes == controller_of(cm).budget.active.predicted_device_bytes
+    assert held.predicted_bytes == controller_of(cm).budget.active.predicted_device_bytes
 
 
 def test_settings_no_measurement_depends_on_plan_again_without_measuring(caplog):

@@ -42,7 +42,7 @@ def test_remat_trainer_plans_with_its_optimizer_logs_the_receipt_and_resumes_fro
     assert "no optimizer known" in first and "the trainer's optimizer is known now" in again
     receipts = {r.bucket_tokens: r for r in cm.budget_receipts}
     assert set(receipts) == {bucket_of(12), bucket_of(24), bucket_of(80)}
-    assert all(r.predicted_peak_bytes <= 64 * 2**20 and r.scope == "step" for r in receipts.values())
+    assert all(r.predicted_bytes <= 64 * 2**20 and r.scope == "step" for r in receipts.values())
     profile = controller_of(cm).budget.profile
     assert profile.measurements.step is not None, "the trainer's optimizer was counted"
     (begin,) = [e for e in trainer.state.log_history if "remat/layers" in e]  # the map is per step: not a count
@@ -181,10 +181,10 @@ def test_a_log_carries_the_micro_batch_predicting_the_most_bytes_not_the_longest
     trainer = InOrder(model=cm, args=args, train_dataset=_rows([16, 16, 24, 24]))
     trainer.train()
     receipts = {r.bucket_tokens: r for r in cm.budget_receipts}
-    assert receipts.keys() == {32, 48} and receipts[32].predicted_peak_bytes > receipts[48].predicted_peak_bytes
+    assert receipts.keys() == {32, 48} and receipts[32].predicted_bytes > receipts[48].predicted_bytes
     (logged,) = [e for e in trainer.state.log_history if "loss" in e]
     assert logged["remat/budget_bucket_tokens"] == 32
-    assert logged["remat/budget_predicted_bytes"] == receipts[32].predicted_peak_bytes
+    assert logged["remat/budget_predicted_bytes"] == receipts[32].predicted_bytes
     held = {n: activation_bytes(cm, {k: torch.tensor([v] * 2) for k, v in _rows([n])[0].items()}) for n in (16, 24)}
     assert held[16] > held[24], "measured apart: the shorter micro-batch holds more"
 
@@ -235,7 +235,7 @@ def test_a_log_after_steps_of_one_token_bucket_in_rows_of_two_lengths_carries_th
     rows, packed = cm.budget_receipts
     assert [(r.bucket_tokens, r.bucket_length) for r in (rows, packed)] == [(24, None), (24, 24)]
     (logged,) = [e for e in trainer.state.log_history if "loss" in e]
-    assert logged["remat/budget_predicted_bytes"] == packed.predicted_peak_bytes
+    assert logged["remat/budget_predicted_bytes"] == packed.predicted_bytes
 
 
 def _oom_once(module):

@@ -55,7 +55,7 @@ class Receipt:
     bucket_tokens: int
     policies: tuple[str, ...]
     head: str
-    predicted_peak_bytes: int | None  # scope="step": the whole step; "activations": the held bytes
+    predicted_bytes: int | None  # what `scope` bounds: the whole step's peak ("step"), or the held activations
     scope: str
     steps: int = 0
     measured_peak_bytes: int | None = None
@@ -68,8 +68,8 @@ class Receipt:
             "remat/budget_bucket_tokens": self.bucket_tokens,
             "remat/budget_recomputed_layers": sum(p != "none" for p in self.policies),
         }
-        if self.predicted_peak_bytes is not None:
-            values["remat/budget_predicted_bytes"] = self.predicted_peak_bytes
+        if self.predicted_bytes is not None:
+            values["remat/budget_predicted_bytes"] = self.predicted_bytes
         if self.measured_peak_bytes is not None:
             values["remat/budget_measured_bytes"] = self.measured_peak_bytes
         return values
@@ -184,7 +184,7 @@ class BudgetState:
         receipt, new = self.receipts.get(key), _receipt(planned, bucket, controller.checkpoint_map.head)
         # said once per plan, not per change of bucket, nor of the head row (what the last forward ran: the model's
         # own head for a call with return_dict=False, the plan's on the next)
-        plan_of = lambda r: (r.policies, r.predicted_peak_bytes, r.scope)
+        plan_of = lambda r: (r.policies, r.predicted_bytes, r.scope)
         if receipt is None or plan_of(receipt) != plan_of(new):
             receipt = self.receipts[key] = new
             self.history.append(receipt)

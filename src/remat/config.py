@@ -228,7 +228,9 @@ class CheckpointConfig:
         return None if self.budget is None else parse_bytes(self.budget, "CheckpointConfig.budget")
 
     def _values(self) -> tuple[Any, ...]:
-        return tuple(getattr(self, name) for name in _FIELDS)  # layer_policies: a hashable FrozenPolicies
+        """What equality compares: the fields, the budget in bytes ("1MiB" and 1048576 plan alike; unequal, a
+        re-enable with the other spelling planned again); layer_policies a hashable FrozenPolicies."""
+        return tuple(self.budget_bytes if name == "budget" else getattr(self, name) for name in _FIELDS)
 
     def __eq__(self, other: object) -> bool:
         # isinstance, not class identity: a PlannedConfig equals the plain config with its fields.
@@ -252,7 +254,8 @@ class CheckpointConfig:
 
     def changed_fields(self, other: CheckpointConfig) -> dict[str, tuple[Any, Any]]:
         """{field: (value here, value in other)} for every field that differs."""
-        return {name: (a, b) for name, a, b in zip(_FIELDS, self._values(), other._values(), strict=True) if a != b}
+        same = zip(_FIELDS, self._values(), other._values(), strict=True)
+        return {name: (getattr(self, name), getattr(other, name)) for name, a, b in same if a != b}
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready values: lists for tuples, string keys for layer indices."""

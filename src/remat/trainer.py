@@ -101,7 +101,7 @@ class _RematTrainerMixin:
             ran = [r for key in budget.unlogged if (r := budget.receipts.get(key)) is not None]
             budget.unlogged.clear()
             if ran:  # the plan predicting the most bytes sets the step's peak (a larger bucket may recompute more)
-                receipt = max(ran, key=lambda r: (r.predicted_peak_bytes or 0, r.bucket_tokens, r.bucket_length or 0))
+                receipt = max(ran, key=lambda r: (r.predicted_bytes or 0, r.bucket_tokens, r.bucket_length or 0))
                 logs = {**logs, **receipt.log_values()}
         super().log(logs, *args, **kwargs)  # type: ignore[misc]
 
