@@ -313,6 +313,7 @@ class CheckpointedModel(nn.Module):
         return copy.deepcopy(dict(self._controller.offloader.stats))
 
     def reset_offload_stats(self) -> None:
+        """Start `offload_stats` from zero (measuring and `memory_report` never reset them)."""
         self._controller.offloader.reset_stats()
 
     @property
@@ -321,6 +322,7 @@ class CheckpointedModel(nn.Module):
         return {i: dataclasses.replace(e.stats) for i, e in self._controller.swapper.layers.items()}
 
     def reset_swap_stats(self) -> None:
+        """Start `swap_stats` from zero (measuring and `memory_report` never reset them)."""
         self._controller.swapper.reset_stats()
 
     @property
@@ -392,7 +394,9 @@ class CheckpointedModel(nn.Module):
         repeats: int = 3,
     ) -> Profile:
         """Measure on `batch` once, for `.plan(budget, scope=..., tokens=...)` at any budget; `optimizer`
-        adds the whole step's peak (`scope="step"`). Everything is left as it was (`remat.planner`)."""
+        adds the whole step's peak (`scope="step"`). `loss_fn(outputs, batch)` gives the loss where the batch has
+        no labels; `repeats`: timed steps per timed map (more steady prices, longer); `progress` shows a progress bar.
+        Everything is left as it was (`remat.planner`)."""
         from .planner import ProfileOptions, profile_model
 
         self._controller.check_layers("profile()")

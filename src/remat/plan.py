@@ -84,10 +84,12 @@ class CheckpointMap(Sequence[LayerPlan]):
         return len(self.plans)
 
     def indices(self, *policies: str) -> list[int]:
+        """The layers whose policy is one of `policies`: `cm.checkpoint_map.indices("offload", "selective")`."""
         return [p.index for p in self.plans if p.policy in policies]
 
     @property
     def checkpointed(self) -> list[int]:
+        """The layers run under a checkpoint (every policy but "none"), in order."""
         return [p.index for p in self.plans if p.checkpointed]
 
     def switched_off(self, why: str) -> CheckpointMap:
