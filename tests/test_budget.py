@@ -347,20 +347,38 @@ def test_the_same_budget_spelt_another_way_is_the_same_config_and_plans_nothing_
     assert len(cm.budget_receipts) == 1 and cm.budget_receipts[0].steps == len(spellings)
 
 
+class _Steer(torch.autograd.Function):
+    """output + vector, through a Function whose node has a `variable` of its own (not a leaf's)."""
+
+    @staticmethod
+    def forward(ctx, output, vector):
+        ctx.variable = "steered"
+        return output + vector
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.sum(dim=tuple(range(grad.dim() - 1)))
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_a_tensor_outside_the_model_gets_one_steps_gradient_from_the_first_step_and_none_from_a_profile(reentrant):
-    """A steering vector added by a layer's forward hook (a trained tensor the model does not own): the measuring
-    steps inside the first step (and `cm.profile`) ran a full backward, adding 13 steps' gradients to its `.grad`
-    (and 16 from a profile) that no snapshot of the model put back. (Backward's `inputs=` is refused under
-    reentrant checkpointing.)"""
+    """A steering vector added by a forward hook (a trained tensor the model does not own): the measuring steps
+    inside the first step (and `cm.profile`) ran a full backward, adding 13 steps' gradients to its `.grad` (and 16
+    from a profile) that no snapshot of the model put back. Under reentrant checkpointing the hook is on the final
+    norm: one on a layer runs inside the layer's checkpoint on transformers 4.57 and 5.17, unseen (README)."""
 
     def steered(model):
         vector = torch.zeros(model.config.hidden_size, requires_grad=True)
+        where = model.get_decoder().norm if reentrant else decoder_layers(model)[1]
 
         def steer(module, args, output):
-            return (output[0] + vector, *output[1:]) if isinstance(output, tuple) else output + vector
+            return (
+                (_Steer.apply(output[0], vector), *output[1:])
+                if isinstance(output, tuple)
+                else _Steer.apply(output, vector)
+            )
 
-        decoder_layers(model)[1].register_forward_hook(steer)
+        where.register_forward_hook(steer)
         return vector
 
     plain = _model()

@@ -101,7 +101,7 @@ def _leaves(loss: torch.Tensor) -> list[torch.Tensor]:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if hasattr(node, "variable"):
+        if type(node).__name__ == "AccumulateGrad":  # a custom Function's node may have a `variable` too
             leaves.append(node.variable)
         todo.extend(child for child, _ in node.next_functions)
     return leaves

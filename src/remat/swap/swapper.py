@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..errors import BlockSwapError, ConfigTypeError, StateError
 from ..refs import InstancePatches, Ref
@@ -176,6 +177,10 @@ def guard_layer(swapper: WeightSwapper, layer: SwappedLayer, module: nn.Module) 
     guard.release = module.register_forward_hook(torch.compiler.disable(guard.after_forward), always_call=True)
     layer.handles += [module.register_forward_pre_hook(torch.compiler.disable(guard.before_forward), prepend=True)]
     layer.handles.append(guard.release)
+    where = {
+        id(p): (owner, name) for owner in module.modules() for name, p in owner._parameters.items() if p is not None
+    }
+    guard.places = [(Ref(where[id(p)][0]), where[id(p)][1], p) for p in layer.params if id(p) in where]
     swapped = {id(p) for p in layer.params}
     for inner in module.modules():
         if not any(id(p) in swapped for p in inner.parameters()):
@@ -191,6 +196,20 @@ def guard_layer(swapper: WeightSwapper, layer: SwappedLayer, module: nn.Module) 
         layer.patches.set(inner, "__deepcopy__", guard.deepcopy)
         layer.patches.set(inner, "__reduce_ex__", guard.pickle)
         layer.patches.set(inner, "_replicate_for_data_parallel", guard.replicate)
+
+
+def _replaced(place: Ref[nn.Module], name: str, param: nn.Parameter) -> bool:
+    """Whether a swapped weight's place holds something else now: a parametrization (made from the placeholder,
+    whether it moved the Parameter or kept it, as spectral_norm's does), or another Parameter. A plain tensor there
+    is `torch.func.functional_call`'s, for that call only."""
+    if (owner := place()) is None:
+        return False
+    now = owner._parameters.get(name)
+    return (
+        parametrize.is_parametrized(owner, name)
+        or name not in owner._parameters
+        or (isinstance(now, nn.Parameter) and now is not param)
+    )
 
 
 def _unhook(handles: list[Any], patches: InstancePatches) -> None:
@@ -222,6 +241,7 @@ class _LayerGuard:
     def __init__(self, swapper: WeightSwapper, index: int, name: str, module: nn.Module):
         self.swapper, self.index, self.name, self.module = swapper, index, name, Ref(module)
         self.release: Any = None  # the forward hook's handle, moved after any hook added since
+        self.places: list[tuple[Ref[nn.Module], str, nn.Parameter]] = []  # each swapped weight's module and name
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
         hooks = self.release.hooks_dict_ref() if self.release is not None else None
@@ -236,14 +256,12 @@ class _LayerGuard:
                 "host memory after it runs, which a graph built outside checkpointing cannot survive. Evaluate "
                 "under torch.no_grad() (generate already does), or train with cm.for_training()."
             )
-        layer = self.swapper.layers[self.index]
-        owned = {id(p) for p in module.parameters()}
-        if replaced := sum(id(p) not in owned for p in layer.params):
+        if replaced := sum(_replaced(owner, name, param) for owner, name, param in self.places):
             raise BlockSwapError(
-                f"layer {self.index} ({self.name}): {replaced} of its swapped weights are no longer its parameters: "
-                "replaced since it was swapped (a parametrization such as weight_norm, or a new Parameter), from "
-                "placeholder zeros, not the weights. Make such a change before swapping or with remat disabled: "
-                "cm.disable() brings the swapped weights home into their own Parameter objects"
+                f"layer {self.index} ({self.name}): {replaced} of its swapped weights were parametrized or replaced "
+                "since it was swapped (weight_norm, spectral_norm, a new Parameter), from placeholder zeros, not the "
+                "weights. Make such a change before swapping or with remat disabled: cm.disable() brings the swapped "
+                "weights home into their own Parameter objects"
             )
         schedule.start(self.index, forward=True)
 
