@@ -411,6 +411,28 @@ def test_a_forward_without_labels_is_profiled_through_its_logits_and_trains_exac
     assert receipt.steps == 1 and controller_of(cm).budget.profile is not None
 
 
+def test_a_model_without_logits_is_profiled_through_its_outputs_and_trains_exactly():
+    """Sentence embeddings: a base model (no head, no logits) whose caller pools `last_hidden_state` into its own
+    loss. The budget's profile failed with KeyError 'logits' on every training step."""
+    from transformers import AutoModel
+
+    def base():
+        torch.manual_seed(0)
+        return AutoModel.from_config(tiny_model(num_hidden_layers=4, attention_dropout=0.0).config)
+
+    cm = CheckpointedModel(base(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    plain = base()
+    data = {k: v for k, v in batch(size=2, seq=16).items() if k != "labels"}
+    grads = []
+    for model in (cm, plain):
+        pooled = model(**data).last_hidden_state.mean(dim=1)
+        torch.nn.functional.cosine_similarity(pooled[0], pooled[1], dim=0).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert_same_grads(grads[1], {n.removeprefix("model."): g for n, g in grads[0].items()})
+    (receipt,) = cm.budget_receipts
+    assert receipt.steps == 1 and cm.checkpoint_map.checkpointed != list(range(4)), "planned: every layer fits"
+
+
 def test_the_receipt_names_the_head_that_runs_as_the_map_does():
     """A chunked head with no chunk given, on a forward without labels: the head's options cannot be measured, so the
     plan keeps the config's head, and the plain head runs (the caller computes the loss). The receipt said

@@ -518,11 +518,21 @@ def _every_label_counted(batch: dict[str, Any]) -> dict[str, Any]:
 def logits_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
     """A loss for profiling a batch without labels (GRPO, DPO: the trainer computes its loss from the
     logits): the logits' mean, whose backward reaches every layer as any loss over the logits does; the model's own
-    loss where it gave one (its targets under another name)."""
+    loss where it gave one (its targets under another name); a model without logits (an encoder's
+    `last_hidden_state` pooled by the caller, QA's start and end logits) the mean of each floating output that has
+    a gradient (a KeyError 'logits' failed every training step)."""
     if isinstance(loss := outputs.get("loss") if isinstance(outputs, Mapping) else None, torch.Tensor):
         return loss
-    logits = outputs["logits"] if isinstance(outputs, Mapping) else outputs[0]
-    return logits.float().mean()
+    logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
+    if isinstance(logits, torch.Tensor):
+        return logits.float().mean()
+    graded = [t for t in _tensors(outputs) if t.is_floating_point() and t.requires_grad]
+    if not graded:
+        raise ConfigError(
+            f"budget: {type(outputs).__name__} has no loss, logits or other output with a gradient to measure a "
+            "training step by; give the batch labels, or plan by hand (cm.profile(batch, loss_fn=...).plan(...))"
+        )
+    return torch.stack([t.float().mean() for t in graded]).sum()
 
 
 def _tensors(output: Any) -> list[torch.Tensor]:

@@ -415,7 +415,7 @@ def _measurements(
         alone=None if found.alone is None else tuple(found.alone[i] for i in everything),
         base_seconds=base,
         tokens=batch_tokens(steps.batch),
-        step=StepMemory(found.extras) if found.extras else None,
+        step=StepMemory(found.extras, steps.peak.fixed) if found.extras else None,
         time=prices,
         length=batch_length(steps.batch),
         square_per_row=not _seq2seq(steps.model),

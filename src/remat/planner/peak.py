@@ -29,6 +29,7 @@ class StepPeak:
     def __init__(self, model: nn.Module, batch: Mapping[str, Any], optimizer: Any, device: torch.device):
         self.model, self.batch, self.optimizer, self.device = model, batch, optimizer, device
         self.tracker: Any = None
+        self.fixed = 0  # bytes alive through any step on the device: weights, buffers, the optimizer's state
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[Any]:
@@ -37,6 +38,7 @@ class StepPeak:
             yield None
             return
         if optimizer is WITHOUT_OPTIMIZER:  # the step's peak all the same: weights, gradients, activations
+            self.fixed = self._fixed([])
             self.tracker = LiveStorages(peak_on=self.device, known=self._known([]))
             with self.tracker:
                 yield None
@@ -48,6 +50,7 @@ class StepPeak:
             if any(p not in optimizer.state for p in params if p.requires_grad):
                 _make_state(optimizer, params)
             state = [t for values in optimizer.state.values() for t in values.values() if isinstance(t, torch.Tensor)]
+            self.fixed = self._fixed(state)
             self.tracker = LiveStorages(peak_on=self.device, known=self._known(state))
             try:
                 with self.tracker:
@@ -63,6 +66,11 @@ class StepPeak:
         known = [*self.model.parameters(), *self.model.buffers(), *state, *self.batch.values()]
         known += [p.grad for p in self.model.parameters() if p.grad is not None]
         return [t for t in known if isinstance(t, torch.Tensor)]
+
+    def _fixed(self, state: list[torch.Tensor]) -> int:
+        """The bytes on the device that no batch changes (the batch and gradients left out)."""
+        known = [*self.model.parameters(), *self.model.buffers(), *state]
+        return LiveStorages(peak_on=self.device, known=known).current
 
     def extra(self, report: Any) -> int | None:
         if self.tracker is None:
