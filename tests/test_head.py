@@ -223,6 +223,12 @@ def test_a_family_remat_cannot_reproduce_keeps_its_own_head_and_says_why():
     head = cm.checkpoint_map.head
     assert head.policy == "plain" and "'somebody_elses') is not one of them" in head.reason
     assert cm(**batch()).logits is not None
+    # a masked LM is not a family remat lacks: its loss is another (the list of families invited "add bert")
+    from transformers import BertConfig, BertForMaskedLM
+
+    bert = BertForMaskedLM(BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
+    reason = CheckpointedModel(bert, CheckpointConfig(head="chunked")).checkpoint_map.head.reason
+    assert reason.startswith("BertForMaskedLM is not a causal language model"), reason
 
 
 def test_adaloras_regularized_loss_keeps_its_own_head_and_trains_exactly():

@@ -66,6 +66,11 @@ def _own_loss_why(base: nn.Module) -> str | None:
     if any(str(getattr(f, "__module__", None)).startswith("liger_kernel") for f in (bound, type(base).forward)):
         return "Liger Kernel replaced the forward: its fused linear cross-entropy computes the loss"
     family = getattr(getattr(base, "config", None), "model_type", None)
+    if family not in FAMILIES and not type(base).__name__.endswith(("ForCausalLM", "ForConditionalGeneration")):
+        return (  # a masked LM, a classifier: not a family remat lacks, another loss (the families invited "add bert")
+            f"{type(base).__name__} is not a causal language model: its loss is not the next-token loss the chunks "
+            "compute, so its own head runs"
+        )
     if family not in FAMILIES:
         return (
             f"remat reproduces the loss of {', '.join(FAMILIES)} exactly; {type(base).__name__} "
