@@ -99,6 +99,21 @@ def test_last_checkpointed_layer_of_forward_stays_and_backward_prefetches_in_ord
     assert all(stats[i].offloaded_bytes == LAYER_INPUT and stats[i].kept_bytes == 0 for i in range(3))
 
 
+def test_a_backward_prefetches_only_inputs_of_its_own_step_not_of_an_earlier_graph_still_alive():
+    """The prefetch took the input packed just before, whichever graph it was in: a step's graph kept alive (by
+    retain_graph, or a reference cycle not yet collected: a compiled step's, which made test_compile's counts
+    depend on when the collector ran) had its input copied back to the device in the next step's backward, and held
+    there with that graph."""
+    config = CheckpointConfig(layer_policies={0: "offload", 1: "recompute"}, offload_min_bytes=0)
+    _, named, cm = _wrapped(config, SimulatedTransport(), lora=True, num_hidden_layers=2)
+    kept = cm(**batch()).loss
+    kept.backward(retain_graph=True)
+    cm(**batch()).loss.backward()
+    assert (cm.offload_stats[0].copies_to_host, cm.offload_stats[0].copies_to_device) == (2, 2)
+    kept.backward()  # its own graph still fetches its input again
+    assert cm.offload_stats[0].copies_to_device == 3
+
+
 def test_a_graph_backpropagated_twice_counts_the_input_it_kept_once_and_never_moves_it_later():
     """backward(retain_graph=True) twice: the last layer's input, kept on the device as backward's first, was counted
     kept at each backward, and a forward while that graph lived copied it to the host then."""

@@ -116,6 +116,7 @@ class _Packed:
         self.version, self.version_moved = tensor._version, tensor._version  # torch's check of a saved tensor
         self.host: torch.Tensor | None = None
         self.prefetched: tuple[torch.Tensor, Event] | None = None
+        self.generation = 0  # the offloader's forwards since a backward it was packed in
         self.alive = True
 
     def move_to_host(self) -> None:
@@ -172,6 +173,9 @@ class Offloader:
         self._held_back: Callable[[], _Packed | None] = _nothing_held
         self._live: weakref.WeakValueDictionary[int, _Packed] = weakref.WeakValueDictionary()
         self._order = 0
+        # forwards since the last backward share a generation; a backward prefetches within its own only: an earlier
+        # step's graph still alive (retained, or in a reference cycle not yet collected) was prefetched, a copy wasted
+        self._generation, self._unpacked = 0, False
 
     def __reduce__(self) -> Any:
         """A copy (deepcopy, pickle) keeps settings and counters, not buffers (this process's, this graph's)."""
@@ -236,7 +240,10 @@ class Offloader:
             return tensor
         self.checkpoint_started()  # a layer without a shim call first (hooks used directly)
         self._order += 1
+        self._generation += self._unpacked
+        self._unpacked = False
         packed = _Packed(self, route, layer, tensor, self._order)
+        packed.generation = self._generation
         self._live[packed.order] = packed
         self._held_back = weakref.ref(packed)
         return packed
@@ -248,8 +255,9 @@ class Offloader:
             self.stats[packed.layer].keep(packed.meta.nbytes, KEPT_LAST)
             self._held_back = _nothing_held
         tensor = packed.fetch()
+        self._unpacked = True
         candidate = self._live.get(max((o for o in self._live if o < packed.order), default=0))  # orders start at 1
-        if candidate is not None and candidate.alive:
+        if candidate is not None and candidate.alive and candidate.generation == packed.generation:
             candidate.prefetch()  # backward needs the input packed just before this one next
         return tensor
 
