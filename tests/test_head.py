@@ -229,6 +229,11 @@ def test_a_family_remat_cannot_reproduce_keeps_its_own_head_and_says_why():
     bert = BertForMaskedLM(BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
     reason = CheckpointedModel(bert, CheckpointConfig(head="chunked")).checkpoint_map.head.reason
     assert reason.startswith("BertForMaskedLM is not a causal language model"), reason
+    from transformers import GPT2Config, GPT2LMHeadModel  # a causal LM outside the families, named otherwise
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_embd=32, n_layer=2, n_head=4))
+    reason = CheckpointedModel(gpt2, CheckpointConfig(head="chunked")).checkpoint_map.head.reason
+    assert "('gpt2') is not one of them" in reason, reason
 
 
 def test_adaloras_regularized_loss_keeps_its_own_head_and_trains_exactly():

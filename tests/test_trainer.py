@@ -215,7 +215,7 @@ def test_a_planned_map_logs_its_predicted_bytes_and_budget(tmp_path):
         scope="activations",
         tokens=4,
         predicted_seconds=0.5,
-        predicted_bytes=None,
+        predicted_peak_bytes=None,
         notes=(),
     )
     cm = CheckpointedModel(add_lora(tiny_model()), planned)

@@ -168,8 +168,8 @@ class CheckpointConfig:
     """
 
     every_n_layers: int = 1
-    offload_min_bytes: int | str = 2 * 1024**2  # bytes once made (a size given is parsed)
-    swap_layers: int | Sequence[int] = 0  # a tuple once made
+    offload_min_bytes: int = 2 * 1024**2  # a size ("2MiB") is taken too, and parsed
+    swap_layers: int | Sequence[int] = 0  # indices: a sorted tuple once made
     swap_placement: str = "spread"
     layer_policies: Mapping[int, str] = field(default_factory=dict)
     checkpoint_policy: str = "recompute"
@@ -360,7 +360,7 @@ def refuse_unknown_fields(fields: Mapping[str, Any], message: str, equals: str, 
 
 
 def _validated_swap_layers(value: Any) -> int | tuple[int, ...]:
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, Sequence) and not isinstance(value, str):  # a list, a tuple, a range
         indices = tuple(_layer_index("swap_layers", v) for v in value)
         if len(set(indices)) != len(indices):
             raise ConfigError(f"CheckpointConfig.swap_layers lists a layer twice: {list(value)}; list each once")

@@ -59,6 +59,9 @@ def causal_lm(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
 
 
+_NOT_CAUSAL = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
 def _own_loss_why(base: nn.Module) -> str | None:
     """Why `base` computes a loss remat does not reproduce (None: transformers' causal-LM loss, as `FAMILIES` run
     it). Read at every chunked forward too: a loss function or Liger can come after wrapping."""
@@ -66,7 +69,7 @@ def _own_loss_why(base: nn.Module) -> str | None:
     if any(str(getattr(f, "__module__", None)).startswith("liger_kernel") for f in (bound, type(base).forward)):
         return "Liger Kernel replaced the forward: its fused linear cross-entropy computes the loss"
     family = getattr(getattr(base, "config", None), "model_type", None)
-    if family not in FAMILIES and not type(base).__name__.endswith(("ForCausalLM", "ForConditionalGeneration")):
+    if family not in FAMILIES and type(base).__name__.endswith(_NOT_CAUSAL):
         return (  # a masked LM, a classifier: not a family remat lacks, another loss (the families invited "add bert")
             f"{type(base).__name__} is not a causal language model: its loss is not the next-token loss the chunks "
             "compute, so its own head runs"

@@ -35,6 +35,8 @@ class PlannedConfig(CheckpointConfig):
 
     @classmethod
     def of(cls, config: CheckpointConfig, **prediction: Any) -> PlannedConfig:
+        if unknown := prediction.keys() - cls.__annotations__.keys():
+            raise TypeError(f"PlannedConfig has no prediction field(s) {sorted(unknown)}")
         planned = cls(**{name: getattr(config, name) for name in config.to_dict()})
         for key, value in prediction.items():
             object.__setattr__(planned, key, value)
