@@ -52,6 +52,11 @@ def test_dir_and_help_list_the_names_loaded_on_first_use_and_the_configs_fields(
 
     with pytest.raises(TypeError, match="predicted_bytes"):  # a misspelt prediction was set as a stray attribute
         PlannedConfig.of(CheckpointConfig(), predicted_bytes=None)
+    import dataclasses
+
+    replaced = dataclasses.replace(PlannedConfig.of(CheckpointConfig(), outside_bytes=0, choices=()), every_n_layers=2)
+    with pytest.raises(AttributeError, match=r"planned\.replace"):  # was AttributeError: 'outside_bytes'
+        print(replaced.predicted_device_bytes)
     fields = list(inspect.signature(CheckpointConfig).parameters)
     assert fields[:3] == ["every_n_layers", "offload_min_bytes", "swap_layers"], fields
 

@@ -42,6 +42,15 @@ class PlannedConfig(CheckpointConfig):
             object.__setattr__(planned, key, value)
         return planned
 
+    def __getattr__(self, name: str) -> Any:
+        """Only for a prediction field it lacks: one made by `dataclasses.replace`, from the fields alone."""
+        if name in PlannedConfig.__annotations__ or isinstance(getattr(PlannedConfig, name, None), property):
+            raise AttributeError(
+                f"this PlannedConfig has no {name}: dataclasses.replace made it from the config's fields alone; "
+                "planned.replace(...) gives the plain CheckpointConfig a changed plan is"
+            )
+        raise AttributeError(f"'PlannedConfig' object has no attribute {name!r}")
+
     @property
     def predicted_device_bytes(self) -> int:
         """Activations held for backward on the device, in the layers and outside them."""
