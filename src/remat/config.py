@@ -320,11 +320,8 @@ class CheckpointConfig:
 
 _FIELDS = tuple(f.name for f in dataclasses.fields(CheckpointConfig))
 # `help()` and `inspect.signature` read the fields, not `__new__`'s (*args, **fields)
-CheckpointConfig.__signature__ = inspect.signature(
-    CheckpointConfig.__init__
-).replace(  # type: ignore[attr-defined]
-    parameters=list(inspect.signature(CheckpointConfig.__init__).parameters.values())[1:]
-)
+_INIT = inspect.signature(CheckpointConfig.__init__)
+CheckpointConfig.__signature__ = _INIT.replace(parameters=list(_INIT.parameters.values())[1:])  # type: ignore[attr-defined]
 _FORMAT_3_FIELDS = (  # in every save since format_version 3 (head and budget came later: older saves lack them)
     "every_n_layers",
     "offload_min_bytes",
