@@ -48,6 +48,8 @@ def test_remat_trainer_class_of_trainer_is_remat_trainer():
 def test_dir_and_help_list_the_names_loaded_on_first_use_and_the_configs_fields():
     assert set(remat.__all__) <= set(dir(remat)), set(remat.__all__) - set(dir(remat))
     assert CheckpointConfig(swap_layers=range(2)).swap_layers == (0, 1)
+    with pytest.raises(remat.ConfigTypeError):  # bytes are a sequence of ints too
+        CheckpointConfig(swap_layers=b"\x00\x02")
     from remat.planner import PlannedConfig
 
     with pytest.raises(TypeError, match="predicted_bytes"):  # a misspelt prediction was set as a stray attribute

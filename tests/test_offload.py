@@ -112,6 +112,9 @@ def test_a_backward_prefetches_only_inputs_of_its_own_step_not_of_an_earlier_gra
     assert (cm.offload_stats[0].copies_to_host, cm.offload_stats[0].copies_to_device) == (2, 2)
     kept.backward()  # its own graph still fetches its input again
     assert cm.offload_stats[0].copies_to_device == 3
+    kept = cm(**batch()).loss  # a graph kept without a backward (an evaluation in training mode, kept outputs)
+    cm(**batch()).loss.backward()
+    assert (cm.offload_stats[0].copies_to_host, cm.offload_stats[0].copies_to_device) == (4, 4)
 
 
 def test_a_graph_backpropagated_twice_counts_the_input_it_kept_once_and_never_moves_it_later():

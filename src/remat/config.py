@@ -357,7 +357,7 @@ def refuse_unknown_fields(fields: Mapping[str, Any], message: str, equals: str, 
 
 
 def _validated_swap_layers(value: Any) -> int | tuple[int, ...]:
-    if isinstance(value, Sequence) and not isinstance(value, str):  # a list, a tuple, a range
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes, bytearray, memoryview)):  # list, range
         indices = tuple(_layer_index("swap_layers", v) for v in value)
         if len(set(indices)) != len(indices):
             raise ConfigError(f"CheckpointConfig.swap_layers lists a layer twice: {list(value)}; list each once")

@@ -517,6 +517,7 @@ class Controller:
         """A model put back into training behind our back (Trainer calls `model.train()`) trains with its map;
         with a budget, a training forward first gets its bucket's plan (`remat.budget`)."""
         self._mode_before_call = None  # a `with` needs the mode call right before it
+        self.offloader.forward_started()
         if self._watch is not None:  # an earlier forward's, left by a Ctrl-C (torch runs always_call hooks on an
             self._watch.remove()  # Exception only): it would mark this forward as owing a backward
             self._watch = None

@@ -116,7 +116,7 @@ class _Packed:
         self.version, self.version_moved = tensor._version, tensor._version  # torch's check of a saved tensor
         self.host: torch.Tensor | None = None
         self.prefetched: tuple[torch.Tensor, Event] | None = None
-        self.generation = 0  # the offloader's forwards since a backward it was packed in
+        self.generation = 0  # the forward of the wrapped model it was packed in
         self.alive = True
 
     def move_to_host(self) -> None:
@@ -173,9 +173,10 @@ class Offloader:
         self._held_back: Callable[[], _Packed | None] = _nothing_held
         self._live: weakref.WeakValueDictionary[int, _Packed] = weakref.WeakValueDictionary()
         self._order = 0
-        # forwards since the last backward share a generation; a backward prefetches within its own only: an earlier
-        # step's graph still alive (retained, or in a reference cycle not yet collected) was prefetched, a copy wasted
-        self._generation, self._unpacked = 0, False
+        # each forward of the wrapped model is a generation; a backward prefetches within its own only: an earlier
+        # graph still alive (retained, kept without a backward, or in a reference cycle not yet collected) had its
+        # input copied back and held. Two forwards summed into one loss lose the prefetch across them, not a copy.
+        self._generation = 0
 
     def __reduce__(self) -> Any:
         """A copy (deepcopy, pickle) keeps settings and counters, not buffers (this process's, this graph's)."""
@@ -222,6 +223,10 @@ class Offloader:
         signature = _signature(target) if target is not None else None
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(layer, t, signature), self._unpack)
 
+    def forward_started(self) -> None:
+        """The wrapped model's forward begins: what it packs is prefetched only within its own backward."""
+        self._generation += 1
+
     def checkpoint_started(self) -> None:
         """A checkpointed layer starts: the input held back so far is not backward's first, so it goes out."""
         previous, self._held_back = self._held_back(), _nothing_held
@@ -240,8 +245,6 @@ class Offloader:
             return tensor
         self.checkpoint_started()  # a layer without a shim call first (hooks used directly)
         self._order += 1
-        self._generation += self._unpacked
-        self._unpacked = False
         packed = _Packed(self, route, layer, tensor, self._order)
         packed.generation = self._generation
         self._live[packed.order] = packed
@@ -255,7 +258,6 @@ class Offloader:
             self.stats[packed.layer].keep(packed.meta.nbytes, KEPT_LAST)
             self._held_back = _nothing_held
         tensor = packed.fetch()
-        self._unpacked = True
         candidate = self._live.get(max((o for o in self._live if o < packed.order), default=0))  # orders start at 1
         if candidate is not None and candidate.alive and candidate.generation == packed.generation:
             candidate.prefetch()  # backward needs the input packed just before this one next

@@ -35,7 +35,7 @@ class PlannedConfig(CheckpointConfig):
 
     @classmethod
     def of(cls, config: CheckpointConfig, **prediction: Any) -> PlannedConfig:
-        if unknown := prediction.keys() - cls.__annotations__.keys():
+        if unknown := prediction.keys() - PlannedConfig.__annotations__.keys():
             raise TypeError(f"PlannedConfig has no prediction field(s) {sorted(unknown)}")
         planned = cls(**{name: getattr(config, name) for name in config.to_dict()})
         for key, value in prediction.items():
@@ -46,7 +46,8 @@ class PlannedConfig(CheckpointConfig):
         """Only for a prediction field it lacks: one made by `dataclasses.replace`, from the fields alone."""
         if name in PlannedConfig.__annotations__ or isinstance(getattr(PlannedConfig, name, None), property):
             raise AttributeError(
-                f"this PlannedConfig has no {name}: dataclasses.replace made it from the config's fields alone; "
+                f"this PlannedConfig has no {name}: it was made from the config's fields alone (dataclasses.replace, "
+                "from_dict or the constructor); "
                 "planned.replace(...) gives the plain CheckpointConfig a changed plan is"
             )
         raise AttributeError(f"'PlannedConfig' object has no attribute {name!r}")
