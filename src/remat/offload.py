@@ -111,12 +111,12 @@ class _Packed:
     def __init__(self, offloader: Offloader, buffers: HostBuffers, layer: int, tensor: torch.Tensor, order: int):
         self.stats, self.buffers, self.transport = offloader.stats, buffers, buffers.transport
         self.layer, self.order = layer, order
+        self.generation = offloader.generation  # the forward of the wrapped model it was packed in
         self.meta = TensorMeta(tensor.shape, tensor.dtype, tensor.device, tensor.nbytes)
         self.device_tensor: torch.Tensor | None = tensor
         self.version, self.version_moved = tensor._version, tensor._version  # torch's check of a saved tensor
         self.host: torch.Tensor | None = None
         self.prefetched: tuple[torch.Tensor, Event] | None = None
-        self.generation = 0  # the forward of the wrapped model it was packed in
         self.alive = True
 
     def move_to_host(self) -> None:
@@ -176,7 +176,7 @@ class Offloader:
         # each forward of the wrapped model is a generation; a backward prefetches within its own only: an earlier
         # graph still alive (retained, kept without a backward, or in a reference cycle not yet collected) had its
         # input copied back and held. Two forwards summed into one loss lose the prefetch across them, not a copy.
-        self._generation = 0
+        self.generation = 0
 
     def __reduce__(self) -> Any:
         """A copy (deepcopy, pickle) keeps settings and counters, not buffers (this process's, this graph's)."""
@@ -225,7 +225,7 @@ class Offloader:
 
     def forward_started(self) -> None:
         """The wrapped model's forward begins: what it packs is prefetched only within its own backward."""
-        self._generation += 1
+        self.generation += 1
 
     def checkpoint_started(self) -> None:
         """A checkpointed layer starts: the input held back so far is not backward's first, so it goes out."""
@@ -246,7 +246,6 @@ class Offloader:
         self.checkpoint_started()  # a layer without a shim call first (hooks used directly)
         self._order += 1
         packed = _Packed(self, route, layer, tensor, self._order)
-        packed.generation = self._generation
         self._live[packed.order] = packed
         self._held_back = weakref.ref(packed)
         return packed
