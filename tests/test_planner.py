@@ -323,10 +323,13 @@ def test_a_batch_without_labels_or_loss_fn_is_refused_before_any_work_and_loss_f
     torch.manual_seed(0)
     config = tiny_model().config
     base = transformers.AutoModel.from_config(config, attn_implementation="eager").train()
-    headless = CheckpointedModel(base)
+    headless = CheckpointedModel(base, CheckpointConfig(head="chunked"))  # asked for, but there is no head
     loss_fn = lambda outputs, batch: outputs.last_hidden_state.pow(2).mean()
     profile = headless.profile(unlabelled, loss_fn=loss_fn, repeats=1, progress=False)
     planned = profile.plan(profile.frontier()[0].predicted_device_bytes)
+    # the plan shows the head as the map does (it printed "head chunked(None)")
+    assert headless.checkpoint_map.head.label == "plain"
+    assert "(head plain: LlamaModel has no output embedding: nothing to chunk)" in str(planned)
     headless.enable(planned)
     measured = activation_bytes(headless, unlabelled, loss_of=loss_fn)
     assert abs(measured - planned.predicted_device_bytes) <= 0.05 * planned.predicted_device_bytes

@@ -50,8 +50,11 @@ class HeadPlan:
 
 
 def head_label(policy: str, chunk_tokens: int | None) -> str:
-    """How a head is written in maps, plans and receipts: "plain" or "chunked(N)"."""
-    return f"chunked({chunk_tokens})" if policy == "chunked" else policy
+    """How a head is written in maps, plans and receipts: "plain" or "chunked(N)" (a config that leaves the chunk
+    to remat: "chunked(remat's)")."""
+    if policy != "chunked":
+        return policy
+    return f"chunked({chunk_tokens})" if chunk_tokens is not None else "chunked(remat's)"
 
 
 @dataclass(frozen=True, repr=False)

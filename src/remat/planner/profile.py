@@ -9,6 +9,7 @@ from ..arguments import parse_bytes, parse_count
 from ..config import CheckpointConfig
 from ..display import mib, render_table
 from ..errors import ConfigError, StaleProfileError
+from ..head import plan_head
 from ..plan import head_label
 from ..refs import LocalRef
 from .chooser import LayerChoice, Measurements, Plan, check_scope, choose, frontier, native_points, smallest
@@ -32,6 +33,7 @@ class PlannedConfig(CheckpointConfig):
     predicted_seconds_range: tuple[float, float] | None  # quartiles of the timing: the prediction's spread
     predicted_peak_bytes: int | None  # the peak of one whole step, when the profile measured it
     notes: tuple[str, ...]
+    head_shown: str | None  # the head as the map shows it on the profiled model (None: the model is gone)
 
     @classmethod
     def of(cls, config: CheckpointConfig, **prediction: Any) -> PlannedConfig:
@@ -66,7 +68,7 @@ class PlannedConfig(CheckpointConfig):
             (str(c.index), c.name, c.policy, mib(c.device_bytes), mib(c.host_bytes), f"{c.seconds * 1e3:+.1f}")
             for c in self.choices
         ]
-        head = head_label(self.head, self.head_chunk_tokens)
+        head = self.head_shown or head_label(self.head, self.head_chunk_tokens)
         rows.append(("", f"outside layers (head {head})", "", mib(self.outside_bytes), "0.00", ""))
         totals = (mib(self.predicted_device_bytes), mib(self.predicted_host_bytes))
         step = f"{self.predicted_seconds * 1e3:.1f} per step"
@@ -230,7 +232,21 @@ class Profile:
             predicted_seconds_range=chosen.seconds_range,
             predicted_peak_bytes=chosen.peak_bytes,
             notes=self.notes,
+            head_shown=self._head_shown(planned),
         )
+
+    def _head_shown(self, planned: CheckpointConfig) -> str | None:
+        """The map's head row for the plan on the profiled model: a model without an output embedding shows
+        "plain" and why, not the config's "chunked"."""
+        controller = self._wrapper()
+        try:
+            model = None if controller is None else controller.model
+        except RuntimeError:  # the model is gone
+            return None
+        if model is None:
+            return None
+        row = plan_head(planned.head, planned.head_chunk_tokens, model)
+        return row.label if row.policy == planned.head else f"{row.label}: {row.reason}"
 
     def __repr__(self) -> str:
         return (
