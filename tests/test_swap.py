@@ -349,6 +349,54 @@ def test_a_swapped_weight_replaced_by_a_parametrization_after_wrapping_is_refuse
         cm(**batch())
 
 
+def test_a_cast_of_swapped_weights_data_after_wrapping_casts_their_host_copies():
+    """`p.data = p.data.to(dtype)` on every weight (PEFT's prepare_model_for_kbit_training casts so) reached only the
+    placeholders of swapped weights: the next forward failed in a matmul on mixed dtypes, state_dict kept the old."""
+    model, _ = _lora_model(lora_dropout=0.0)
+    reference = copy.deepcopy(model)
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=2))
+    for m in (model, reference):
+        for param in m.parameters():
+            param.data = param.data.to(torch.float64)
+    name = "base_model.model.model.layers.1.mlp.down_proj.base_layer.weight"
+    assert model.state_dict()[name].dtype == torch.float64
+    torch.testing.assert_close(model.state_dict()[name], reference.state_dict()[name], rtol=0, atol=0)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    ref_named = [(n, p) for n, p in reference.named_parameters() if p.requires_grad]
+    for _ in range(2):
+        loss, got = step_grads(cm, named, batch())
+        ref_loss, ref = step_grads(reference, ref_named, batch())
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+        assert_same_grads(ref, got)
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda w: setattr(w, "data", torch.ones(w.shape, dtype=w.dtype)),
+        lambda w: w.fill_(1.0),  # under no_grad: into the placeholder's one element
+        lambda w: torch.nn.init.zeros_(w),
+    ],
+    ids=["new data", "fill_", "nn.init"],
+)
+def test_a_write_to_a_swapped_weight_at_rest_is_refused_not_lost(write):
+    """Written between steps, the new values were overwritten by the next fetch of the host copy (the loss as if
+    nothing was written; without remat it changes). Refused at the next forward and state_dict, and disable() then
+    brings the true weights home."""
+    model, _ = _lora_model()
+    weight = decoder_layers(model)[1].mlp.down_proj.base_layer.weight
+    kept = weight.detach().clone()
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=2))
+    cm(**batch()).loss.backward()
+    with torch.no_grad():
+        write(weight)
+    for refused in (lambda: cm(**batch()), model.state_dict):
+        with pytest.raises(BlockSwapError, match=r"layer 1 .*1 of its swapped weights were written while at rest"):
+            refused()
+    cm.disable()
+    assert torch.equal(weight, kept)
+
+
 def test_a_swapped_layer_with_gradients_in_eval_mode_is_refused_not_silently_wrong():
     model, named = _lora_model()
     cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))

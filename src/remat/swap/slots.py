@@ -39,6 +39,7 @@ class SwappedLayer:
     stats: LayerSwapStats = field(default_factory=LayerSwapStats)
     handles: list[Any] = field(default_factory=list)
     patches: InstancePatches = field(default_factory=InstancePatches)
+    rest_versions: list[int] = field(default_factory=list)  # each Parameter's version counter when put to rest
 
     @property
     def layout(self) -> Layout:
@@ -54,6 +55,35 @@ class SwappedLayer:
 
     def rest(self) -> None:
         self.point_at(self.placeholders)
+        self.rest_versions = [p._version for p in self.params]
+
+    def take_writes_at_rest(self) -> None:
+        """Before a fetch of a layer at rest: what was done to its Parameters since, which the slot would overwrite.
+        `p.data = p.data.to(dtype)` (PEFT's `prepare_model_for_kbit_training` casts so) cast the placeholder: the host
+        copy is cast as `.to(dtype)` casts it. Any other write (new values in `.data`, `p.zero_()` under no_grad, a
+        move) was lost silently, or failed in a matmul on dtypes: refused."""
+        written = []
+        for i, (param, rest, host) in enumerate(zip(self.params, self.placeholders, self.host, strict=True)):
+            data = param.data
+            if data.data_ptr() == host.data_ptr() and data.shape == host.shape and data.dtype == host.dtype:
+                param.data = rest  # a load interrupted while pointed at the host copies
+            elif _where(data) != _where(rest):
+                if data.shape != rest.shape or data.device != rest.device or data.dtype == rest.dtype or data.any():
+                    written.append(i)
+                    continue
+                self.host[i] = self.mover.host_copy(host.to(dtype=data.dtype))  # a cast of the placeholder's zeros
+                self.placeholders[i] = placeholder(rest.shape, data.dtype, rest.device)
+                param.data = self.placeholders[i]
+            elif param._version != self.rest_versions[i]:
+                written.append(i)
+        if written:
+            raise BlockSwapError(
+                f"layer {self.index} ({self.name}): {len(written)} of its swapped weights were written while at rest "
+                "(new values in .data, an in-place op, a move), where their Parameters hold placeholders for the "
+                "host copies: the write would be lost. Write them with load_state_dict (it writes the host copies), "
+                "cast or move with .to(), or make the change with remat disabled (cm.disable())"
+            )
+        self.rest_versions = [p._version for p in self.params]
 
     def keep_replaced(self) -> None:
         """A forward that replaced a weight's data in use (bitsandbytes repacks a 4-bit weight on some CPUs, and its
@@ -75,6 +105,10 @@ class SwappedLayer:
                 "swapped; a swapped weight rests in host memory and must stay frozen. Leave the layer out of "
                 "swap_layers first (cm.enable(swap_layers=...)), then train that weight"
             )
+
+
+def _where(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return tensor.data_ptr(), tensor.shape, tensor.dtype, tensor.device
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -99,6 +133,7 @@ class SlotPool:
         makes one more: a step that failed halfway holds them)."""
         if layer.slot is not None:
             return True
+        layer.take_writes_at_rest()
         layout = layer.layout
         free = self._free.setdefault(layout, [])
         if free:
@@ -216,5 +251,8 @@ class Schedule:
 
     def _prefetch(self, upcoming: list[int]) -> None:
         for index in upcoming[: self.pool.prefetch_depth]:
-            if not self.pool.fetch(self.layers[index]):
+            try:
+                if not self.pool.fetch(self.layers[index]):
+                    break
+            except BlockSwapError:  # written at rest: refused at its own turn, after its guards' own checks
                 break
