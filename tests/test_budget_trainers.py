@@ -2,6 +2,7 @@
 a resume that plans from the saved profile) and TRL's `GRPOTrainer` (re-planned per bucket, the map
 kept through every generation toggle)."""
 
+import json
 import logging
 
 import datasets
@@ -279,3 +280,18 @@ def test_auto_find_batch_size_halves_a_batch_the_budgets_first_step_or_the_budge
     assert trainer._train_batch_size < 16 and trainer.state.global_step == 2  # accelerate's finder: 0.9x a retry
     if handle is not None:
         handle.remove()
+
+
+def test_under_trainers_bf16_a_step_is_of_the_autocast_kind_and_measured_again(tmp_path, caplog):
+    """accelerate's mixed precision (Trainer's bf16=True) wraps the model's forward in autocast, which remat's forward
+    pre-hook ran before: the steps were taken for fp32 ones, planned from an fp32 profile, and a profile measured
+    under it was saved as "autocast off" (a resume in fp32 planned from bf16 prices)."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB"))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**{k: torch.tensor([v]) for k, v in _rows([12])[0].items()}).loss.backward()  # an fp32 step first
+        args = TrainingArguments(**_common(tmp_path, max_steps=1, save_steps=1, bf16=True))
+        RematTrainer(model=cm, args=args, train_dataset=_rows([12, 12])).train()
+    first, again = _measured(caplog)
+    assert "not of the kind profiled (this: inputs tokens only; autocast cpu bfloat16; profiled: " in again, again
+    saved = json.loads((tmp_path / "out" / "checkpoint-1" / "checkpoint_config.json").read_text())
+    assert saved["budget_profile"]["kind"] == "inputs tokens only; autocast cpu bfloat16"

@@ -11,6 +11,7 @@ plan, its prediction and (on an accelerator) the allocator's measured peak.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -158,14 +159,6 @@ class BudgetState:
         self._close_receipt()
         started = time.perf_counter()
         planned, bucket = self._plan_for(controller, batch, tokens, length)
-        if self.owed and not self.said_two_graphs:
-            self.said_two_graphs = True
-            logger.warning(
-                "budget: a training forward (%d tokens) started while an earlier forward's backward is owed: both "
-                "graphs are held at once, and each is planned as the step's only one, so the step holds more than "
-                "its budget by what the earlier graph holds. Run them as one forward, or call backward between them",
-                tokens,
-            )
         if planned != self.active:  # another map (two buckets often plan the same one: nothing to apply)
             if self.owed:
                 raise StateError(
@@ -180,6 +173,14 @@ class BudgetState:
             except BaseException:  # the map of before stays (`Controller.replan`): so does its plan
                 self.active, self.active_bucket = before
                 raise
+        if self.owed and not self.said_two_graphs:  # (a forward refused above holds no second graph)
+            self.said_two_graphs = True
+            logger.warning(
+                "budget: a training forward (%d tokens) started while an earlier forward's backward is owed: both "
+                "graphs are held at once, and each is planned as the step's only one, so the step holds more than "
+                "its budget by what the earlier graph holds. Run them as one forward, or call backward between them",
+                tokens,
+            )
         key = (bucket, self.kind_ids.setdefault(self.kind, len(self.kind_ids)))  # a bucket of each kind
         receipt, new = self.receipts.get(key), _receipt(planned, bucket, controller.checkpoint_map.head)
         # said once per plan, not per change of bucket, nor of the head row (what the last forward ran: the model's
@@ -458,12 +459,32 @@ def step_kind(model: Any, batch: Mapping[str, Any]) -> tuple[Any, ...]:
         ids.shape if isinstance(ids, torch.Tensor) else embeds.shape[:-1] if isinstance(embeds, torch.Tensor) else None
     )
     inputs = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != shape))
-    autocast = tuple((d, torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d))
+    casts = {d: torch.get_autocast_dtype(d) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)}
+    for entered in _autocasts_of_forward(model):  # entered inside the call, after this pre-hook
+        casts.pop(entered.device, None)
+        casts.update({entered.device: entered.fast_dtype} if entered._enabled else {})
+    autocast = tuple((d, casts[d]) for d in _AUTOCAST_DEVICES if d in casts)
     seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     if not (seq2seq and isinstance(target, torch.Tensor) and target.numel()):
         return inputs, autocast, None
     source = batch_tokens({k: v for k, v in batch.items() if k not in ("labels", "decoder_input_ids")})
     return inputs, autocast, round(math.log2(target.numel() / max(source, 1)))
+
+
+def _autocasts_of_forward(model: Any) -> list[torch.amp.autocast]:
+    """The autocasts a wrapper set on the instance's `forward` enters, outermost first: accelerate's mixed precision
+    (Trainer's `bf16=True`) wraps `model.forward` in `torch.autocast` as a decorator, which runs after the forward
+    pre-hooks, so a step's kind read there said "autocast off" (a profile measured in fp32 priced bf16 steps)."""
+    found, func, seen = [], getattr(model, "__dict__", {}).get("forward"), set()
+    while func is not None and id(func) not in seen:  # each decorator's `__wrapped__` (functools.wraps)
+        seen.add(id(func))
+        func = getattr(func, "__func__", func)
+        for cell in getattr(func, "__closure__", None) or ():
+            with contextlib.suppress(ValueError):  # an empty cell
+                if isinstance(cell.cell_contents, torch.amp.autocast):
+                    found.append(cell.cell_contents)
+        func = getattr(func, "__wrapped__", None)
+    return found
 
 
 # the device types torch keeps an autocast state for (`torch.is_autocast_enabled` raises for others, "meta"): each
