@@ -2,11 +2,14 @@
 # tests on each older supported transformers release. Each target sets up its own virtual
 # environment first.
 #
-# torch is installed by exact version first: 2.13.0 is the CPU wheel this project's machines
-# carry, and asking for it by name keeps pip from pulling a multi-GB CUDA build.
+# torch is installed by exact version first. This project's machines carry the 2.13.0 CPU wheel
+# where pip finds it; elsewhere pip's default on Linux is a multi-GB CUDA build: name PyTorch's CPU
+# index (`make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`).
 
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
+TORCH_FROM = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 NEWEST_TRANSFORMERS ?= 5.24.0
 OLDER_TRANSFORMERS ?= 4.57.6 5.17.0
 PINS = peft==0.21.2 accelerate==1.15.0 trl==1.16.0 safetensors==0.8.0 pytest==9.2.0 pytest-xdist==3.8.0 bitsandbytes==0.50.2 matplotlib==3.11.2 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0
@@ -26,7 +29,7 @@ VENV = .venv
 $(VENV)/.installed-$(NEWEST_TRANSFORMERS): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
-	$(VENV)/bin/pip install --quiet "$(TORCH)"
+	$(VENV)/bin/pip install --quiet "$(TORCH)" $(TORCH_FROM)
 	$(VENV)/bin/pip install --quiet "transformers==$(NEWEST_TRANSFORMERS)" $(PINS) $(LIGER) ruff
 	$(VENV)/bin/pip install --quiet --no-build-isolation $(DEEPSPEED)
 	$(VENV)/bin/pip install --quiet --no-deps -e .
@@ -53,7 +56,7 @@ test: $(VENV)/.installed-$(NEWEST_TRANSFORMERS)
 .venvs/tf-%/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv .venvs/tf-$*
 	.venvs/tf-$*/bin/pip install --quiet --upgrade pip
-	.venvs/tf-$*/bin/pip install --quiet "$(TORCH)"
+	.venvs/tf-$*/bin/pip install --quiet "$(TORCH)" $(TORCH_FROM)
 	.venvs/tf-$*/bin/pip install --quiet "transformers==$*" $(PINS) $(or $(LIGER_$*),$(LIGER))
 	.venvs/tf-$*/bin/pip install --quiet --no-build-isolation $(or $(DEEPSPEED_$*),$(DEEPSPEED))
 	.venvs/tf-$*/bin/pip install --quiet --no-deps -e .

@@ -3,6 +3,7 @@
 import copy
 import dataclasses
 import json
+import logging
 import pickle
 
 import pytest
@@ -83,7 +84,7 @@ def test_json_round_trip_with_every_option_set(tmp_path):
         every_n_layers=3,
         checkpoint_policy="offload",
         offload_min_bytes=1024,
-        swap_layers=[4, 0],
+        swap_layers=3,
         swap_placement="tail",
         layer_policies={"2": "none", 5: "offload"},
         use_reentrant=True,
@@ -159,3 +160,13 @@ def test_a_format_version_this_remat_cannot_read_is_an_error_naming_the_file(tmp
 def test_a_file_of_the_first_format_still_loads(tmp_path):
     (tmp_path / "checkpoint_config.json").write_text(json.dumps({"format_version": 1, "every_n_layers": 2}))
     assert CheckpointConfig.from_pretrained(tmp_path) == CheckpointConfig(every_n_layers=2)
+
+
+def test_swap_placement_with_a_list_of_layers_is_refused_and_an_old_save_of_it_reads_as_spread(caplog):
+    """swap_placement places a count; with a list it was taken and ignored, silently."""
+    with pytest.raises(ValueError, match=r"swap_placement='tail' places a count.*swap_layers=\[0, 2\] names them"):
+        CheckpointConfig(swap_layers=[0, 2], swap_placement="tail")
+    saved = {**CheckpointConfig(swap_layers=[0, 2]).to_dict(), "swap_placement": "tail"}
+    with caplog.at_level(logging.WARNING, logger="remat"):
+        loaded = CheckpointConfig.from_dict(saved)
+    assert loaded == CheckpointConfig(swap_layers=[0, 2]) and "read as 'spread'" in caplog.text

@@ -61,6 +61,7 @@ def test_dir_and_help_list_the_names_loaded_on_first_use_and_the_configs_fields(
         print(replaced.predicted_device_bytes)
     fields = list(inspect.signature(CheckpointConfig).parameters)
     assert fields[:3] == ["every_n_layers", "offload_min_bytes", "swap_layers"], fields
+    assert not [name for name in inspect.signature(CheckpointedModel).parameters if name.startswith("_")]
 
 
 def test_offload_is_asked_for_as_a_policy_and_the_old_flag_is_refused_naming_it():

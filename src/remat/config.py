@@ -150,7 +150,8 @@ class CheckpointConfig:
         offload_min_bytes: inputs of "offload" layers under this stay on the device (the copy costs more); bytes, or
             a size like the budget's ("2MiB").
         swap_layers: how many layers (int) or which ones (indices) keep their frozen weights in host memory.
-        swap_placement: where a count of swapped layers goes: "spread" over the stack, or "tail" (not for a list).
+        swap_placement: where a count of swapped layers goes: "spread" over the stack, or "tail" (a list of
+            indices says where itself: "tail" with one is refused).
         layer_policies: {layer index: "none" | "recompute" | "offload" | "selective"}: single-layer overrides.
         checkpoint_policy: how every other checkpointed layer runs: "recompute" (the whole layer again in
             backward), "offload" (the same, its input waiting in host memory: the one way to ask for
@@ -168,7 +169,7 @@ class CheckpointConfig:
     """
 
     every_n_layers: int = 1
-    offload_min_bytes: int = 2 * 1024**2  # a size ("2MiB") is taken too, and parsed
+    offload_min_bytes: int | str = 2 * 1024**2  # a size ("2MiB") is taken too, and held in bytes once made
     swap_layers: int | Sequence[int] = 0  # indices: a sorted tuple once made
     swap_placement: str = "spread"
     layer_policies: Mapping[int, str] = field(default_factory=dict)
@@ -195,6 +196,12 @@ class CheckpointConfig:
             check_flag(getattr(self, name), f"CheckpointConfig.{name}")
         _check_in("swap_placement", self.swap_placement, SWAP_PLACEMENTS)
         object.__setattr__(self, "swap_layers", _validated_swap_layers(self.swap_layers))
+        if isinstance(self.swap_layers, tuple) and self.swap_placement != "spread":
+            raise ConfigError(
+                f"CheckpointConfig.swap_placement={self.swap_placement!r} places a count of swapped layers; "
+                f"swap_layers={list(self.swap_layers)} names them: give a count (swap_layers={len(self.swap_layers)}) "
+                "or leave swap_placement out"
+            )
         object.__setattr__(self, "layer_policies", _validated_layer_policies(self.layer_policies))
         _check_in("checkpoint_policy", self.checkpoint_policy, CHECKPOINT_POLICIES)
         _check_in("head", self.head, HEADS)
@@ -280,6 +287,13 @@ class CheckpointConfig:
                 f"{FORMAT_VERSION} and older: it was written by a newer remat; upgrade remat to load it"
             )
         data = _without_offload_flag(data, source)
+        if isinstance(data.get("swap_layers"), list) and data.get("swap_placement", "spread") != "spread":
+            logger.warning(  # saved before such a pair was refused, when it changed nothing: it still changes nothing
+                "%s: swap_placement=%r places a count of swapped layers, not the list saved: read as 'spread'",
+                source,
+                data["swap_placement"],
+            )
+            data = {**data, "swap_placement": "spread"}
         if unknown := sorted(set(data) - set(_FIELDS) - set(META_KEYS)):
             logger.warning("%s: ignoring keys this remat does not know: %s", source, unknown)
         if "format_version" in data and version >= 3 and (missing := [n for n in _FORMAT_3_FIELDS if n not in data]):

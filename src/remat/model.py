@@ -125,9 +125,10 @@ class CheckpointedModel(nn.Module):
         swap_mover: WeightMover | None = None,
         layer_class: str | type | Sequence[str | type] | None = None,
         offload_host_budget: int | str | None = None,
-        _prepared: tuple[Discovery, CheckpointMap] | None = None,
         **fields: Any,
     ):
+        # a load's discovery and map, made once (`remat.persistence`): kept out of the signature help() shows
+        _prepared: tuple[Discovery, CheckpointMap] | None = fields.pop("_prepared", None)
         warn_if_untested()  # once per process: torch or transformers outside the tested range
         config = _with_fields(CheckpointConfig() if config is None else config, fields, "CheckpointedModel")
         options = WrapperOptions(offload_transport, swap_mover, layer_class, offload_host_budget)

@@ -166,16 +166,23 @@ class Profile:
         return [self._config(p, p.device_bytes, m.tokens, config) for p in frontier(m, scope)]
 
     def plot(
-        self, *, scope: str = "activations", tokens: int | None = None, native: bool = True, budget: Size | None = None
+        self,
+        *,
+        scope: str = "activations",
+        tokens: int | None = None,
+        length: int | None = None,
+        native: bool = True,
+        budget: Size | None = None,
     ) -> Any:
         """A matplotlib Figure of the frontier: predicted step time against predicted bytes (of `scope`, said in the
         title), with transformers' native options (`every_n_layers` 1..4, and no checkpointing) marked where this
         profile can price them and this transformers offers them (`native=False` leaves them out). Given a `budget`
         (bytes or a size like "6GiB"), the budget is a vertical line and the map `plan(budget)` chooses a star. Needs
-        matplotlib (the `plot` extra); without it, an ImportError says how to install it."""
+        matplotlib (the `plot` extra); without it, an ImportError says how to install it. `tokens` and `length` as
+        for `plan`."""
         from .plot import frontier_figure
 
-        _, m = self._base(scope, tokens)
+        _, m = self._base(scope, tokens, length)
         points = [(p.device_bytes, p.seconds) for p in frontier(m, scope)]
         marks = native_points(m, scope, self.native_every_n) if native else {}
         limit = None if budget is None else _budget_bytes(budget)
