@@ -75,3 +75,20 @@ def test_readme_example_runs(index, tmp_path, monkeypatch):
     finally:
         if distributed:
             dist.destroy_process_group()
+
+
+def test_the_where_things_live_table_names_every_module_and_only_files_that_exist():
+    """A contributor looks a file up there: modules added since were missing from it, and a path without its
+    folder named no file."""
+    source = README.parent / "src" / "remat"
+    section = README.read_text().split("## Where things live", 1)[1].split("\n## ", 1)[0]
+    table = section[section.index("| to find |") :]
+    named = set(re.findall(r"`([\w/]+(?:\.py|/))`", table))
+    for name in named:  # a bare name in a row of a folder (`planner/` (`measuring.py`, ...)) is in that folder
+        assert (source / name).exists() or ("/" not in name and any(source.rglob(name))), f"no file {name}"
+    folders = {name for name in named if name.endswith("/")}
+    modules = {str(p.relative_to(source)) for p in source.rglob("*.py")} - {"__init__.py"}
+    packages = {name.rsplit("/", 1)[0] for name in named if "/" in name}  # a package's __init__ goes with its files
+    modules -= {f"{package}/__init__.py" for package in packages}
+    unnamed = [m for m in modules if m not in named and not any(m.startswith(folder) for folder in folders)]
+    assert not unnamed, f"no row names {sorted(unnamed)}"
