@@ -141,6 +141,12 @@ def test_a_step_no_plan_fits_is_refused_before_its_forward_and_the_next_one_runs
     assert not isinstance(info.value, torch.OutOfMemoryError) and not should_reduce_batch_size(info.value)
     largest = int(str(cm.budget_receipts) and _largest(cm, 512))
     assert 16 <= largest < 512
+    # refused again: what fits is known (its search chose some twenty buckets again at each refusal)
+    profile, chosen = controller_of(cm).budget.profile, []
+    profile.plan = lambda *args, plan=profile.plan, **kwargs: chosen.append(kwargs) or plan(*args, **kwargs)
+    with pytest.raises(ConfigError, match=rf"The largest step that fits is {largest} tokens"):
+        cm(**batch(size=2, seq=256))
+    assert chosen == []
     cm(**batch(size=2, seq=8)).loss.backward()  # the next step runs
 
 
