@@ -120,3 +120,43 @@ def test_compiled_offload_moves_what_it_moves_uncompiled_with_exact_gradients():
             {i: (s.offloaded_bytes, s.copies_to_host, s.copies_to_device) for i, s in cm.offload_stats.items()}
         )
     assert moved[0] == moved[1] and all(v[1:] == (2, 2) for v in moved[0].values())
+
+
+def test_a_budget_under_compile_measures_plans_and_trains_exactly():
+    """The budget's first step measured and planned inside the model's forward pre-hook, which dynamo traced: the
+    first step of `torch.compile(cm)` (and Trainer's torch_compile=True) failed with 'weak object has gone away'.
+    It runs eagerly; each bucket gets its own map, and gradients equal an uncompiled run without checkpointing."""
+    profile = CheckpointedModel(_lora()).profile(batch(size=2, seq=16), repeats=1, progress=False)
+    budget = max(p.predicted_device_bytes for p in profile.frontier(tokens=32))  # all "none" fits 32 tokens, not 128
+    plain, model = _lora(), _lora()
+    cm = CheckpointedModel(model, CheckpointConfig(budget=budget, budget_scope="activations"))
+    torch._dynamo.reset()
+    compiled = torch.compile(cm, backend="aot_eager")
+    try:
+        for seq in (8, 64):
+            data = batch(size=2, seq=seq)
+            _, expected = step_grads(*_trainable(plain), data)
+            assert_same_grads(expected, step_grads(compiled, _trainable(model)[1], data)[1])
+    finally:
+        torch._dynamo.reset()
+    policies = {r.bucket_tokens: r.policies for r in cm.budget_receipts}
+    assert len(policies) == 2 and "recompute" in policies[max(policies)] and set(policies[min(policies)]) == {"none"}
+
+
+def test_the_chunked_head_under_compile_with_dynamic_shapes_trains_exactly():
+    """`torch.compile(cm, dynamic=True)` (lengths that change each step, as in RL loops) failed the first training
+    forward with labels: dynamo traced the head row's bookkeeping and could not compare it. (One layer, one step:
+    a compile with dynamic shapes takes seconds per layer.)"""
+    plain, model = (add_lora(tiny_model(num_hidden_layers=1), dropout=0.0) for _ in range(2))
+    cm = CheckpointedModel(model, CheckpointConfig(head="chunked", head_chunk_tokens=32))
+    torch._dynamo.reset()
+    compiled = torch.compile(cm, backend="aot_eager", dynamic=True)
+    try:
+        data = batch(size=2, seq=10)
+        loss, expected = step_grads(*_trainable(plain), data)
+        got_loss, got = step_grads(compiled, _trainable(model)[1], data)
+        torch.testing.assert_close(got_loss, loss, rtol=1e-5, atol=0)
+        assert_same_grads(expected, got)
+    finally:
+        torch._dynamo.reset()
+    assert cm.checkpoint_map.head.label == "chunked(32)"

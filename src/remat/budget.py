@@ -183,8 +183,8 @@ class BudgetState:
             )
         key = (bucket, self.kind_ids.setdefault(self.kind, len(self.kind_ids)))  # a bucket of each kind
         receipt, new = self.receipts.get(key), _receipt(planned, bucket, controller.checkpoint_map.head)
-        # said once per plan, not per change of bucket, nor of the head row (what the last forward ran: the model's
-        # own head for a call with return_dict=False, the plan's on the next)
+        # said once per bucket and plan (not again on coming back to a bucket), nor per change of the head row (what
+        # the last forward ran: the model's own head for a call with return_dict=False, the plan's on the next)
         plan_of = lambda r: (r.policies, r.predicted_bytes, r.scope)
         if receipt is None or plan_of(receipt) != plan_of(new):
             receipt = self.receipts[key] = new

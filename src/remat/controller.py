@@ -469,6 +469,7 @@ class Controller:
         elif plan is not None and plan.policy == "chunked":
             self._head = ChunkedHead(self.model, plan, self._head_ran)
 
+    @torch.compiler.disable  # bookkeeping: traced with dynamic shapes, dynamo failed comparing the rows
     def _head_ran(self, why: str | None) -> None:
         """The head row says what the last training forward ran: the plan, or the model's own head and why."""
         planned = self._head_planned  # set by every replan, before a ChunkedHead exists
@@ -540,7 +541,12 @@ class Controller:
         if training and self.config.use_reentrant and not self.inference:
             self._refuse_outputs_reentrant_loses(kwargs)
         if not training or self.config.budget is None or self.off_by is not None or self.inference:
-            return
+            return None
+        return self._budget_step(module, args, kwargs)
+
+    @torch.compiler.disable  # measuring and planning run eagerly: traced by dynamo, a compiled first step failed
+    def _budget_step(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        """A budget's training forward: its bucket's plan, then a watch for its backward."""
         # as a checkpointed model's forward does (transformers turns the cache off): the cache also changes how a
         # packed row without a mask attends, so a map that changes per step would change the loss per step
         if (slot := _use_cache_slot(module)) is not None:
