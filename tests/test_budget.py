@@ -124,7 +124,7 @@ def test_a_step_budget_in_a_plain_loop_counts_the_whole_step_without_an_optimize
     assert "no optimizer state" in str(controller_of(cm).budget.active)
 
 
-def test_a_step_no_plan_fits_is_refused_before_its_forward_and_the_next_one_runs():
+def test_a_step_no_plan_fits_is_refused_before_its_forward_and_the_next_one_runs(caplog):
     budget = _budget_between(tokens_none=32, seq_none=16)
     cm = CheckpointedModel(_model(), CheckpointConfig(budget=budget // 3, budget_scope="activations"))
     cm(**batch(size=2, seq=8)).loss.backward()
@@ -148,6 +148,11 @@ def test_a_step_no_plan_fits_is_refused_before_its_forward_and_the_next_one_runs
         cm(**batch(size=2, seq=256))
     assert chosen == []
     cm(**batch(size=2, seq=8)).loss.backward()  # the next step runs
+    # a bucket only that search chose is still checked against the model at its first step (it was not, for a while)
+    cm.layers[0].extra = torch.nn.Parameter(torch.zeros(8))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**batch(size=2, seq=largest // 2)).loss.backward()
+    assert "the model had" in caplog.text and "measuring a profile" in caplog.text
 
 
 def test_a_budget_no_step_fits_names_the_smallest_budget_that_would():

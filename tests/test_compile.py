@@ -160,3 +160,26 @@ def test_the_chunked_head_under_compile_with_dynamic_shapes_trains_exactly():
     finally:
         torch._dynamo.reset()
     assert cm.checkpoint_map.head.label == "chunked(32)"
+
+
+def test_a_compiled_wrapper_compiles_once_not_at_every_step():
+    """Offload's count of forwards, bumped in the forward pre-hook, was read by dynamo as a guard: `torch.compile(cm)`
+    compiled again at every step, and fell back to eager at torch's recompile limit (8)."""
+    cm = CheckpointedModel(_lora(), CheckpointConfig())
+    compiled_graphs = []
+
+    def backend(graph_module, example_inputs):
+        compiled_graphs.append(graph_module)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(cm, backend=backend)
+    try:
+        counts = []
+        for step in range(4):
+            # (use_cache=False as trainers pass it: without, transformers' warning breaks the graph before the hook)
+            compiled(**batch(seed=step), use_cache=False).loss.backward()
+            counts.append(len(compiled_graphs))
+    finally:
+        torch._dynamo.reset()
+    assert counts[0] >= 1 and counts == counts[:1] * 4, counts

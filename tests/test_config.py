@@ -166,6 +166,10 @@ def test_swap_placement_with_a_list_of_layers_is_refused_and_an_old_save_of_it_r
     """swap_placement places a count; with a list it was taken and ignored, silently."""
     with pytest.raises(ValueError, match=r"swap_placement='tail' places a count.*swap_layers=\[0, 2\] names them"):
         CheckpointConfig(swap_layers=[0, 2], swap_placement="tail")
+    tail = CheckpointConfig(swap_layers=2, swap_placement="tail")  # the message's way out, where it is inherited
+    with pytest.raises(ValueError, match="swap_placement='spread'"):
+        tail.replace(swap_layers=[0, 1])
+    assert tail.replace(swap_layers=[0, 1], swap_placement="spread").swap_layers == (0, 1)
     saved = {**CheckpointConfig(swap_layers=[0, 2]).to_dict(), "swap_placement": "tail"}
     with caplog.at_level(logging.WARNING, logger="remat"):
         loaded = CheckpointConfig.from_dict(saved)

@@ -370,6 +370,34 @@ def test_a_cast_of_swapped_weights_data_after_wrapping_casts_their_host_copies()
         assert_same_grads(ref, got)
 
 
+@pytest.mark.parametrize("swap_tensors", [False, True], ids=["data", "swap_tensors"])
+def test_to_on_a_swapped_layer_whose_module_holds_weights_beside_its_children_converts_them_all(swap_tensors):
+    """A module holding a frozen weight of its own and children holding theirs (Qwen3-Next's GatedDeltaNet, Mamba's
+    mixer, nn.MultiheadAttention): `.to()` hides the parent's weights while torch converts the children, whose check
+    of the layer's weights then refused it (and `RematTrainer` with it, which moves the model). torch's
+    swap_module_params_on_conversion swaps tensors, which bumps their versions: not a write either."""
+    model, _ = _lora_model(lora_dropout=0.0)
+    mlp = decoder_layers(model)[1].mlp
+    mlp.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, mlp.down_proj.base_layer.out_features), requires_grad=False)
+    mlp.register_forward_hook(lambda module, args, out: out * module.scale)
+    reference = copy.deepcopy(model)
+    cm = CheckpointedModel(model, CheckpointConfig(swap_layers=[1]))
+    cm(**batch()).loss.backward()
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(swap_tensors)
+    try:
+        for m in (model, reference):
+            m.to(torch.float64)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert mlp.scale.dtype == mlp.down_proj.base_layer.weight.dtype == torch.float64
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    loss, got = step_grads(cm, named, batch())
+    ref_loss, ref = step_grads(reference, [(n, p) for n, p in reference.named_parameters() if p.requires_grad], batch())
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0)
+    assert_same_grads(ref, got)
+
+
 @pytest.mark.parametrize(
     "write",
     [

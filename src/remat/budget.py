@@ -84,6 +84,9 @@ class BudgetState:
     profile: Any = None  # remat.planner.Profile, measured on the first training step (or loaded)
     saved: Any = None  # a profile read from a save, used instead of measuring when it still describes the model
     plans: dict[Bucket, Any] = field(default_factory=dict)  # bucket -> PlannedConfig, or None: nothing fits
+    # every choice made from the profile: (bucket, budget bytes, scope) -> plan or None (a refusal's search for what
+    # fits, some twenty buckets, chose them again each time); apart from `plans`, whose first use checks the model
+    searched: tuple[Any, dict[tuple[Bucket, int, str], Any]] = (None, {})
     active: Any = None  # the PlannedConfig the map runs (None: pending, before the first step)
     active_bucket: Bucket | None = None
     receipts: dict[tuple[Bucket, int], Receipt] = field(default_factory=dict)  # (bucket, kind number) -> its receipt
@@ -239,7 +242,9 @@ class BudgetState:
             self.params = list(controller.model.parameters())
             self.fresh_key = _model_key(controller, self.params)
         bucket = self._bucket(tokens, length)
-        planned = self._choose(config, bucket)
+        if bucket not in self.plans:
+            self.plans[bucket] = self._choose(config, bucket)
+        planned = self.plans[bucket]
         if planned is None:
             rows = "" if bucket[1] is None else f" in rows of {length}"
             said = f"budget: a step of {tokens} tokens{rows} fits no map under budget={config.budget!r} "
@@ -291,16 +296,19 @@ class BudgetState:
         return None
 
     def _choose(self, config: Any, bucket: Bucket) -> Any:
-        """The plan for `bucket` (tokens, rows' length) under `config`'s budget; None when nothing fits. Cached with
-        the plans: a refused step's search for what fits chose some twenty buckets again at every refusal (0.6 s on
-        32 layers, each time)."""
-        if bucket not in self.plans:
+        """The plan for `bucket` (tokens, rows' length) under `config`'s budget; None when nothing fits. Each chosen
+        once per profile (`searched`): a refused step's search for what fits chose some twenty buckets again at every
+        refusal (0.6 s on 32 layers, each time)."""
+        profile, found = self.searched
+        if profile is not self.profile:
+            self.searched = (self.profile, found := {})
+        key = (bucket, config.budget_bytes, config.budget_scope)
+        if key not in found:
             try:
-                limit, scope = config.budget_bytes, config.budget_scope
-                self.plans[bucket] = self.profile.plan(limit, scope=scope, tokens=bucket[0], length=bucket[1])
+                found[key] = self.profile.plan(key[1], scope=key[2], tokens=bucket[0], length=bucket[1])
             except ConfigError:  # (a StaleProfileError is not one: it reaches the caller)
-                self.plans[bucket] = None  # nothing fits: refused by the caller, with the largest count that fits
-        return self.plans[bucket]
+                found[key] = None  # nothing fits: refused by the caller, with the largest count that fits
+        return found[key]
 
     def largest_fitting(self, config: Any, above: int) -> int:
         """The largest bucket below `above` some plan fits (steps of up to that many tokens run); 0 if none."""

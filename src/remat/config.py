@@ -200,7 +200,7 @@ class CheckpointConfig:
             raise ConfigError(
                 f"CheckpointConfig.swap_placement={self.swap_placement!r} places a count of swapped layers; "
                 f"swap_layers={list(self.swap_layers)} names them: give a count (swap_layers={len(self.swap_layers)}) "
-                "or leave swap_placement out"
+                "or swap_placement='spread' (the default)"
             )
         object.__setattr__(self, "layer_policies", _validated_layer_policies(self.layer_policies))
         _check_in("checkpoint_policy", self.checkpoint_policy, CHECKPOINT_POLICIES)

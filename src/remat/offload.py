@@ -223,6 +223,7 @@ class Offloader:
         signature = _signature(target) if target is not None else None
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(layer, t, signature), self._unpack)
 
+    @torch.compiler.disable  # read by dynamo, the count was a guard: a compiled model recompiled at every forward
     def forward_started(self) -> None:
         """The wrapped model's forward begins: what it packs is prefetched only within its own backward."""
         self.generation += 1

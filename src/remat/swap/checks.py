@@ -12,7 +12,10 @@ from torch import nn
 from ..errors import BlockSwapError
 
 # swap_layers=n chooses its layers itself: name the way to leave one out.
-LEAVE_OUT = "leave this layer out of swap_layers (a list of the indices to swap, where you gave a count)"
+LEAVE_OUT = (
+    "leave this layer out of swap_layers (a list of the indices to swap, where you gave a count; with "
+    "swap_placement='spread')"
+)
 
 
 def check_swappable(layers: list[tuple[int, str, nn.Module]], model: nn.Module) -> None:

@@ -40,6 +40,7 @@ class SwappedLayer:
     handles: list[Any] = field(default_factory=list)
     patches: InstancePatches = field(default_factory=InstancePatches)
     rest_versions: list[int] = field(default_factory=list)  # each Parameter's version counter when put to rest
+    converting: int = 0  # `.to()` calls in progress on its modules (a parent's own weights blanked meanwhile)
 
     @property
     def layout(self) -> Layout:
@@ -58,6 +59,10 @@ class SwappedLayer:
         self.rest_versions = [p._version for p in self.params]
 
     def take_writes_at_rest(self) -> None:
+        if self.slot is None and not self.converting:
+            self._take_writes_at_rest()
+
+    def _take_writes_at_rest(self) -> None:
         """Before a fetch of a layer at rest: what was done to its Parameters since, which the slot would overwrite.
         `p.data = p.data.to(dtype)` (PEFT's `prepare_model_for_kbit_training` casts so) cast the placeholder: the host
         copy is cast as `.to(dtype)` casts it. Any other write (new values in `.data`, `p.zero_()` under no_grad, a

@@ -133,8 +133,17 @@ class WeightSwapper:
         """`module.to(...)` and friends on a module of a swapped layer: the host copies and placeholders of the swapped
         weights it holds itself follow (those of its children follow in their own `_apply`, which torch calls)."""
         layer = self.layers[index]
-        if layer.slot is None:
-            layer.take_writes_at_rest()  # `.data` cast or written since, before `.to()` sets it again
+        layer.take_writes_at_rest()  # `.data` cast or written since, before `.to()` sets it again (the outermost call)
+        layer.converting += 1
+        try:
+            return self._apply_to_own(layer, module, original_apply, fn, recurse)
+        finally:
+            layer.converting -= 1
+            if layer.slot is None and not layer.converting:  # the conversion's own writes (swap_tensors bumps versions)
+                layer.rest_versions = [p._version for p in layer.params]
+
+    def _apply_to_own(self, layer: SwappedLayer, module: nn.Module, original_apply: Any, fn: Any, recurse: bool) -> Any:
+        index = layer.index
         own = {id(p) for p in module.parameters(recurse=False)}
         mine = [i for i, p in enumerate(layer.params) if id(p) in own]
         if not mine:
@@ -275,8 +284,7 @@ class _LayerGuard:
         """The module's own swapped weights (its children's hooks do theirs) read from their host copies, with
         `keep_vars=True` too: the `Parameter` objects hold placeholders at rest, and a save of them would be zeros."""
         layer = self.swapper.layers[self.index]
-        if layer.slot is None:
-            layer.take_writes_at_rest()  # a cast since is saved cast; a write refused, not saved as the old values
+        layer.take_writes_at_rest()  # a cast since is saved cast; a write refused, not saved as the old values
         hosts = {id(p): host for p, host in zip(layer.params, layer.host, strict=True)}
         for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
             if id(param) in hosts and prefix + name in state_dict:
@@ -287,8 +295,7 @@ class _LayerGuard:
         theirs): pointed at the host copies for the load. `assign=True` is refused at the first module the load
         reaches whose swapped weights (in it or below) are loaded, before any of them is."""
         layer = self.swapper.layers[self.index]
-        if layer.slot is None:
-            layer.take_writes_at_rest()  # a cast since: the values load in the new dtype
+        layer.take_writes_at_rest()  # a cast since: the values load in the new dtype
         hosts = {id(p): host for p, host in zip(layer.params, layer.host, strict=True)}
         if meta.get("assign_to_params_buffers") and any(
             id(p) in hosts and prefix + n in state_dict for n, p in module.named_parameters(remove_duplicate=False)
