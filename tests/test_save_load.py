@@ -13,7 +13,7 @@ EVERYTHING = CheckpointConfig(
     every_n_layers=3,
     checkpoint_policy="offload",
     offload_min_bytes=1024,
-    swap_layers=[1],
+    swap_layers=1,
     swap_placement="tail",
     layer_policies={2: "recompute", 3: "none"},
     use_reentrant=True,
@@ -54,7 +54,7 @@ def test_round_trip_with_lora_and_every_option(tmp_path):
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
     counter = RecomputeCounter(decoder_layers(loaded.model))
     step_grads(loaded, [(n, p) for n, p in loaded.model.named_parameters() if p.requires_grad], batch())
-    assert counter.recomputed() == loaded.checkpoint_map.checkpointed == [0, 1, 2]
+    assert counter.recomputed() == loaded.checkpoint_map.checkpointed == [0, 2, 3]  # 3: swapped, so checkpointed
 
 
 def test_extra_adapters_get_their_subfolder_as_peft_writes_them(tmp_path):
@@ -192,7 +192,8 @@ def test_inference_load_and_plain_base_model(tmp_path):
 
     base = CheckpointedModel(tiny_model(), CheckpointConfig(every_n_layers=2))
     base.save_pretrained(tmp_path / "base")
-    assert os.listdir(tmp_path / "base") == ["checkpoint_config.json"]
+    # the model's own save beside the config (it was the config alone, the weights nowhere)
+    assert {"checkpoint_config.json", "config.json", "model.safetensors"} <= set(os.listdir(tmp_path / "base"))
     again = CheckpointedModel.from_pretrained(tiny_model(), tmp_path / "base")
     assert again.checkpoint_map.checkpointed == [0, 2]
 
@@ -387,7 +388,30 @@ def test_a_state_dict_that_would_save_nothing_it_holds_is_refused_and_nothing_is
     merged.model.merge_and_unload()  # PEFT's own: the adapters hold no weight any more, which the save names
     with pytest.raises(RematError, match="holds no adapter weight any more"):
         merged.save_pretrained(tmp_path / "d", state_dict=merged.model.state_dict())
-    full = CheckpointedModel(tiny_model())
-    with pytest.raises(ConfigError, match="not a PeftModel"):
-        full.save_pretrained(tmp_path / "b", state_dict=full.model.state_dict())
     assert os.listdir(tmp_path) == ["two"]
+
+
+def test_a_full_model_saves_its_weights_beside_the_config_as_its_own_save_does(tmp_path):
+    """A model without PEFT saved checkpoint_config.json alone: accelerate's no-Trainer save,
+    `accelerator.unwrap_model(model).save_pretrained(...)` with `prepare(cm)`, left a folder with no weights, without a
+    word. It writes what `cm.model.save_pretrained` writes; a `state_dict=` under the wrapper's names too."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.01)  # not what a fresh model of the config holds
+    accelerator = Accelerator(cpu=True)
+    prepared = accelerator.prepare(CheckpointedModel(model, every_n_layers=2))
+    for folder, state_dict in (("plain", None), ("named", accelerator.get_state_dict(prepared))):
+        accelerator.unwrap_model(prepared).save_pretrained(
+            tmp_path / folder,
+            is_main_process=accelerator.is_main_process,
+            save_function=accelerator.save,
+            state_dict=state_dict,
+        )
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / folder)
+        for name, value in model.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], value), (folder, name)
+        assert CheckpointedModel.from_pretrained(loaded, tmp_path / folder).checkpoint_config.every_n_layers == 2

@@ -59,6 +59,9 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
         return  # the main process writes the save; the others write nothing
     model = owner.model
     peft = is_peft_model(model)
+    # a full model's own save (transformers'): what `cm.model.save_pretrained` writes; accelerate's no-Trainer save,
+    # `unwrap_model(model).save_pretrained(...)`, wrote the config alone here, the weights silently nowhere
+    own = not peft and callable(getattr(type(model), "save_pretrained", None))
     if stray := stray_adapter_layers(model, model):
         raise ConfigError(
             f"cm.model has PEFT adapter layers ({stray[0]}, ...) but is not a PeftModel, so there is no PEFT "
@@ -66,15 +69,25 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
             "get_peft_model(model, lora_config); cm = CheckpointedModel(peft_model). Nothing was saved."
         )
     if kwargs.get("state_dict") is not None:
-        kwargs["state_dict"] = _adapters_state_dict(model, kwargs["state_dict"], kwargs.get("selected_adapters"))
+        given, selected = kwargs["state_dict"], kwargs.get("selected_adapters")
+        kwargs["state_dict"] = _full_state_dict(model, given) if own else _adapters_state_dict(model, given, selected)
 
     def write(staging: str) -> None:
-        if peft:  # else the config alone
+        if peft or own:  # else (a model with no save of its own) the config alone
             original_method(model, "save_pretrained")(staging, **kwargs)
 
     committed = save_model_pair(owner, target, write, selected=kwargs.get("selected_adapters"))
     if peft and "README.md" not in committed:
         logger.info("%s already has a README.md: kept it, PEFT's model card was not written", target)
+
+
+def _full_state_dict(model: nn.Module, given: Any) -> Any:
+    """A `state_dict=` for a full model's own save: the wrapper's (`accelerator.get_state_dict(cm)`) has its names
+    under `model.`, which transformers would save as unknown weights: taken from under it."""
+    own = model.state_dict().keys()
+    if given and not own & given.keys() and all(key.startswith("model.") for key in given):
+        return {key.removeprefix("model."): value for key, value in given.items()}
+    return given
 
 
 def _adapters_state_dict(model: nn.Module, given: Any, selected: Any) -> dict[str, Any]:
@@ -85,10 +98,9 @@ def _adapters_state_dict(model: nn.Module, given: Any, selected: Any) -> dict[st
     whose adapters hold no weight any more, are left to the checks after this one.)"""
     if not is_peft_model(model):
         raise ConfigError(
-            f"save_pretrained(state_dict=...): cm.model is a {type(model).__name__}, not a PeftModel, so remat saves "
-            "checkpoint_config.json alone and the weights would not be written. Save them with the model's own save, "
-            "which writes checkpoint_config.json beside them: cm.model.save_pretrained(folder, state_dict=...) "
-            "(names without the wrapper's 'model.'). Nothing was saved."
+            f"save_pretrained(state_dict=...): cm.model is a {type(model).__name__}, with no save of its own, so remat "
+            "saves checkpoint_config.json alone and the weights would not be written: save them yourself. Nothing was "
+            "saved."
         )
     own = dict(model.named_parameters(remove_duplicate=False))
     if given and not own.keys() & given.keys() and all(key.startswith("model.") for key in given):
