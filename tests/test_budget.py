@@ -155,6 +155,29 @@ def test_a_step_no_plan_fits_is_refused_before_its_forward_and_the_next_one_runs
     assert "the model had" in caplog.text and "measuring a profile" in caplog.text
 
 
+def test_a_loop_of_your_own_hands_its_optimizer_over_and_its_state_is_in_the_planned_peak(caplog):
+    """A budget in a plain loop counted no optimizer state (AdamW's: twice the trainable weights, a full fine-tune
+    1.6x over its budget) and said so only at INFO; trainers had a way to hand theirs over, a loop had none."""
+    model = tiny_model(num_hidden_layers=2)  # a full fine-tune: every weight trains
+    data = batch(size=2, seq=16)
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm = CheckpointedModel(model, CheckpointConfig(budget="64MiB"))
+        cm(**data).loss.backward()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        cm.set_optimizer(optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        cm(**data).loss.backward()  # measured again, the optimizer's state counted
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "no optimizer known" in warned[0] and "cm.set_optimizer(optimizer)" in warned[0]
+    assert "the optimizer is known now" in _measured(caplog)[-1]
+    first, second = (r.predicted_bytes for r in cm.budget_receipts)
+    state = sum(2 * p.numel() * p.element_size() for p in model.parameters())  # AdamW's exp_avg and exp_avg_sq
+    assert second - first >= 0.9 * state
+    with pytest.raises(TypeError, match=r"optimizer must be a torch\.optim\.Optimizer"):
+        cm.set_optimizer("adamw")
+
+
 def test_a_budget_no_step_fits_names_the_smallest_budget_that_would():
     cm = CheckpointedModel(_model(), CheckpointConfig(budget=1000))
     with pytest.raises(ConfigError, match=r"nor does any shorter step: no map fits .* the smallest is \d+ bytes") as no:
@@ -595,10 +618,6 @@ def _seq2seq(source, target, seed=0):
         "input_ids": torch.randint(1, 128, (2, source), generator=g),
         "labels": torch.randint(1, 128, (2, target), generator=g),
     }
-
-
-def _measured(caplog):
-    return [r.getMessage() for r in caplog.records if "measuring a profile" in r.getMessage()]
 
 
 def test_an_encoder_decoders_longer_targets_are_profiled_as_their_own_kind_not_priced_from_short_ones(caplog):

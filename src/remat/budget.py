@@ -105,6 +105,7 @@ class BudgetState:
     kind_ids: dict[Any, int] = field(default_factory=dict)  # kind -> a number, in the receipts' keys
     said_owed_kinds: set[Any] = field(default_factory=set)  # kinds priced from another's profile, said once
     said_two_graphs: bool = False  # a training forward while an earlier one's backward is owed, said once
+    said_no_optimizer: bool = False  # a step budget measured with no optimizer known, said once
 
     def __reduce__(self) -> Any:
         """A copy (deepcopy, pickle) starts afresh: its profile would check and plan another wrapper's model."""
@@ -292,7 +293,7 @@ class BudgetState:
         if config.budget_scope == "step" and self.profile.measurements.step is None:
             return 'budget_scope="step" needs the peak of a whole step, which its profile did not measure'
         if config.budget_scope == "step" and self.without_optimizer and self.optimizer() is not None:
-            return "the trainer's optimizer is known now, and its profile counted no optimizer state"
+            return "the optimizer is known now, and its profile counted no optimizer state"
         return None
 
     def _choose(self, config: Any, bucket: Bucket) -> Any:
@@ -375,16 +376,22 @@ class BudgetState:
             optimizer = WITHOUT_OPTIMIZER
         loss_fn = None if batch.get("labels") is not None else logits_loss
         logger.info(
-            "budget %r (%s): measuring a profile on this step (%d tokens): %s%s",
+            "budget %r (%s): measuring a profile on this step (%d tokens): %s",
             config.budget,
             config.budget_scope,
             tokens,
             why,
-            "; no optimizer known, so the planned step peak counts weights, gradients and activations but no "
-            "optimizer state (RematTrainer and TRL's trainers hand theirs over)"
-            if optimizer is WITHOUT_OPTIMIZER
-            else "",
         )
+        if optimizer is WITHOUT_OPTIMIZER and not self.said_no_optimizer:
+            self.said_no_optimizer = True  # (a full fine-tune's AdamW state is twice its weights: 1.6x the budget)
+            trained = sum(p.numel() * p.element_size() for p in controller.model.parameters() if p.requires_grad)
+            logger.warning(
+                "budget %r (step): no optimizer known, so each step's planned peak leaves out its state (AdamW's: "
+                "twice the %.2f MiB of trainable weights). Hand it over: cm.set_optimizer(optimizer) (RematTrainer "
+                "and TRL's trainers do)",
+                config.budget,
+                trained / 2**20,
+            )
         if kind != self.kind and self.profile is not None and self.kind is not None:  # the kind that ran keeps its own
             self.profiles[self.kind] = self._kind_state()
         # one timed step per map: seconds scale every price by one rate, so a budget's choices (by bytes, then

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from .arguments import WrapperOptions
+from .arguments import WrapperOptions, check_optimizer
 from .compat.tested_versions import warn_if_untested
 from .compat.transformers_compat import TRAINER_PROBE, pretrained_model_class
 from .config import OFFLOAD_IS_A_POLICY, CheckpointConfig, refuse_unknown_fields
@@ -321,6 +321,12 @@ class CheckpointedModel(nn.Module):
     def swap_stats(self) -> dict[int, LayerSwapStats]:
         """Per swapped layer: fetches and bytes, since the layer was swapped or reset: a copy, as `offload_stats`."""
         return {i: dataclasses.replace(e.stats) for i, e in self._controller.swapper.layers.items()}
+
+    def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """The optimizer whose state a `budget_scope="step"` budget counts in a step's peak: `RematTrainer` and TRL's
+        trainers hand theirs over; a loop of your own calls this once it has made its optimizer (accelerate's
+        prepared one too). A profile measured without it is measured again at the next training step."""
+        self._controller.budget.set_optimizer(check_optimizer(optimizer))
 
     def reset_swap_stats(self) -> None:
         """Start `swap_stats` from zero (measuring and `memory_report` never reset them)."""
