@@ -482,6 +482,15 @@ def test_the_receipt_names_the_head_that_runs_as_the_map_does():
     assert "chunked(1024) planned" in cm.checkpoint_map.head.reason
 
 
+def test_a_head_the_budget_chose_plain_says_the_budget_chose_it():
+    """The planner may run the model's own head where it is the fastest that fits; the row said
+    'head="plain": the model's own head and loss', against a config that says head="chunked"."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations", head="chunked"))
+    cm(**batch(size=1, seq=12)).loss.backward()  # everything fits: the fastest, the plain head (chunks recompute)
+    head = cm.checkpoint_map.head
+    assert head.policy == "plain" and head.reason.startswith("budget 64MiB (activations) chose the model's own head")
+
+
 def test_budget_fields_are_checked_and_round_trip():
     with pytest.raises(ConfigError, match="give a budget or layer_policies"):
         CheckpointConfig(budget="1GiB", layer_policies={0: "none"})

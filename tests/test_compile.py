@@ -183,3 +183,24 @@ def test_a_compiled_wrapper_compiles_once_not_at_every_step():
     finally:
         torch._dynamo.reset()
     assert counts[0] >= 1 and counts == counts[:1] * 4, counts
+
+
+def test_compiled_offload_of_several_layers_trains_exactly_when_the_length_changes():
+    """With two offloaded layers, the second's start sends the first's input to the host: traced by dynamo with dynamic
+    shapes (a second length under the default `dynamic=None`, Trainer's torch_compile=True), `nbytes` of a symbolic
+    shape failed the step. The copy runs eagerly; what moves is what moves uncompiled."""
+    config = CheckpointConfig(checkpoint_policy="offload", offload_min_bytes=0)
+    moved = []
+    for compile_it in (False, True):
+        plain, (model, named) = _lora(), _trainable(_lora())
+        cm = CheckpointedModel(model, config, offload_transport=SimulatedTransport())
+        torch._dynamo.reset()
+        call = torch.compile(cm, backend="aot_eager") if compile_it else cm
+        try:
+            for seq in (12, 20):
+                data = batch(size=2, seq=seq)
+                assert_same_grads(step_grads(*_trainable(plain), data)[1], step_grads(call, named, data)[1])
+        finally:
+            torch._dynamo.reset()
+        moved.append({i: (s.copies_to_host, s.copies_to_device) for i, s in cm.offload_stats.items()})
+    assert moved[0] == moved[1] and sum(host for host, _ in moved[1].values()) >= 2, moved

@@ -294,6 +294,9 @@ class Controller:
             planned = plan_layers(map_config, self.discovery.names, checkpointing_off_by=off_by)
         new_map = budget_reasons(planned, config, active, self.budget.active_bucket)
         head = plan_head(map_config.head, map_config.head_chunk_tokens, self.model)
+        if active is not None and config.head == "chunked" and map_config.head != config.head:  # the budget's choice
+            why = f"budget {config.budget} ({config.budget_scope}) chose the model's own head and loss"
+            head = dataclasses.replace(head, reason=f"{why}, planned for {bucket_text(self.budget.active_bucket)}")
         # the same head planned again (a route, a mode change) keeps the row of what last ran
         shown = self.checkpoint_map.head if head == self._head_planned else None
         new_map = new_map.with_head(shown or head)

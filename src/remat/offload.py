@@ -171,6 +171,9 @@ class Offloader:
         self._stays_because: dict[torch.device, str] = {}
         self.stats: dict[int, LayerOffloadStats] = defaultdict(LayerOffloadStats)
         self._held_back: Callable[[], _Packed | None] = _nothing_held
+        # whether an input may be held back: a flag a compiled layer's shim reads (a traced check of the weak
+        # reference would recompile at every step), so `checkpoint_started` runs only where it has work
+        self.holding = False
         self._live: weakref.WeakValueDictionary[int, _Packed] = weakref.WeakValueDictionary()
         self._order = 0
         # each forward of the wrapped model is a generation; a backward prefetches within its own only: an earlier
@@ -228,9 +231,10 @@ class Offloader:
         """The wrapped model's forward begins: what it packs is prefetched only within its own backward."""
         self.generation += 1
 
+    @torch.compiler.disable  # a copy to the host, eagerly: traced with dynamic shapes, `nbytes` failed on a SymInt
     def checkpoint_started(self) -> None:
         """A checkpointed layer starts: the input held back so far is not backward's first, so it goes out."""
-        previous, self._held_back = self._held_back(), _nothing_held
+        previous, self._held_back, self.holding = self._held_back(), _nothing_held, False
         if previous is not None and previous.alive:
             previous.move_to_host()
 
@@ -248,7 +252,7 @@ class Offloader:
         self._order += 1
         packed = _Packed(self, route, layer, tensor, self._order)
         self._live[packed.order] = packed
-        self._held_back = weakref.ref(packed)
+        self._held_back, self.holding = weakref.ref(packed), True
         return packed
 
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -256,7 +260,7 @@ class Offloader:
             return packed
         if packed.device_tensor is not None and packed is self._held_back():  # backward's first input
             self.stats[packed.layer].keep(packed.meta.nbytes, KEPT_LAST)
-            self._held_back = _nothing_held
+            self._held_back, self.holding = _nothing_held, False
         tensor = packed.fetch()
         candidate = self._live.get(max((o for o in self._live if o < packed.order), default=0))  # orders start at 1
         if candidate is not None and candidate.alive and candidate.generation == packed.generation:

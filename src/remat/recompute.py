@@ -130,7 +130,8 @@ class LayerCheckpoint:
             # transformers binds the keywords (and on 5.2x the layer): they become the checkpoint's inputs below
             bound = functools.partial(function.func, *function.args) if function.args else function.func
             function, kwargs = bound, {**function.keywords, **kwargs}
-        self.offloader.checkpoint_started()
+        if self.offloader.holding:  # (read as a flag: under compile the call below breaks the graph)
+            self.offloader.checkpoint_started()
         target = next((a for a in args if isinstance(a, torch.Tensor)), None)
         saving = self.offloader.hooks(self.index, target) if self.offload else contextlib.nullcontext()
         with saving:
