@@ -249,6 +249,19 @@ def test_a_load_plans_from_the_saved_profile_without_measuring(tmp_path, caplog)
     assert any("planning from the saved profile" in m for m in said) and not any("measuring" in m for m in said)
 
 
+def test_a_step_budget_planned_from_a_saved_profile_without_an_optimizer_says_so(tmp_path, caplog):
+    """The WARNING that a loop's budget counts no optimizer state was said only where a profile was measured: a
+    resumed loop planning from the saved one (measured without an optimizer too) was not told."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB"))
+    cm(**batch(size=2, seq=8)).loss.backward()
+    cm.save_pretrained(tmp_path)
+    caplog.clear()
+    said = _first_step_after_loading(tmp_path, caplog)
+    assert any("planning from the saved profile" in m for m in said)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "no optimizer known" in warned[0]
+
+
 @pytest.mark.parametrize(
     "damage",
     [

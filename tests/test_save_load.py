@@ -415,3 +415,22 @@ def test_a_full_model_saves_its_weights_beside_the_config_as_its_own_save_does(t
         for name, value in model.state_dict().items():
             assert torch.equal(loaded.state_dict()[name], value), (folder, name)
         assert CheckpointedModel.from_pretrained(loaded, tmp_path / folder).checkpoint_config.every_n_layers == 2
+    # transformers' keywords are checked as PEFT's were (a typo was ignored by the save it reached)
+    cm = accelerator.unwrap_model(prepared)
+    with pytest.raises(TypeError, match="did you mean 'max_shard_size'"):
+        cm.save_pretrained(tmp_path / "typo", max_shard_sise="50KB")
+    # a module of your own with a save of its own (no transformers model) saves the config alone, as before
+    container = torch.nn.Module()
+    container.inner, container.save_pretrained = tiny_model(), lambda folder: None
+    CheckpointedModel(container, layer_class="LlamaDecoderLayer").save_pretrained(tmp_path / "own", save_function=print)
+    assert os.listdir(tmp_path / "own") == ["checkpoint_config.json"]
+
+
+def test_push_to_hub_from_a_save_while_wrapped_is_refused_before_anything_is_written(tmp_path):
+    """A save is staged in a folder of its own: pushed from there, transformers named the repository after the
+    staging folder, or uploaded the save without checkpoint_config.json."""
+    for cm in (CheckpointedModel(tiny_model()), CheckpointedModel(add_lora(tiny_model()))):
+        for save in (cm.save_pretrained, cm.model.save_pretrained):
+            with pytest.raises(TypeError, match=r"push_to_hub=True.*upload_folder"):
+                save(tmp_path / "hub", push_to_hub=True, repo_id="me/model")
+    assert not os.listdir(tmp_path)

@@ -351,6 +351,8 @@ class BudgetState:
                 if (outgrown := self._outgrown(config)) is None:
                     logger.info("budget: planning from the saved profile (%s); nothing measured", saved.source)
                     self.kind, self.plans = kind, {}
+                    if self.without_optimizer and config.budget_scope == "step":
+                        self._say_no_optimizer(controller, config)
                     return
                 self.profile, self.without_optimizer = None, False  # not taken: a failed measuring leaves none
                 changes = [outgrown]
@@ -382,16 +384,8 @@ class BudgetState:
             tokens,
             why,
         )
-        if optimizer is WITHOUT_OPTIMIZER and not self.said_no_optimizer:
-            self.said_no_optimizer = True  # (a full fine-tune's AdamW state is twice its weights: 1.6x the budget)
-            trained = sum(p.numel() * p.element_size() for p in controller.model.parameters() if p.requires_grad)
-            logger.warning(
-                "budget %r (step): no optimizer known, so each step's planned peak leaves out its state (AdamW's: "
-                "twice the %.2f MiB of trainable weights). Hand it over: cm.set_optimizer(optimizer) (RematTrainer "
-                "and TRL's trainers do)",
-                config.budget,
-                trained / 2**20,
-            )
+        if optimizer is WITHOUT_OPTIMIZER:
+            self._say_no_optimizer(controller, config)
         if kind != self.kind and self.profile is not None and self.kind is not None:  # the kind that ran keeps its own
             self.profiles[self.kind] = self._kind_state()
         # one timed step per map: seconds scale every price by one rate, so a budget's choices (by bytes, then
@@ -402,6 +396,19 @@ class BudgetState:
         if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
             self.profile.notes += (NO_OPTIMIZER_NOTE,)
         self.plans, self.fresh_key, self.kind = {}, None, kind
+
+    def _say_no_optimizer(self, controller: Any, config: Any) -> None:
+        """Once per wrapper: a step budget whose profile counts no optimizer state (measured so, or saved so)."""
+        if not self.said_no_optimizer:
+            self.said_no_optimizer = True  # (a full fine-tune's AdamW state is twice its weights: 1.6x the budget)
+            trained = sum(p.numel() * p.element_size() for p in controller.model.parameters() if p.requires_grad)
+            logger.warning(
+                "budget %r (step): no optimizer known, so each step's planned peak leaves out its state (AdamW's: "
+                "twice the %.2f MiB of trainable weights). Hand it over: cm.set_optimizer(optimizer) (RematTrainer "
+                "and TRL's trainers do)",
+                config.budget,
+                trained / 2**20,
+            )
 
     def _close_receipt(self) -> None:
         """The step that ran last: its allocator peak into its bucket's receipt (accelerators only)."""

@@ -325,7 +325,8 @@ class CheckpointedModel(nn.Module):
     def set_optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
         """The optimizer whose state a `budget_scope="step"` budget counts in a step's peak: `RematTrainer` and TRL's
         trainers hand theirs over; a loop of your own calls this once it has made its optimizer (accelerate's
-        prepared one too). A profile measured without it is measured again at the next training step."""
+        prepared one too). A profile measured without it is measured again at the next training step. None forgets
+        it; plans already made keep counting its state until the profile is measured again."""
         self._controller.budget.set_optimizer(check_optimizer(optimizer))
 
     def reset_swap_stats(self) -> None:
@@ -410,9 +411,9 @@ class CheckpointedModel(nn.Module):
         return profile_model(self._controller, batch, ProfileOptions(loss_fn, optimizer, progress, repeats))
 
     def save_pretrained(self, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-        """Write the adapters as PEFT does (keywords go to PEFT) and `checkpoint_config.json`,
-        touching no other file; a crash leaves the previous save or this one, never a mix. A replaced wrapper
-        refuses: its config no longer runs on the model."""
+        """Write the adapters as PEFT does (keywords go to PEFT; a transformers model without PEFT: its own save,
+        keywords to transformers) and `checkpoint_config.json`, touching no other file; a crash leaves the previous
+        save or this one, never a mix. A replaced wrapper refuses: its config no longer runs on the model."""
         self._controller.check_not_replaced("save_pretrained()")
         self._controller.check_layers("save_pretrained()")
         save_checkpointed_model(self._controller, save_directory, **kwargs)
@@ -422,7 +423,9 @@ class CheckpointedModel(nn.Module):
         cls, model: nn.Module, path: str | os.PathLike, *, is_trainable: bool = True, **kwargs: Any
     ) -> CheckpointedModel:
         """Load what `save_pretrained` wrote at `path` into `model` (the base model, or a PeftModel with those
-        adapters) and wrap it, refusing before any change. Keywords go to PEFT, except the constructor's own."""
+        adapters) and wrap it, refusing before any change. Keywords go to PEFT, except the constructor's own. A save of
+        a model without PEFT holds its weights as transformers saves them: load `model` from `path` with transformers
+        first (`AutoModelForCausalLM.from_pretrained(path)`); here the map is applied, the weights are not read."""
         return load_checkpointed_model(cls, model, path, is_trainable=is_trainable, **kwargs)
 
     def extra_repr(self) -> str:

@@ -20,6 +20,7 @@ from peft import PeftModel
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils import get_peft_model_state_dict
 from torch import nn
+from transformers import PreTrainedModel
 
 from ..arguments import WrapperOptions, check_flag
 from ..config import CheckpointConfig
@@ -53,15 +54,18 @@ def stray_adapter_layers(within: nn.Module, model: nn.Module) -> list[str]:
 
 
 def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike, **kwargs: Any) -> None:
-    _refuse_misspelt(kwargs, ["state_dict", *list(inspect.signature(PeftModel.save_pretrained).parameters)[2:-1]])
-    target = save_folder(save_directory)
-    if not kwargs.get("is_main_process", True):
-        return  # the main process writes the save; the others write nothing
     model = owner.model
     peft = is_peft_model(model)
     # a full model's own save (transformers'): what `cm.model.save_pretrained` writes; accelerate's no-Trainer save,
     # `unwrap_model(model).save_pretrained(...)`, wrote the config alone here, the weights silently nowhere
-    own = not peft and callable(getattr(type(model), "save_pretrained", None))
+    own = not peft and isinstance(model, PreTrainedModel)
+    saver = PreTrainedModel if own else PeftModel
+    known = ["state_dict", *list(inspect.signature(saver.save_pretrained).parameters)[2:-1]]
+    _refuse_misspelt(kwargs, known, peft="transformers' save" if own else "PEFT's save")
+    refuse_push_to_hub(kwargs)
+    target = save_folder(save_directory)
+    if not kwargs.get("is_main_process", True):
+        return  # the main process writes the save; the others write nothing
     if stray := stray_adapter_layers(model, model):
         raise ConfigError(
             f"cm.model has PEFT adapter layers ({stray[0]}, ...) but is not a PeftModel, so there is no PEFT "
@@ -134,19 +138,19 @@ def _refuse_keywords_peft_would_drop(kwargs: dict[str, Any]) -> None:
             "from_pretrained loads every adapter of the save under the name it was saved with; adapter_name= is for "
             "one adapter: cm.model.load_adapter(folder, adapter_name=...) loads a save's adapter under another name"
         )
-    _refuse_misspelt(kwargs, [*fields, *WrapperOptions.names(), "is_trainable"], "from_pretrained", "loading")
+    _refuse_misspelt(kwargs, [*fields, *WrapperOptions.names(), "is_trainable"], "from_pretrained", "PEFT's loading")
 
 
 def _refuse_misspelt(
-    kwargs: dict[str, Any], known: list[str], call: str = "save_pretrained", peft: str = "save"
+    kwargs: dict[str, Any], known: list[str], call: str = "save_pretrained", peft: str = "PEFT's save"
 ) -> None:
-    """A keyword one letter or two from a `known` one is a typo: PEFT takes any keyword and ignores those it does
-    not read, so `safe_serilization=False` would save safetensors without a word."""
+    """A keyword one letter or two from a `known` one is a typo: PEFT and transformers take any keyword and ignore
+    those they do not read, so `safe_serilization=False` would save safetensors without a word."""
     for key in kwargs:
         if key not in known and (close := difflib.get_close_matches(key, known, n=1, cutoff=0.8)):
             raise ConfigTypeError(
-                f"{call} got the keyword {key!r}: did you mean {close[0]!r}? (other keywords go to PEFT's "
-                f"{peft}, which would ignore it); nothing was changed"
+                f"{call} got the keyword {key!r}: did you mean {close[0]!r}? (other keywords go to {peft}, which "
+                "would ignore it); nothing was changed"
             )
 
 
@@ -256,9 +260,20 @@ def resume_undone_on_failure(owner: Any) -> Iterator[None]:
         raise
 
 
+def refuse_push_to_hub(kwargs: dict[str, Any]) -> None:
+    """A save is staged in a folder of its own, then committed: pushed from there, transformers named the repository
+    after the staging folder, or uploaded it without `checkpoint_config.json`."""
+    if kwargs.get("push_to_hub"):
+        raise ConfigTypeError(
+            "save_pretrained(push_to_hub=True) while wrapped would upload remat's staging folder, not the save: save, "
+            "then upload the folder (huggingface_hub.upload_folder(folder_path=folder, repo_id=...)); nothing was saved"
+        )
+
+
 def _save_with_config(owner: Any, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> Any:
     """The model's own save and `checkpoint_config.json`, committed as one; as is inside a save
     that already stages (a Trainer checkpoint) or on a process that is not the main one."""
+    refuse_push_to_hub(kwargs)
     save = original_method(owner.model, "save_pretrained")
     if not kwargs.get("is_main_process", True) or is_staging(save_directory):
         return save(save_directory, *args, **kwargs)
