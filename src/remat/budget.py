@@ -86,7 +86,7 @@ class BudgetState:
     plans: dict[Bucket, Any] = field(default_factory=dict)  # bucket -> PlannedConfig, or None: nothing fits
     # every choice made from the profile: (bucket, budget bytes, scope) -> plan or None (a refusal's search for what
     # fits, some twenty buckets, chose them again each time); apart from `plans`, whose first use checks the model
-    searched: tuple[Any, dict[tuple[Bucket, int, str], Any]] = (None, {})
+    searched: tuple[Any, dict[tuple[Bucket, int, str], Any]] = field(default_factory=lambda: (None, {}))
     active: Any = None  # the PlannedConfig the map runs (None: pending, before the first step)
     active_bucket: Bucket | None = None
     receipts: dict[tuple[Bucket, int], Receipt] = field(default_factory=dict)  # (bucket, kind number) -> its receipt
