@@ -169,7 +169,7 @@ class CheckpointConfig:
     """
 
     every_n_layers: int = 1
-    offload_min_bytes: int | str = 2 * 1024**2  # a size ("2MiB") is taken too, and held in bytes once made
+    offload_min_bytes: int = 2 * 1024**2  # a size ("2MiB") is taken too, and parsed (held in bytes: what is read)
     swap_layers: int | Sequence[int] = 0  # indices: a sorted tuple once made
     swap_placement: str = "spread"
     layer_policies: Mapping[int, str] = field(default_factory=dict)

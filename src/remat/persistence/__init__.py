@@ -74,7 +74,11 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
         )
     if kwargs.get("state_dict") is not None:
         given, selected = kwargs["state_dict"], kwargs.get("selected_adapters")
-        kwargs["state_dict"] = _full_state_dict(model, given) if own else _adapters_state_dict(model, given, selected)
+        kwargs["state_dict"] = (  # a full model's: the wrapper's names would be saved as unknown weights
+            _from_under_wrapper(given, model.state_dict().keys())
+            if own
+            else _adapters_state_dict(model, given, selected)
+        )
 
     def write(staging: str) -> None:
         if peft or own:  # else (a model with no save of its own) the config alone
@@ -85,10 +89,8 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
         logger.info("%s already has a README.md: kept it, PEFT's model card was not written", target)
 
 
-def _full_state_dict(model: nn.Module, given: Any) -> Any:
-    """A `state_dict=` for a full model's own save: the wrapper's (`accelerator.get_state_dict(cm)`) has its names
-    under `model.`, which transformers would save as unknown weights: taken from under it."""
-    own = model.state_dict().keys()
+def _from_under_wrapper(given: Any, own: Any) -> Any:
+    """A state dict named as the wrapper names it (`cm.state_dict()`: under `model.`) named as the model does."""
     if given and not own & given.keys() and all(key.startswith("model.") for key in given):
         return {key.removeprefix("model."): value for key, value in given.items()}
     return given
@@ -107,8 +109,7 @@ def _adapters_state_dict(model: nn.Module, given: Any, selected: Any) -> dict[st
             "saved."
         )
     own = dict(model.named_parameters(remove_duplicate=False))
-    if given and not own.keys() & given.keys() and all(key.startswith("model.") for key in given):
-        given = {key.removeprefix("model."): value for key, value in given.items()}
+    given = _from_under_wrapper(given, own.keys())
     names = list(model.peft_config) if selected is None else selected if isinstance(selected, list) else []
     empty = " (it is empty: an FSDP full state dict is empty off rank 0; pass is_main_process=...)"
     for name in [name for name in names if name in model.peft_config]:
