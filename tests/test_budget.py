@@ -444,6 +444,27 @@ def test_a_tensor_outside_the_model_gets_one_steps_gradient_from_the_first_step_
     assert torch.equal(vector.grad, before), "a profile leaves a tensor outside the model as it was"
 
 
+def test_prompt_learnings_virtual_tokens_count_in_every_row_so_more_shorter_rows_stay_within_the_prediction():
+    """PEFT's prompt tuning puts its virtual tokens before every row inside the model: 16 x 4 ids with 32 of them run
+    16 x 36. Counted from the ids alone, such a step took the profile's bucket and held 4.5x its prediction."""
+    from peft import PromptTuningConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny_model(num_hidden_layers=4), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=32)
+    )
+    cm = CheckpointedModel(model, CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    cm(**batch(size=2, seq=32)).loss.backward()  # the profile: 2 x 64 tokens
+    assert cm.budget_receipts[-1].bucket_tokens == bucket_of(2 * 64)
+    more_rows = batch(seed=1, size=16, seq=4)
+    cm(**more_rows).loss.backward()
+    receipt = cm.budget_receipts[-1]
+    assert receipt.bucket_tokens == bucket_of(16 * 36)
+    assert activation_bytes(cm, more_rows) <= receipt.predicted_bytes
+    with pytest.raises(ConfigError, match=r"32 virtual tokens a row included"):
+        cm.enable(cm.checkpoint_config.replace(budget="64KiB"))
+        cm(**more_rows)
+
+
 def test_a_forward_without_labels_is_profiled_through_its_logits_and_trains_exactly():
     """GRPO-style: the caller computes the loss from the logits, so the batch has no labels; the profile
     backpropagates through the logits instead (it would be refused without a loss), and training is exact."""
@@ -458,6 +479,27 @@ def test_a_forward_without_labels_is_profiled_through_its_logits_and_trains_exac
     assert_same_grads(grads[1], {n.removeprefix("model."): g for n, g in grads[0].items()})
     (receipt,) = cm.budget_receipts
     assert receipt.steps == 1 and controller_of(cm).budget.profile is not None
+
+
+def test_a_forward_without_labels_is_priced_with_a_loss_that_holds_what_a_cross_entropy_over_its_logits_holds():
+    """Label smoothing, `compute_loss_func`: the trainer pops the labels and makes a cross entropy from the logits.
+    The profile measured the logits' mean instead, which holds nothing for its backward: such a step peaked at 1.45x
+    its prediction on a 4,096-token vocabulary."""
+    from remat.testing import measure_step_peak
+
+    cm = CheckpointedModel(tiny_model(num_hidden_layers=4, vocab_size=4096), CheckpointConfig(budget="64MiB"))
+    data = {k: v for k, v in batch(size=2, seq=64).items() if k != "labels"}
+    targets = data["input_ids"].flatten()
+
+    def loss_fn(outputs, batch):
+        return torch.nn.functional.cross_entropy(outputs.logits.float().flatten(0, 1), targets)
+
+    optimizer = torch.optim.AdamW(cm.parameters())
+    cm.set_optimizer(optimizer)
+    loss_fn(cm(**data), data).backward()
+    predicted = cm.budget_receipts[-1].predicted_bytes
+    peak = measure_step_peak(cm, data, optimizer, loss_fn=loss_fn)
+    assert 0.97 <= peak / predicted <= 1.03
 
 
 def test_a_model_without_logits_is_profiled_through_its_outputs_and_trains_exactly():

@@ -455,3 +455,33 @@ def test_trls_peft_config_route_over_layers_added_since_wrapping_is_refused_not_
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
     with pytest.raises(StateError, match=r"SFTTrainer\(peft_config=...\): .*model.layers holds 7 modules, 6 when"):
         _trl_trainer("SFTTrainer", tmp_path, cm, [], peft_config=lora)
+
+
+def _distillation(tmp_path, cm, **extra):
+    args = trl.DistillationConfig(
+        max_completion_length=4, gradient_checkpointing=False, **_common(tmp_path, save_steps=100, **extra)
+    )
+    data = datasets.Dataset.from_dict({"prompt": ["Say yes:", "Say no:"] * 4, "completion": [" yes", " no"] * 4})
+    teacher = tiny_model(num_hidden_layers=2, vocab_size=256, seed=5)
+    counter = RecomputedPerStep(cm)
+    trainer = remat_trainer_class(trl.DistillationTrainer)(
+        model=cm, teacher_model=teacher, args=args, train_dataset=data, processing_class=byte_tokenizer(),
+        callbacks=[counter],
+    )  # fmt: skip
+    return trainer, counter
+
+
+def test_distillation_routes_its_loss_through_the_forward_which_keeps_a_map_and_a_budget_refuses_by_name(tmp_path):
+    """TRL's DistillationTrainer calls `model(student, inputs, num_items)` with the instance's forward patched to its
+    own loss: a map holds through it; a budget cannot measure such a step (it took the three arguments for a batch
+    and failed inside TRL) and says so before the forward runs."""
+    trainer, counter = _distillation(tmp_path, CheckpointedModel(_model(), CheckpointConfig(every_n_layers=2)))
+    trainer.train()
+    assert counter.steps == [EVERY_2ND] * 3
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB"))
+    trainer, _ = _distillation(tmp_path / "budget", cm, max_steps=1)
+    before = {n: p.detach().clone() for n, p in cm.named_parameters()}
+    with pytest.raises(ValueError, match=r"a module \(.*\) among its arguments.*DistillationTrainer"):
+        trainer.train()
+    assert all(torch.equal(p, before[n]) for n, p in cm.named_parameters())
+    assert cm.budget_receipts == []

@@ -159,7 +159,9 @@ class BudgetState:
         from .planner.measuring import batch_length, batch_tokens  # what the activations grow with
 
         config = controller.config
-        tokens, length = agreed_size(batch_tokens(batch), batch_length(batch), controller.model)
+        tokens, length = agreed_size(
+            batch_tokens(batch, controller.model), batch_length(batch, controller.model), controller.model
+        )
         self._close_receipt()
         started = time.perf_counter()
         planned, bucket = self._plan_for(controller, batch, tokens, length)
@@ -248,6 +250,10 @@ class BudgetState:
         planned = self.plans[bucket]
         if planned is None:
             rows = "" if bucket[1] is None else f" in rows of {length}"
+            from .planner.measuring import virtual_tokens
+
+            if virtual := virtual_tokens(controller.model):  # PEFT's prompt learning: rows longer than the batch's
+                rows += f" ({virtual} virtual tokens a row included)"
             said = f"budget: a step of {tokens} tokens{rows} fits no map under budget={config.budget!r} "
             said += f"(budget_scope={config.budget_scope!r})"
             fitting, fewer_rows_fit = None, False
@@ -492,7 +498,7 @@ def step_kind(model: Any, batch: Mapping[str, Any]) -> tuple[Any, ...]:
     seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     if not (seq2seq and isinstance(target, torch.Tensor) and target.numel()):
         return inputs, autocast, None
-    source = batch_tokens({k: v for k, v in batch.items() if k not in ("labels", "decoder_input_ids")})
+    source = batch_tokens({k: v for k, v in batch.items() if k not in ("labels", "decoder_input_ids")}, model)
     return inputs, autocast, round(math.log2(target.numel() / max(source, 1)))
 
 
@@ -562,16 +568,18 @@ def _every_label_counted(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 def logits_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
-    """A loss for profiling a batch without labels (GRPO, DPO: the trainer computes its loss from the
-    logits): the logits' mean, whose backward reaches every layer as any loss over the logits does; the model's own
+    """A loss for profiling a batch without labels (GRPO, DPO, label smoothing: the trainer computes its loss from
+    the logits): a cross entropy over them, which holds a log-softmax over the vocabulary for its backward as the
+    trainer's loss does (their mean held none: a label-smoothed step peaked at 1.45x its prediction); the model's own
     loss where it gave one (its targets under another name); a model without logits (an encoder's
     `last_hidden_state` pooled by the caller, QA's start and end logits) the mean of each floating output that has
     a gradient (a KeyError 'logits' failed every training step)."""
     if isinstance(loss := outputs.get("loss") if isinstance(outputs, Mapping) else None, torch.Tensor):
         return loss
     logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
-    if isinstance(logits, torch.Tensor):
-        return logits.float().mean()
+    if isinstance(logits, torch.Tensor) and logits.dim():
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        return torch.nn.functional.cross_entropy(flat, flat.new_zeros(flat.shape[0], dtype=torch.long))
     graded = [t for t in _tensors(outputs) if t.is_floating_point() and t.requires_grad]
     if not graded:
         raise ConfigError(

@@ -565,6 +565,15 @@ class Controller:
                 )
         if self.measuring:
             return args, kwargs
+        if passed := next((v for v in (*args, *kwargs.values()) if isinstance(v, nn.Module)), None):
+            raise ConfigError(
+                f"budget: this training forward was called with a module ({type(passed).__name__}) among its "
+                "arguments, not a batch: a trainer routing its own loss through the model's forward (TRL's "
+                "DistillationTrainer does, for DDP and FSDP). The budget measures and plans from a batch the model's "
+                "forward takes, which this step has not; give the map instead, planned once from a batch of yours: "
+                "cm.enable(cm.profile(batch).plan(budget)), or CheckpointConfig(every_n_layers=...). This forward "
+                "did not run"
+            )
         budget, batch = self.budget, {**_named_positionals(module, args), **kwargs}
         budget.before_step(self, batch)
         # after every other hook (the chunked head's replaces the output): watch this forward's backward. Not called

@@ -89,16 +89,27 @@ def check_measurable(state: Controlled, batch: Mapping[str, Any], loss_fn: LossF
     check_loss_source(model, batch, loss_fn, "profile")
 
 
-def batch_tokens(batch: Mapping[str, Any]) -> int:
-    """What a step's activations grow with, "tokens": batch x sequence length (of `input_ids` or `inputs_embeds`), of
-    an image batch its pixels, of audio its samples or feature frames (`_rows_and_length`)."""
-    rows, length = _rows_and_length(batch)
+def batch_tokens(batch: Mapping[str, Any], model: Any = None) -> int:
+    """What a step's activations grow with, "tokens": batch x sequence length (of `input_ids` or `inputs_embeds`, with
+    the virtual tokens PEFT's prompt learning puts before each row inside `model`), of an image batch its pixels, of
+    audio its samples or feature frames (`_rows_and_length`)."""
+    rows, length = _rows_and_length(batch, model)
     return rows * length
 
 
-def batch_length(batch: Mapping[str, Any]) -> int:
+def batch_length(batch: Mapping[str, Any], model: Any = None) -> int:
     """The rows' length, as `batch_tokens` counts them (sequence length, padding included; an image's pixels)."""
-    return _rows_and_length(batch)[1]
+    return _rows_and_length(batch, model)[1]
+
+
+def virtual_tokens(model: Any) -> int:
+    """The virtual tokens PEFT's prompt learning (prompt tuning, p-tuning, ...) adds before every row inside the
+    model: a step of 16 x 4 ids with 32 of them runs 16 x 36 (counted without them, such a step held 4.5x its
+    prediction). Prefix tuning's go to each layer's cache instead, not into the rows."""
+    config = getattr(model, "active_peft_config", None)
+    if not getattr(config, "is_prompt_learning", False) or config.peft_type in ("PREFIX_TUNING", "CARTRIDGE"):
+        return 0
+    return int(getattr(config, "num_virtual_tokens", 0) or 0)
 
 
 # Inputs besides token ids, with where their length starts: an image's (C, H, W) grow with H x W, a video's
@@ -107,11 +118,14 @@ def batch_length(batch: Mapping[str, Any]) -> int:
 _LENGTH_FROM = {"pixel_values": -2, "pixel_values_videos": -2, "input_features": -1, "input_values": 1}
 
 
-def _rows_and_length(batch: Mapping[str, Any]) -> tuple[int, int]:
+def _rows_and_length(batch: Mapping[str, Any], model: Any) -> tuple[int, int]:
     if isinstance(ids := batch.get("input_ids"), torch.Tensor):
-        return (ids.numel() // ids.shape[-1], ids.shape[-1]) if ids.dim() and ids.shape[-1] else (1, ids.numel())
+        rows, length = (
+            (ids.numel() // ids.shape[-1], ids.shape[-1]) if ids.dim() and ids.shape[-1] else (1, ids.numel())
+        )
+        return rows, length + virtual_tokens(model)
     if isinstance(embeds := batch.get("inputs_embeds"), torch.Tensor) and embeds.dim() >= 2:
-        return embeds.numel() // embeds.shape[-1] // embeds.shape[-2], embeds.shape[-2]
+        return embeds.numel() // embeds.shape[-1] // embeds.shape[-2], embeds.shape[-2] + virtual_tokens(model)
     for key, start in _LENGTH_FROM.items():
         if not (isinstance(value := batch.get(key), torch.Tensor) and value.dim() >= 2):
             continue
@@ -290,7 +304,7 @@ def measure(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions
         if short is not None:
             # bytes at a second length, so that `tokens` can model what grows with the square of it
             at_short = _Steps(state, own_inputs(short), loss_fn, optimizer, bar, refused, config)
-            ratio = batch_tokens(short) / batch_tokens(batch)
+            ratio = batch_tokens(short, state.model) / batch_tokens(batch, state.model)
             scaled = {name: {i: t * ratio for i, t in per_layer.items()} for name, per_layer in seconds.items()}
             try:
                 found_short = _bytes(at_short, names, rotation, swapped, [])
@@ -414,10 +428,10 @@ def _measurements(
         outside=Outside(found.outside[True], found.outside[False]),
         alone=None if found.alone is None else tuple(found.alone[i] for i in everything),
         base_seconds=base,
-        tokens=batch_tokens(steps.batch),
+        tokens=batch_tokens(steps.batch, steps.model),
         step=StepMemory(found.extras, steps.peak.fixed) if found.extras else None,
         time=prices,
-        length=batch_length(steps.batch),
+        length=batch_length(steps.batch, steps.model),
         square_per_row=not _seq2seq(steps.model),
     )
 
