@@ -434,3 +434,21 @@ def test_push_to_hub_from_a_save_while_wrapped_is_refused_before_anything_is_wri
             with pytest.raises(TypeError, match=r"push_to_hub=True.*upload_folder"):
                 save(tmp_path / "hub", push_to_hub=True, repo_id="me/model")
     assert not os.listdir(tmp_path)
+
+
+def test_a_frozen_adapter_loaded_beside_the_trained_one_leaves_the_map_and_a_trainable_load_applies_its_map(
+    tmp_path, caplog
+):
+    """TRL's DPO reference adapter: `load_adapter(sft_folder, adapter_name="reference")` is another run's adapter,
+    loaded frozen; it replaced the running wrapper's config (a budget too) with the map saved beside it."""
+    sft = CheckpointedModel(add_lora(tiny_model(num_hidden_layers=4)), CheckpointConfig(checkpoint_policy="offload"))
+    sft.save_pretrained(tmp_path / "sft")
+    config = CheckpointConfig(budget="64MiB", budget_scope="activations")
+    cm = CheckpointedModel(add_lora(tiny_model(num_hidden_layers=4)), config)
+    with caplog.at_level("INFO", logger="remat"):
+        cm.model.load_adapter(str(tmp_path / "sft"), adapter_name="reference", is_trainable=False)
+    assert cm.checkpoint_config == config
+    assert "'reference' loaded frozen beside those training" in caplog.text
+    assert "reference" in cm.model.peft_config and cm.model.active_adapters == ["default"]
+    cm.model.load_adapter(str(tmp_path / "sft"), adapter_name="trained", is_trainable=True)
+    assert cm.checkpoint_config.checkpoint_policy == "offload" and cm.checkpoint_config.budget is None

@@ -435,6 +435,32 @@ def test_a_model_init_that_returns_a_wrapper_is_unwrapped_like_a_model_argument(
     assert trainer.checkpointed_model is cm and trainer.model is cm.model
     files = {p.name for p in (tmp_path / "checkpoint-2").iterdir()}
     assert {"adapter_model.safetensors", "checkpoint_config.json"} <= files and "model.safetensors" not in files
+    assert [line["remat/layers"] for line in trainer.state.log_history if "remat/layers" in line] == [4]
+
+
+def test_a_model_init_wrapper_whose_map_the_arguments_replace_is_warned_once(tmp_path, caplog):
+    """As for model=cm: a WARNING that the arguments' options replace the wrapper's (Trainer calls model_init in
+    __init__ and again in train(): said once), and options the route refuses refused when the trainer is built."""
+
+    def arguments(**checkpointing):
+        return TrainingArguments(
+            output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[], use_cpu=True,
+            gradient_checkpointing=True, gradient_checkpointing_kwargs=checkpointing,
+        )  # fmt: skip
+
+    made = []
+
+    def model_init():
+        made.append(CheckpointedModel(add_lora(tiny_model()), CheckpointConfig(every_n_layers=2)))
+        return made[-1]
+
+    with caplog.at_level("WARNING", logger="remat"):
+        RematTrainer(model_init=model_init, args=arguments(every_n_layers=3), train_dataset=_dataset()).train()
+    said = [r.getMessage() for r in caplog.records if "replace the CheckpointedModel's own config" in r.getMessage()]
+    assert len(said) == 1 and "every_n_layers 2 -> 3" in said[0] and "head" in said[0].split("becomes")[1]
+    assert made[-1].checkpoint_map.checkpointed == [0, 3]
+    with pytest.raises(ValueError, match="determinism_check"):
+        RematTrainer(model_init=model_init, args=arguments(determinism_check="none"), train_dataset=_dataset())
 
 
 _KILLED_IN_THE_SECOND_SAVE = """

@@ -4,6 +4,7 @@ PeftModel adopted, the map in the logs and every save, a warning when the traini
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -60,6 +61,8 @@ class _RematTrainerMixin:
                     (mro := type(self).__mro__)[mro.index(_RematTrainerMixin) + 1].__name__,
                 )
             super().__init__(*args, **kwargs)
+            if self.checkpointed_model is not None:  # model_init returned a wrapper (`call_model_init`)
+                self.add_callback(_MapInLogs(self))
             return
         own_config, own_map = controller.config, controller.checkpoint_map
         # options the route would refuse at train(), refused before a trainer's peft_config= changes the model
@@ -109,7 +112,11 @@ class _RematTrainerMixin:
         """`model_init` may return a wrapper too (also on every hyperparameter-search trial)."""
         model = super().call_model_init(trial)  # type: ignore[misc]
         _refuse_compiled_wrapper(model)
-        if controller_of_wrapper(model) is not None:
+        if (controller := controller_of_wrapper(model)) is not None:
+            _arguments_config(controller.config, self.args)  # refused now, as for model=cm, not at train()
+            if not self.__dict__.get("_said_arguments_change_the_map"):  # Trainer calls it in __init__ and train()
+                self._said_arguments_change_the_map = True
+                _warn_if_arguments_change_the_map(controller, controller.config, controller.checkpoint_map, self.args)
             self.checkpointed_model = model
             return model.model
         return model
@@ -219,7 +226,8 @@ def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map:
     becomes = (
         f"the budget ({asked.budget}) plans each step's map with them"
         if asked.budget is not None
-        else f"the map {own_map!r} becomes {plan_layers(asked, controller.discovery.names)!r} when training starts"
+        else f"the map {own_map!r} becomes {_with_head(plan_layers(asked, controller.discovery.names), own_map)!r} "
+        "when training starts"
     )
     logger.warning(
         "the training arguments' checkpointing options %r replace the CheckpointedModel's own config (%s): %s. To "
@@ -229,6 +237,11 @@ def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map:
         describe_changes(own_config, asked),
         becomes,
     )
+
+
+def _with_head(new_map: Any, own_map: Any) -> Any:
+    """The new map with the head row the wrapper's shows (the options a trainer passes do not change the head)."""
+    return dataclasses.replace(new_map, head=own_map.head)
 
 
 class _MapInLogs(TrainerCallback):

@@ -319,6 +319,7 @@ class _LoadAdapterWithConfig:
                 )
             adapter = args[0] if args else kwargs.get("adapter_name")
             trainable = args[1] if len(args) > 1 else kwargs.get("is_trainable", False)
+            restores = bool(trainable) or adapter in getattr(model, "peft_config", {})  # a resume, the best model
             if isinstance(adapter, str) and (chosen := [a for a in loaded.adapters if a.folder == wanted]):
                 # into an adapter whose weights have other names or shapes PEFT would load nothing, and say so only
                 # in the keys it returns (Trainer's resume then trained the untrained adapter); its other settings
@@ -331,6 +332,15 @@ class _LoadAdapterWithConfig:
         self.loaded_from = os.path.abspath(folder)
         if wanted == "":
             self.main_loaded_from.add(self.loaded_from)
+        if not restores:  # a frozen adapter beside the one training (TRL's DPO reference): its map was another run's
+            logger.info(
+                "load_adapter(%s): adapter %r loaded frozen beside those training; the map trains them, so the map "
+                "saved with it is not taken (load it with is_trainable=True, or into an adapter the model has, to "
+                "take it)",
+                folder,
+                adapter,
+            )
+            return result
         self.owner.budget.take_saved(loaded.saved.budget_profile, loaded.saved.file)
         self.owner.adopt_saved_config(loaded.saved.config, f"load_adapter({folder})")
         return result
