@@ -226,6 +226,25 @@ def test_a_stale_profile_is_measured_again_naming_what_changed(caplog, change):
     assert len(messages) == 1 and said in messages[0], messages
 
 
+def test_switching_adapters_back_plans_from_the_profile_measured_before_not_a_new_one(caplog):
+    """Multi-task training switches adapters between steps: each switch measured a whole profile (50x a step); a
+    model back in a state profiled before plans from that profile, and another budget plans all of them anew."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    cm.model.add_adapter("second", cm.model.peft_config["default"])
+    cm(**batch(size=2, seq=8)).loss.backward()
+    with caplog.at_level(logging.INFO, logger="remat"):
+        for adapter in ["second", "default", "second", "default"]:
+            cm.model.set_adapter(adapter)
+            cm(**batch(size=2, seq=8)).loss.backward()
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("measuring a profile" in m for m in said) == 1  # "second", once
+    assert sum("back to a state profiled before" in m for m in said) == 1  # said once, served three times
+    cm.enable(cm.checkpoint_config.replace(budget="32MiB"))
+    cm.model.set_adapter("second")
+    cm(**batch(size=2, seq=8)).loss.backward()
+    assert controller_of(cm).budget.active.planned_budget == 32 * 2**20  # the set-aside plans were 64MiB's
+
+
 def _saved(tmp_path, caplog):
     cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
     cm(**batch(size=2, seq=8)).loss.backward()

@@ -248,7 +248,31 @@ def test_prefix_tuning_with_a_checkpointed_layer_is_refused_and_trains_exactly_w
     with pytest.raises(ValueError, match="prefix_tuning passes its virtual tokens"):
         cm.enable(every_n_layers=2, layer_policies={})
     assert cm.checkpoint_config == none
+    # a budget takes no layer_policies: the refusal says to drop it, not to name policies the budget refuses
+    with pytest.raises(ValueError, match=r"drop budget='64MiB' and checkpoint no layer"):
+        cm.enable(budget="64MiB", layer_policies={})
     reference = build()
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     expected = step_grads(reference, [(n, p) for n, p in reference.named_parameters() if p.requires_grad], batch())
     assert_same_grads(expected[1], step_grads(cm, named, batch())[1])
+
+
+def test_a_peft_mixed_model_is_told_apart_from_peft_applied_after_wrapping_and_its_save_refused_as_peft_would(
+    tmp_path, caplog
+):
+    """`get_peft_model(..., mixed=True)` applied before wrapping, as the README says: remat took it for PEFT applied
+    around cm.model after wrapping and told the user to apply PEFT first; PEFT itself cannot save such a model."""
+    from peft import LoHaConfig, LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model(), LoraConfig(r=4, target_modules=["q_proj"]), mixed=True)
+    model.add_adapter("h", LoHaConfig(r=4, target_modules=["v_proj"]))
+    model.set_adapter(["default", "h"])
+    cm = CheckpointedModel(model, CheckpointConfig(every_n_layers=1))
+    with caplog.at_level("WARNING", logger="remat"):
+        cm(**batch()).loss.backward()
+        cm(**batch()).loss.backward()
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and said[0].startswith("cm.model is a PeftMixedModel") and "after wrapping" not in said[0]
+    with pytest.raises(ValueError, match=r"PeftMixedModel .* which PEFT cannot save"):
+        cm.save_pretrained(tmp_path / "save")
+    assert not (tmp_path / "save").exists()

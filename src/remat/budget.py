@@ -34,6 +34,7 @@ logger = logging.getLogger("remat")
 
 
 Bucket = tuple[int, int | None]  # a step's tokens' bucket, and its rows' length bucket where they are long (`_bucket`)
+EARLIER_PROFILES = 4  # profiles a model change set aside, kept to plan from when it changes back (`_back_to_earlier`)
 EXTRAPOLATED = 4  # a bucket planned for more than this many times the profiled tokens says it is extrapolated
 
 
@@ -102,6 +103,8 @@ class BudgetState:
     params: list[Any] = field(default_factory=list)  # the model's parameters then
     kind: Any = None  # `step_kind` of the steps the profile above is for
     profiles: dict[Any, tuple[Any, ...]] = field(default_factory=dict)  # another kind -> its `_kind_state`
+    earlier: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)  # (kind, state) a model change set aside
+    said_earlier: bool = False  # a model changed back to a state profiled before, said once
     kind_ids: dict[Any, int] = field(default_factory=dict)  # kind -> a number, in the receipts' keys
     said_owed_kinds: set[Any] = field(default_factory=set)  # kinds priced from another's profile, said once
     said_two_graphs: bool = False  # a training forward while an earlier one's backward is owed, said once
@@ -121,7 +124,8 @@ class BudgetState:
         serves it); a config without a budget (a map by hand, measuring's own steps) leaves the plans as they are."""
         if config.budget is not None and config != self.config:
             self.config = config
-            for plans in [self.plans, *(state[2] for state in self.profiles.values())]:
+            states = [*self.profiles.values(), *(state for _, state in self.earlier)]
+            for plans in [self.plans, *(state[2] for state in states)]:
                 plans.clear()
             self.active = self.active_bucket = None
             self.receipts.clear()  # each bucket's plan under this budget is said, with a receipt of its own
@@ -239,9 +243,11 @@ class BudgetState:
         # for every bucket planned anew)
         if _model_key(controller, self.params) != self.fresh_key or self._bucket(tokens, length) not in self.plans:
             if changes := self.profile.changes()[1]:
-                why = f"the model changed since its profile ({'; '.join(changes)})"
                 self.profiles.clear()  # every other kind's profile is of the model before that change too
-                self._measure(controller, batch, tokens, why=why)
+                if not self._back_to_earlier(config, changes):
+                    self._measure(
+                        controller, batch, tokens, why=f"the model changed since its profile ({'; '.join(changes)})"
+                    )
             self.params = list(controller.model.parameters())
             self.fresh_key = _model_key(controller, self.params)
         bucket = self._bucket(tokens, length)
@@ -288,6 +294,28 @@ class BudgetState:
         m, bucket = self.profile.measurements, bucket_of(tokens)
         measured = m.length and m.shorter is not None  # (one length measured, images or audio: in proportion)
         return bucket, bucket_of(length) if measured and length * m.tokens > bucket * m.length else None
+
+    def _back_to_earlier(self, config: Any, changes: list[str]) -> bool:
+        """Whether the model is back in a state a profile of this kind set aside measured (`set_adapter` between
+        adapters, each change measured anew: a whole profile at every switch, 50x a step): its profile and plans
+        serve again. The profile left is set aside in turn (the last `EARLIER_PROFILES`)."""
+        kind, left = self.kind, (self.profile, self.without_optimizer, self.plans, None, [])
+        back = next((e for e in self.earlier if e[0] == kind and not e[1][0].changes()[1]), None)
+        kept = [e for e in self.earlier if e is not back][-EARLIER_PROFILES + 1 :]
+        self.earlier = [*kept, (kind, left)]
+        if back is None:
+            return False
+        self.profile, self.without_optimizer, self.plans = back[1][:3]
+        if self._outgrown(config) is not None:  # (the optimizer known since): measured again, by the caller
+            return False
+        if not self.said_earlier:
+            self.said_earlier = True
+            logger.info(
+                "budget: the model changed (%s) back to a state profiled before: its profile and plans serve again "
+                "(said once)",
+                "; ".join(changes),
+            )
+        return True
 
     def _kind_state(self) -> tuple[Any, ...]:
         return self.profile, self.without_optimizer, self.plans, self.fresh_key, self.params

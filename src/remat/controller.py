@@ -23,7 +23,7 @@ from .head import ChunkedHead, HeadPlan, causal_lm, plan_head
 from .install import FlagInstall, ForwardInstall, installer_for
 from .layers import DiscoveredLayer, Discovery, Placement
 from .offload import Offloader
-from .persistence import SaveLoadOverrides, stray_adapter_layers
+from .persistence import SaveLoadOverrides, is_mixed_peft_model, stray_adapter_layers
 from .plan import CheckpointMap, plan_layers
 from .policies import policy as policy_named
 from .recompute import LayerCheckpoint, distributed_training, run_without_checkpoint, swappers_owed
@@ -52,16 +52,22 @@ def owners_of(model: nn.Module) -> list[Controller]:
     return list(found.values())
 
 
-def _refuse_prefix_tuning_checkpointed(model: nn.Module, new_map: CheckpointMap) -> None:
+def _refuse_prefix_tuning_checkpointed(model: nn.Module, new_map: CheckpointMap, config: CheckpointConfig) -> None:
     """Prefix tuning hands every layer its virtual keys and values as the cache, which transformers drops in a
     checkpointed layer: a shape error on transformers 5, silently wrong gradients on 4.57 (native checkpointing too)."""
     peft_type = getattr(getattr(model, "active_peft_config", None), "peft_type", None)  # a str enum
     if new_map.checkpointed and peft_type in ("PREFIX_TUNING", "CARTRIDGE"):
+        do = (  # a budget takes no layer_policies: it checkpoints what it must
+            f"A budget checkpoints the layers it must, so prefix tuning takes none: drop budget={config.budget!r} "
+            "and checkpoint no layer"
+            if config.budget is not None
+            else "Checkpoint no layer"
+        )
         raise ConfigError(
             f"{peft_type.value.lower()} passes its virtual tokens to every layer as the cache "
             f"(past_key_values), which transformers drops in a checkpointed layer (layers {new_map.checkpointed} "
-            "here): a shape error or wrong gradients. Checkpoint no layer (layer_policies={i: 'none' for i in "
-            "range(n)}) or train another PEFT method (prompt tuning, LoRA); nothing was changed"
+            f"here): a shape error or wrong gradients. {do} (layer_policies={{i: 'none' for i in range(n)}}) or "
+            "train another PEFT method (prompt tuning, LoRA); nothing was changed"
         )
 
 
@@ -305,7 +311,7 @@ class Controller:
         if live:
             self.check_layers(cause)
             self._check_swap_change(new_map)
-            _refuse_prefix_tuning_checkpointed(self.model, new_map)
+            _refuse_prefix_tuning_checkpointed(self.model, new_map, config)
         # nothing refuses from here: what the new config plans is kept
         change = None
         if not said and not self.measuring:  # a profile says one line (a budget's) or shows a bar for all its steps
@@ -637,6 +643,13 @@ class Controller:
         ):
             return
         self._said_stray_adapters = True
+        if is_mixed_peft_model(self.model):
+            logger.warning(
+                "cm.model is a PeftMixedModel (get_peft_model(..., mixed=True)): the map runs, but PEFT cannot save "
+                "such a model, so neither can cm.save_pretrained (refused); train one adapter type in a PeftModel "
+                "to save it"
+            )
+            return
         by = (
             "transformers' add_adapter"
             if getattr(self.model, "_hf_peft_config_loaded", False)

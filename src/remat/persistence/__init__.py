@@ -38,11 +38,19 @@ _HUB_ID = re.compile(r"[\w-][\w.-]*/[\w-][\w.-]*")  # "owner/name", as the Hub n
 __all__ = [
     "SaveLoadOverrides",
     "apply_saved_config",
+    "is_mixed_peft_model",
     "load_checkpointed_model",
     "resume_undone_on_failure",
     "save_checkpointed_model",
     "stray_adapter_layers",
 ]
+
+
+def is_mixed_peft_model(model: nn.Module) -> bool:
+    """PEFT's `PeftMixedModel` (`get_peft_model(..., mixed=True)`): adapters PEFT applied, which it cannot save."""
+    from peft import PeftMixedModel
+
+    return isinstance(model, PeftMixedModel)
 
 
 def stray_adapter_layers(within: nn.Module, model: nn.Module) -> list[str]:
@@ -66,6 +74,12 @@ def save_checkpointed_model(owner: PairOwner, save_directory: str | os.PathLike,
     target = save_folder(save_directory)
     if not kwargs.get("is_main_process", True):
         return  # the main process writes the save; the others write nothing
+    if is_mixed_peft_model(model):
+        raise ConfigError(
+            "cm.model is a PeftMixedModel (get_peft_model(..., mixed=True)), which PEFT cannot save "
+            "(NotImplementedError in its own save_pretrained), so its adapters would be lost. Train one adapter type "
+            "in a PeftModel to save it with remat. Nothing was saved."
+        )
     if stray := stray_adapter_layers(model, model):
         raise ConfigError(
             f"cm.model has PEFT adapter layers ({stray[0]}, ...) but is not a PeftModel, so there is no PEFT "
