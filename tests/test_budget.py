@@ -245,6 +245,16 @@ def test_switching_adapters_back_plans_from_the_profile_measured_before_not_a_ne
     assert controller_of(cm).budget.active.planned_budget == 32 * 2**20  # the set-aside plans were 64MiB's
 
 
+def test_a_config_change_that_keeps_the_budget_plans_with_the_new_fields():
+    """The plans chosen per bucket were cached per profile and budget: `preserve_rng_state=False` (or any other field)
+    changed under the same budget kept running the plans made with the old config."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    cm(**batch(size=2, seq=8)).loss.backward()
+    cm.enable(cm.checkpoint_config.replace(preserve_rng_state=False))
+    cm(**batch(size=2, seq=8)).loss.backward()
+    assert controller_of(cm).budget.active.preserve_rng_state is False
+
+
 def _saved(tmp_path, caplog):
     cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
     cm(**batch(size=2, seq=8)).loss.backward()

@@ -8,6 +8,7 @@ import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, step_grads, tiny_model
 
 from remat import CheckpointConfig, CheckpointedModel, ConfigError, RematError
+from remat.trainer import _apply_saved_config
 
 EVERYTHING = CheckpointConfig(
     every_n_layers=3,
@@ -450,5 +451,9 @@ def test_a_frozen_adapter_loaded_beside_the_trained_one_leaves_the_map_and_a_tra
     assert cm.checkpoint_config == config
     assert "'reference' loaded frozen beside those training" in caplog.text
     assert "reference" in cm.model.peft_config and cm.model.active_adapters == ["default"]
+    resumed = CheckpointedModel(add_lora(tiny_model(num_hidden_layers=4)), config)  # the folder's map not taken yet:
+    resumed.model.load_adapter(str(tmp_path / "sft"), adapter_name="reference", is_trainable=False)
+    _apply_saved_config(resumed, str(tmp_path / "sft"), "resuming")  # a resume from it applies it (DeepSpeed's path)
+    assert resumed.checkpoint_config.checkpoint_policy == "offload"
     cm.model.load_adapter(str(tmp_path / "sft"), adapter_name="trained", is_trainable=True)
     assert cm.checkpoint_config.checkpoint_policy == "offload" and cm.checkpoint_config.budget is None

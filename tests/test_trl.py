@@ -485,3 +485,7 @@ def test_distillation_routes_its_loss_through_the_forward_which_keeps_a_map_and_
         trainer.train()
     assert all(torch.equal(p, before[n]) for n, p in cm.named_parameters())
     assert cm.budget_receipts == []
+    # TRL puts its forward back only inside it: the refused call left TRL's loss as the model's forward
+    assert "_ForwardRedirection" not in cm.model.forward.__qualname__
+    cm.enable(budget=None, every_n_layers=2)
+    cm(**batch(size=2, seq=8)).loss.backward()

@@ -127,6 +127,7 @@ class BudgetState:
             states = [*self.profiles.values(), *(state for _, state in self.earlier)]
             for plans in [self.plans, *(state[2] for state in states)]:
                 plans.clear()
+            self.searched = (None, {})  # plans carry the config's other fields (preserve_rng_state, ...)
             self.active = self.active_bucket = None
             self.receipts.clear()  # each bucket's plan under this budget is said, with a receipt of its own
 

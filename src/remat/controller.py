@@ -572,6 +572,7 @@ class Controller:
         if self.measuring:
             return args, kwargs
         if passed := next((v for v in (*args, *kwargs.values()) if isinstance(v, nn.Module)), None):
+            _undo_forward_redirection(module)
             raise ConfigError(
                 f"budget: this training forward was called with a module ({type(passed).__name__}) among its "
                 "arguments, not a batch: a trainer routing its own loss through the model's forward (TRL's "
@@ -727,6 +728,18 @@ def _use_cache_slot(model: nn.Module) -> int | None:
     if not named and _use_cache_of(base) is None:
         return None
     return _use_cache_position(model.forward)
+
+
+def _undo_forward_redirection(model: nn.Module) -> None:
+    """Put back the forward a redirection (TRL's and Lightning's `_ForwardRedirection`) replaced on the instance: it
+    restores it only inside its own forward, which a refused call never runs (the next call ran TRL's loss)."""
+    patched = model.__dict__.get("forward")
+    if not (inspect.isfunction(patched) and patched.__closure__):
+        return
+    cells = dict(zip(patched.__code__.co_freevars, patched.__closure__, strict=True))
+    with contextlib.suppress(ValueError):  # an empty cell
+        if "original_forward" in cells:
+            model.forward = cells["original_forward"].cell_contents
 
 
 def _named_positionals(model: nn.Module, args: tuple[Any, ...]) -> dict[str, Any]:

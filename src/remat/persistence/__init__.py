@@ -343,9 +343,8 @@ class _LoadAdapterWithConfig:
             with undone_on_failure(model):
                 result = load(loaded.snapshot.folder, *args, **kwargs)
                 loaded.snapshot.unchanged()  # PEFT read the files checked (a `FolderChangedError` is undone)
-        self.loaded_from = os.path.abspath(folder)
         if wanted == "":
-            self.main_loaded_from.add(self.loaded_from)
+            self.main_loaded_from.add(os.path.abspath(folder))
         if not restores:  # a frozen adapter beside the one training (TRL's DPO reference): its map was another run's
             logger.info(
                 "load_adapter(%s): adapter %r loaded frozen beside those training; the map trains them, so the map "
@@ -355,6 +354,7 @@ class _LoadAdapterWithConfig:
                 adapter,
             )
             return result
+        self.loaded_from = os.path.abspath(folder)  # its map applied (a resume of this folder need not again)
         self.owner.budget.take_saved(loaded.saved.budget_profile, loaded.saved.file)
         self.owner.adopt_saved_config(loaded.saved.config, f"load_adapter({folder})")
         return result

@@ -26,8 +26,10 @@ from .state import ModelState, attention_of
 # of the frozen parameters' shapes (4 planned a model whose embeddings were resized since at the old head's bytes); 6:
 # an image batch's tokens are its pixels, audio's its frames or samples (5 counted rows x channels: any image size
 # took the profiled size's plan, 7.9x over at 3x the side); 7: the step's bytes no token count changes (6 priced
-# fewer, longer rows' step peak with the weights in the fit: a BERT row of 256 after rows of 64 at 2.08x its prediction)
-FORMAT = 7
+# fewer, longer rows' step peak with the weights in the fit: a BERT row of 256 after rows of 64 at 2.08x its
+# prediction); 8: prompt learning's virtual tokens counted in each row (7 left them out: a resumed step priced 1.76x
+# what it held)
+FORMAT = 8
 _TYPES: dict[str, Any] = {
     cls.__name__: cls for cls in (Measurements, LayerProfile, Outside, StepMemory, TimePrices, HeadProfile, ModelState)
 }
