@@ -531,6 +531,38 @@ def test_a_forward_without_labels_is_priced_with_a_loss_that_holds_what_a_cross_
     assert 0.97 <= peak / predicted <= 1.03
 
 
+def test_tuple_outputs_are_priced_through_their_logits_or_loss_and_a_longer_logits_to_keep_stays_within():
+    """return_dict=False: without labels the stand-in took the logits' mean (a cross-entropy step peaked at 1.66x its
+    prediction), with labels every budgeted first step failed. GRPO's `logits_to_keep` changes per step in a bucket:
+    a profile at 25 priced 57 at 1.5x under; the profile now prices logits for every token."""
+    from remat.testing import measure_step_peak
+
+    def wrapped():
+        return CheckpointedModel(tiny_model(num_hidden_layers=4, vocab_size=4096), CheckpointConfig(budget="1GiB"))
+
+    data = {k: v for k, v in batch(size=2, seq=64).items() if k != "labels"}
+    targets = data["input_ids"].flatten()
+    for tupled, loss_of in [
+        ({**data, "return_dict": False}, lambda out: out[0]),
+        ({**data, "logits_to_keep": 20}, lambda out: out.logits),
+    ]:
+        cm = wrapped()
+
+        def loss_fn(outputs, batch, loss_of=loss_of):
+            logits = loss_of(outputs).float().flatten(0, 1)
+            return torch.nn.functional.cross_entropy(logits, targets[: logits.shape[0]])
+
+        optimizer = torch.optim.AdamW(cm.parameters())
+        cm.set_optimizer(optimizer)
+        loss_fn(cm(**tupled), tupled).backward()
+        longer = {**tupled, "logits_to_keep": 60} if "logits_to_keep" in tupled else tupled
+        peak = measure_step_peak(cm, longer, optimizer, loss_fn=loss_fn)
+        assert 0.9 <= peak / cm.budget_receipts[-1].predicted_bytes <= 1.03  # (keep=60 of 64: 0.97)
+    cm = wrapped()
+    cm(**batch(size=2, seq=16), return_dict=False)[0].backward()  # labels: the loss comes first
+    assert cm.budget_receipts[-1].steps == 1
+
+
 def test_a_model_without_logits_is_profiled_through_its_outputs_and_trains_exactly():
     """Sentence embeddings: a base model (no head, no logits) whose caller pools `last_hidden_state` into its own
     loss. The budget's profile failed with KeyError 'logits' on every training step."""

@@ -65,6 +65,8 @@ def step_loss(model: nn.Module, batch: Mapping[str, Any], loss_fn: LossFn | None
     outputs = model(**batch)
     if loss_fn is not None:
         loss = loss_fn(outputs, batch)
+    elif isinstance(outputs, tuple) and outputs and isinstance(outputs[0], torch.Tensor) and not outputs[0].dim():
+        loss = outputs[0]  # return_dict=False with labels: transformers puts the loss first
     else:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else getattr(outputs, "loss", None)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
