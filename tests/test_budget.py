@@ -561,6 +561,43 @@ def test_tuple_outputs_are_priced_through_their_logits_or_loss_and_a_longer_logi
     cm = wrapped()
     cm(**batch(size=2, seq=16), return_dict=False)[0].backward()  # labels: the loss comes first
     assert cm.budget_receipts[-1].steps == 1
+    cm = wrapped()  # labels for the kept logits only: the model's loss needs the logits it keeps
+    kept = {**batch(size=2, seq=16), "logits_to_keep": 4}
+    kept["labels"] = kept["labels"][:, -4:]
+    cm(**kept).loss.backward()
+    # an MoE's tuple starts with its aux loss (output_router_logits=True): the logits come after it
+    moe = CheckpointedModel(
+        tiny_model("qwen2_moe", num_hidden_layers=2, vocab_size=4096, output_router_logits=True),
+        CheckpointConfig(budget="1GiB"),
+    )
+    tupled = {**data, "return_dict": False}
+    optimizer = torch.optim.AdamW(moe.parameters())
+    moe.set_optimizer(optimizer)
+
+    def moe_loss(outputs, batch):
+        return torch.nn.functional.cross_entropy(outputs[1].float().flatten(0, 1), targets)
+
+    moe_loss(moe(**tupled), tupled).backward()
+    peak = measure_step_peak(moe, tupled, optimizer, loss_fn=moe_loss)
+    assert 0.97 <= peak / moe.budget_receipts[-1].predicted_bytes <= 1.03
+
+
+def test_a_refused_call_with_a_module_leaves_a_forward_wrapper_that_is_no_redirection_in_place():
+    """The refusal puts back what TRL's `_ForwardRedirection` replaced; a wrapper of the forward that stays (a user's,
+    transformers' pipeline-parallel one) holding a variable of the same name is left as it was."""
+    cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB"))
+    original_forward, seen = cm.model.forward, []
+
+    def logged_forward(*args, **kwargs):
+        seen.append(1)
+        return original_forward(*args, **kwargs)
+
+    cm.model.forward = logged_forward
+    with pytest.raises(ConfigError, match="among its arguments"):
+        cm(torch.nn.Linear(1, 1))
+    assert cm.model.forward is logged_forward
+    cm(**batch(size=2, seq=8)).loss.backward()
+    assert seen
 
 
 def test_a_model_without_logits_is_profiled_through_its_outputs_and_trains_exactly():

@@ -418,7 +418,10 @@ class BudgetState:
             config.budget_scope,
             tokens,
             why,
-            "" if loss_fn is None else " (no labels: a cross entropy over the logits stands in for the loss)",
+            ""
+            if loss_fn is None
+            else " (no labels: measured with the model's own loss where it gives one, else a cross entropy over its "
+            "logits, or the mean of its outputs without logits)",
         )
         if optimizer is WITHOUT_OPTIMIZER:
             self._say_no_optimizer(controller, config)
@@ -427,9 +430,10 @@ class BudgetState:
         # one timed step per map: seconds scale every price by one rate, so a budget's choices (by bytes, then
         # by those prices) are the counts' whatever the noise; only the printed seconds are less sure
         measured = _every_label_counted(batch) if config.head == "chunked" else batch
-        # logits for every token, as the longest completion's would be: `logits_to_keep` (GRPO's completion length)
-        # changes from step to step within a bucket, and a profile at a short one priced a longer one at 2x under
-        measured = {k: v for k, v in measured.items() if k not in ("logits_to_keep", "num_logits_to_keep")}
+        # without labels, logits for every token, as the longest completion's would be: `logits_to_keep` (a GRPO-style
+        # loop's completion length) changes from step to step within a bucket; a short one priced a longer 2x under
+        if loss_fn is not None:  # (with labels the model's loss needs the logits it keeps)
+            measured = {k: v for k, v in measured.items() if k not in ("logits_to_keep", "num_logits_to_keep")}
         self.profile = profile_model(controller, measured, ProfileOptions(loss_fn, optimizer, True, 1))
         self.without_optimizer = optimizer is WITHOUT_OPTIMIZER
         if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
@@ -610,8 +614,8 @@ def logits_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:
     if isinstance(loss := outputs.get("loss") if isinstance(outputs, Mapping) else None, torch.Tensor):
         return loss
     logits = outputs.get("logits") if isinstance(outputs, Mapping) else None
-    if isinstance(outputs, tuple) and outputs and isinstance(outputs[0], torch.Tensor):
-        logits = outputs[0]  # return_dict=False without labels: the logits come first
+    if isinstance(outputs, tuple):  # return_dict=False: the logits first, after an MoE's aux loss where it has one
+        logits = next((t for t in outputs if isinstance(t, torch.Tensor) and t.dim()), None)
     if isinstance(logits, torch.Tensor) and logits.dim():
         flat = logits.float().reshape(-1, logits.shape[-1])
         return torch.nn.functional.cross_entropy(flat, flat.new_zeros(flat.shape[0], dtype=torch.long))

@@ -734,11 +734,13 @@ def _undo_forward_redirection(model: nn.Module) -> None:
     """Put back the forward a redirection (TRL's and Lightning's `_ForwardRedirection`) replaced on the instance: it
     restores it only inside its own forward, which a refused call never runs (the next call ran TRL's loss)."""
     patched = model.__dict__.get("forward")
-    if not (inspect.isfunction(patched) and patched.__closure__):
-        return
+    if not (inspect.isfunction(patched) and patched.__name__ == "wrapped_forward" and patched.__closure__):
+        return  # (another wrapper of the forward, transformers' pipeline-parallel one, stays)
     cells = dict(zip(patched.__code__.co_freevars, patched.__closure__, strict=True))
+    if not {"original_forward", "original_module", "method"} <= cells.keys():
+        return
     with contextlib.suppress(ValueError):  # an empty cell
-        if "original_forward" in cells:
+        if cells["original_module"].cell_contents is model:
             model.forward = cells["original_forward"].cell_contents
 
 
