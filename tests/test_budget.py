@@ -3,6 +3,7 @@ training step from a profile of its batch, re-planned per token bucket from the 
 map changing only between steps, a step no plan fits refused before its forward, the receipt."""
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import random
@@ -230,7 +231,7 @@ def test_switching_adapters_back_plans_from_the_profile_measured_before_not_a_ne
     """Multi-task training switches adapters between steps: each switch measured a whole profile (50x a step); a
     model back in a state profiled before plans from that profile, and another budget plans all of them anew."""
     cm = CheckpointedModel(_model(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
-    cm.model.add_adapter("second", cm.model.peft_config["default"])
+    cm.model.add_adapter("second", dataclasses.replace(cm.model.peft_config["default"], r=16))  # other bytes
     cm(**batch(size=2, seq=8)).loss.backward()
     with caplog.at_level(logging.INFO, logger="remat"):
         for adapter in ["second", "default", "second", "default"]:
@@ -239,6 +240,8 @@ def test_switching_adapters_back_plans_from_the_profile_measured_before_not_a_ne
     said = [r.getMessage() for r in caplog.records]
     assert sum("measuring a profile" in m for m in said) == 1  # "second", once
     assert sum("back to a state profiled before" in m for m in said) == 1  # said once, served three times
+    assert sum("steps of up to" in m for m in said) == 1  # "second"'s plan, said once (a line per switch before)
+    assert len(cm.budget_receipts) == 2 and sum(r.steps for r in cm.budget_receipts) == 5  # one per profile
     cm.enable(cm.checkpoint_config.replace(budget="32MiB"))
     cm.model.set_adapter("second")
     cm(**batch(size=2, seq=8)).loss.backward()
@@ -782,6 +785,16 @@ def _seq2seq(source, target, seed=0):
     }
 
 
+def test_an_encoder_decoders_targets_as_long_as_the_source_are_no_other_kind(caplog):
+    """The targets are in the kind as their ratio to the source: a batch whose labels happened to be shaped as the
+    source (a collator padding per batch) counted as a step without extra inputs, another kind, measured again."""
+    cm = CheckpointedModel(_t5(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    with caplog.at_level(logging.INFO, logger="remat"):
+        for target in (16, 15, 16, 17):
+            cm(**_seq2seq(16, target)).loss.backward()
+    assert len(_measured(caplog)) == 1
+
+
 def test_an_encoder_decoders_longer_targets_are_profiled_as_their_own_kind_not_priced_from_short_ones(caplog):
     """The bucket counts the source's tokens: a step with 32x longer targets took the short step's plan and held
     7.8x the budget (T5). The target-to-source ratio is part of the step's kind: another kind is measured (once),
@@ -797,7 +810,7 @@ def test_an_encoder_decoders_longer_targets_are_profiled_as_their_own_kind_not_p
         assert activation_bytes(cm, long) <= budget
         cm(**short).loss.backward()
     first, second = _measured(caplog)  # the short kind's profile served the third step
-    assert "2**2 x the source's length; profiled: inputs labels; autocast off; target about 2**-3 x" in second
+    assert "2**2 x the source's length; profiled: inputs tokens only; autocast off; target about 2**-3 x" in second
 
 
 def test_a_step_under_another_autocast_is_measured_again_and_holds_within_the_budget(caplog):

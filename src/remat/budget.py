@@ -90,9 +90,13 @@ class BudgetState:
     searched: tuple[Any, dict[tuple[Bucket, int, str], Any]] = field(default_factory=lambda: (None, {}))
     active: Any = None  # the PlannedConfig the map runs (None: pending, before the first step)
     active_bucket: Bucket | None = None
-    receipts: dict[tuple[Bucket, int], Receipt] = field(default_factory=dict)  # (bucket, kind number) -> its receipt
+    receipts: dict[tuple[Bucket, int], Receipt] = field(
+        default_factory=dict
+    )  # (bucket, kind and profile number) -> its receipt
     history: list[Receipt] = field(default_factory=list)  # every receipt, in order: a bucket planned anew has two
-    last_key: tuple[Bucket, int] | None = None  # (bucket, kind number): the receipt of the step that ran last
+    last_key: tuple[Bucket, int] | None = (
+        None  # (bucket, kind and profile number): the receipt of the step that ran last
+    )
     head_owed: Receipt | None = None  # the receipt of the forward in flight, until its head runs (`head_ran`)
     unlogged: set[tuple[Bucket, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
@@ -105,7 +109,9 @@ class BudgetState:
     profiles: dict[Any, tuple[Any, ...]] = field(default_factory=dict)  # another kind -> its `_kind_state`
     earlier: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)  # (kind, state) a model change set aside
     said_earlier: bool = False  # a model changed back to a state profiled before, said once
-    kind_ids: dict[Any, int] = field(default_factory=dict)  # kind -> a number, in the receipts' keys
+    kind_ids: dict[Any, int] = field(default_factory=dict)  # kind -> a number (two or more: the log names the kind)
+    # (kind, a profile's id) -> a number in the receipts' keys, and the profile (held: its id is not taken again)
+    receipt_ids: dict[Any, tuple[int, Any]] = field(default_factory=dict)
     said_owed_kinds: set[Any] = field(default_factory=set)  # kinds priced from another's profile, said once
     said_two_graphs: bool = False  # a training forward while an earlier one's backward is owed, said once
     said_no_optimizer: bool = False  # a step budget measured with no optimizer known, said once
@@ -192,7 +198,10 @@ class BudgetState:
                 "its budget by what the earlier graph holds. Run them as one forward, or call backward between them",
                 tokens,
             )
-        key = (bucket, self.kind_ids.setdefault(self.kind, len(self.kind_ids)))  # a bucket of each kind
+        # a bucket of each kind and profile (adapters switched to and fro plan from a profile each: a receipt each)
+        number = self.receipt_ids.setdefault((self.kind, id(self.profile)), (len(self.receipt_ids), self.profile))[0]
+        key = (bucket, number)
+        self.kind_ids.setdefault(self.kind, len(self.kind_ids))
         receipt, new = self.receipts.get(key), _receipt(planned, bucket, controller.checkpoint_map.head)
         # said once per bucket and plan (not again on coming back to a bucket), nor per change of the head row (what
         # the last forward ran: the model's own head for a call with return_dict=False, the plan's on the next)
@@ -519,20 +528,26 @@ def step_kind(model: Any, batch: Mapping[str, Any]) -> tuple[Any, ...]:
     attention mask or position ids, which a collator may add to some batches only), autocast (its low-precision
     copies of the weights: 1.4x), and an encoder-decoder's target-to-source length ratio, in powers of two (a
     profile on short targets priced the decoder at their length: 8x over on T5, 3.4x on Whisper)."""
-    from .planner.measuring import batch_tokens
+    from .planner.measuring import _is_target, batch_tokens
 
     target = batch.get("decoder_input_ids", batch.get("labels"))
     ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
     shape = (
         ids.shape if isinstance(ids, torch.Tensor) else embeds.shape[:-1] if isinstance(embeds, torch.Tensor) else None
     )
-    inputs = tuple(sorted(k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.dim() and v.shape != shape))
+    seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
+    inputs = tuple(
+        sorted(
+            k
+            for k, v in batch.items()
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape != shape and not (seq2seq and _is_target(k))
+        )
+    )  # (an encoder-decoder's targets are in the ratio below: shaped as the source by chance, they made another kind)
     casts = {d: torch.get_autocast_dtype(d) for d in _AUTOCAST_DEVICES if torch.is_autocast_enabled(d)}
     for entered in _autocasts_of_forward(model):  # entered inside the call, after this pre-hook
         casts.pop(entered.device, None)
         casts.update({entered.device: entered.fast_dtype} if entered._enabled else {})
     autocast = tuple((d, casts[d]) for d in _AUTOCAST_DEVICES if d in casts)
-    seq2seq = getattr(getattr(model, "config", None), "is_encoder_decoder", False)
     if not (seq2seq and isinstance(target, torch.Tensor) and target.numel()):
         return inputs, autocast, None
     source = batch_tokens({k: v for k, v in batch.items() if k not in ("labels", "decoder_input_ids")}, model)
