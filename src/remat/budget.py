@@ -90,13 +90,9 @@ class BudgetState:
     searched: tuple[Any, dict[tuple[Bucket, int, str], Any]] = field(default_factory=lambda: (None, {}))
     active: Any = None  # the PlannedConfig the map runs (None: pending, before the first step)
     active_bucket: Bucket | None = None
-    receipts: dict[tuple[Bucket, int], Receipt] = field(
-        default_factory=dict
-    )  # (bucket, kind and profile number) -> its receipt
+    receipts: dict[tuple[Bucket, int], Receipt] = field(default_factory=dict)  # (bucket, number) -> its receipt
     history: list[Receipt] = field(default_factory=list)  # every receipt, in order: a bucket planned anew has two
-    last_key: tuple[Bucket, int] | None = (
-        None  # (bucket, kind and profile number): the receipt of the step that ran last
-    )
+    last_key: tuple[Bucket, int] | None = None  # (bucket, number: `receipt_ids`): the receipt of the step run last
     head_owed: Receipt | None = None  # the receipt of the forward in flight, until its head runs (`head_ran`)
     unlogged: set[tuple[Bucket, int]] = field(default_factory=set)  # the receipts' keys of forwards since a last log
     owed: set[object] = field(default_factory=set)  # forwards whose backward has not run (a token each)
