@@ -105,7 +105,6 @@ class BudgetState:
     profiles: dict[Any, tuple[Any, ...]] = field(default_factory=dict)  # another kind -> its `_kind_state`
     earlier: list[tuple[Any, tuple[Any, ...]]] = field(default_factory=list)  # (kind, state) a model change set aside
     said_earlier: bool = False  # a model changed back to a state profiled before, said once
-    kind_ids: dict[Any, int] = field(default_factory=dict)  # kind -> a number (two or more: the log names the kind)
     # (kind, a profile's id) -> a number in the receipts' keys, and the profile (held: its id is not taken again)
     receipt_ids: dict[Any, tuple[int, Any]] = field(default_factory=dict)
     said_owed_kinds: set[Any] = field(default_factory=set)  # kinds priced from another's profile, said once
@@ -197,7 +196,6 @@ class BudgetState:
         # a bucket of each kind and profile (adapters switched to and fro plan from a profile each: a receipt each)
         number = self.receipt_ids.setdefault((self.kind, id(self.profile)), (len(self.receipt_ids), self.profile))[0]
         key = (bucket, number)
-        self.kind_ids.setdefault(self.kind, len(self.kind_ids))
         receipt, new = self.receipts.get(key), _receipt(planned, bucket, controller.checkpoint_map.head)
         # said once per bucket and plan (not again on coming back to a bucket), nor per change of the head row (what
         # the last forward ran: the model's own head for a call with return_dict=False, the plan's on the next)
@@ -209,7 +207,8 @@ class BudgetState:
             measured = self.profile.measurements.tokens
             far = f" (extrapolated {bucket[0] / measured:.1f}x from the {measured} tokens profiled)"
             far = far if bucket[0] > EXTRAPOLATED * measured else ""
-            kind = f" ({_kind_text(self.kind)})" if len(self.kind_ids) > 1 else ""  # once two kinds plan apart
+            kinds = {kind for kind, _ in self.receipt_ids}
+            kind = f" ({_kind_text(self.kind)})" if len(kinds) > 1 else ""  # once two kinds plan apart
             said = bucket_text(bucket)
             logger.info("budget: steps of up to %s%s run %r%s", said, kind, controller.checkpoint_map, far)
         self.last_key, self.head_owed, self.counting = key, receipt, receipt

@@ -226,8 +226,9 @@ def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map:
     becomes = (
         f"the budget ({asked.budget}) plans each step's map with them"
         if asked.budget is not None
-        else f"the map {own_map!r} becomes {_with_head(plan_layers(asked, controller.discovery.names), own_map)!r} "
-        "when training starts"
+        else f"the map {own_map!r} becomes "
+        f"{dataclasses.replace(plan_layers(asked, controller.discovery.names), head=own_map.head)!r} when training "
+        "starts"
     )
     logger.warning(
         "the training arguments' checkpointing options %r replace the CheckpointedModel's own config (%s): %s. To "
@@ -237,11 +238,6 @@ def _warn_if_arguments_change_the_map(controller: Any, own_config: Any, own_map:
         describe_changes(own_config, asked),
         becomes,
     )
-
-
-def _with_head(new_map: Any, own_map: Any) -> Any:
-    """The new map with the head row the wrapper's shows (the options a trainer passes do not change the head)."""
-    return dataclasses.replace(new_map, head=own_map.head)
 
 
 class _MapInLogs(TrainerCallback):
