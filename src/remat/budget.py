@@ -162,15 +162,15 @@ class BudgetState:
 
     def before_step(self, controller: Any, batch: dict[str, Any]) -> None:
         """Called in the model's forward pre-hook of a training forward with gradients."""
-        from .planner.measuring import batch_length, batch_tokens  # what the activations grow with
+        from .planner.measuring import batch_length, batch_tokens, target_tokens  # what the activations grow with
 
-        config = controller.config
-        tokens, length = agreed_size(
-            batch_tokens(batch, controller.model), batch_length(batch, controller.model), controller.model
+        config, model = controller.config, controller.model
+        tokens, length, targets = agreed_size(
+            model, batch_tokens(batch, model), batch_length(batch, model), target_tokens(batch, model)
         )
         self._close_receipt()
         started = time.perf_counter()
-        planned, bucket = self._plan_for(controller, batch, tokens, length)
+        planned, bucket = self._plan_for(controller, batch, tokens, length, targets)
         if planned != self.active:  # another map (two buckets often plan the same one: nothing to apply)
             if self.owed:
                 raise StateError(
@@ -221,8 +221,11 @@ class BudgetState:
         if self.head_owed is not None:  # (none for a forward no budget planned: an old receipt stays as it was)
             self.head_owed.head, self.head_owed = label, None
 
-    def _plan_for(self, controller: Any, batch: dict[str, Any], tokens: int, length: int) -> tuple[Any, Bucket]:
-        """The plan for a step of `tokens` tokens in rows of `length`, and the bucket it is planned for."""
+    def _plan_for(
+        self, controller: Any, batch: dict[str, Any], tokens: int, length: int, targets: int
+    ) -> tuple[Any, Bucket]:
+        """The plan for a step of `tokens` tokens in rows of `length` (and an encoder-decoder's `targets` target
+        tokens), and the bucket it is planned for."""
         config, kind = controller.config, step_kind(controller.model, batch)
         why = "the first training step" if self.profile is None else None
         if why is None and kind != self.kind:  # a kind profiled before plans from its own profile and plans
@@ -244,6 +247,7 @@ class BudgetState:
                 why += f"profiled: {_kind_text(self.kind)})"
         if why := why or self._outgrown(config):
             self._measure(controller, batch, tokens, why=why, kind=kind)
+        source, tokens = tokens, self._with_targets(tokens, targets)
         # every step: a cached plan is only as good as its profile (the full check when the quick key moves, and
         # for every bucket planned anew)
         if _model_key(controller, self.params) != self.fresh_key or self._bucket(tokens, length) not in self.plans:
@@ -261,6 +265,10 @@ class BudgetState:
         planned = self.plans[bucket]
         if planned is None:
             rows = "" if bucket[1] is None else f" in rows of {length}"
+            if tokens > source:
+                rows += (
+                    f" (its {targets} target tokens at the profile's target-to-source ratio; {source} of the source)"
+                )
             from .planner.measuring import virtual_tokens
 
             if virtual := virtual_tokens(controller.model):  # PEFT's prompt learning: rows longer than the batch's
@@ -299,6 +307,15 @@ class BudgetState:
         m, bucket = self.profile.measurements, bucket_of(tokens)
         measured = m.length and m.shorter is not None  # (one length measured, images or audio: in proportion)
         return bucket, bucket_of(length) if measured and length * m.tokens > bucket * m.length else None
+
+    def _with_targets(self, tokens: int, targets: int) -> int:
+        """An encoder-decoder step's tokens in its profile's mix: the source's, or its targets' at the profile's
+        target-to-source ratio, whichever is more (an upper bound on what both grow). A step of the same kind has
+        targets up to 2x as long for its source as the profile's: priced at the source's tokens, held 1.47x (T5)."""
+        profiled = self.profile.measurements
+        if not (targets and profiled.target_tokens):
+            return tokens
+        return max(tokens, -(-targets * profiled.tokens // profiled.target_tokens))
 
     def _back_to_earlier(self, config: Any, changes: list[str]) -> bool:
         """Whether the model is back in a state a profile of this kind set aside measured (`set_adapter` between
@@ -496,19 +513,19 @@ class _GraphAlive:
     __slots__ = ("__weakref__",)
 
 
-def agreed_size(tokens: int, length: int, model: Any) -> tuple[int, int]:
-    """The largest of every rank's token count and rows' length, when torch.distributed runs with more than one:
-    every rank then plans the same bucket, and a step too long for one is refused by all (none waits in an
+def agreed_size(model: Any, *counts: int) -> tuple[int, ...]:
+    """The largest of every rank's counts (tokens, rows' length, targets), when torch.distributed runs with more than
+    one: every rank then plans the same bucket, and a step too long for one is refused by all (none waits in an
     all-reduce for a rank that refused)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return tokens, length
+        return counts
     backend = dist.get_backend()
     device = compute_device(model) if backend != "gloo" else torch.device("cpu")
-    counts = torch.tensor([tokens, length], dtype=torch.int64, device=device)
-    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-    return int(counts[0]), int(counts[1])
+    agreed = torch.tensor(counts, dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return tuple(int(c) for c in agreed)
 
 
 def bucket_text(bucket: Bucket) -> str:

@@ -33,10 +33,12 @@ class StepMemory:
     """What a whole step needs besides the held activations, as `MemTracker` counts it (`peak -
     held`), by (the last layer's policy, whether any layer is checkpointed): the peak comes early
     in backward, so the rest of the map does not change it (on Llama and Qwen3 with LoRA, to the
-    byte); with every weight trained it may come in the recomputes (`_recompute_floor`)."""
+    byte); with every weight trained it may come in the recomputes (`_recompute_floor`), or in the optimizer's step,
+    measured apart (`optimizer`: it does not grow with the tokens)."""
 
     extras: Mapping[tuple[str, bool], int]
     fixed: int = 0  # of each extra, what no token count changes: weights, buffers, optimizer state (0: not known)
+    optimizer: int = 0  # the optimizer's step's own peak, after backward (0: no optimizer, or not measured apart)
 
     def extra(self, policies: Sequence[str]) -> int | None:
         """For a map: its key's measurement, else the largest measured (None: nothing measured)."""
@@ -187,6 +189,7 @@ class Measurements:
     # what grows with the square of the length grows per row (a decoder's attention scores and masks); False: it may
     # grow with the length alone (T5's relative position bias: fewer, longer rows held 3x a per-row price)
     square_per_row: bool = True
+    target_tokens: int | None = None  # an encoder-decoder's profiled targets (None: no targets, or not encoder-decoder)
 
     def scaled(self, tokens: int | None, length: int | None = None) -> Measurements:
         """For a batch of `tokens` tokens in rows of up to `length`: bytes fitted through both lengths when `shorter`
@@ -234,7 +237,7 @@ class Measurements:
                 return max(grow(now, shorter), fixed + grow(now - fixed, shorter - fixed))
 
             extras = {k: extra(v, before[k]) if k in before else v for k, v in step.extras.items()}
-            step = StepMemory(extras, fixed)
+            step = StepMemory(extras, fixed, grow(step.optimizer, short.step.optimizer))
         outside = Outside(*map(grow, self.outside, short.outside if short else (None, None)))
         base_seconds, time = self.base_seconds * ratio, self.time and self.time.scaled(ratio)
         head = self.head and self.head.scaled(ratio)
@@ -361,7 +364,9 @@ def scoped_bytes(m: Measurements, c: Combination, scope: str) -> float:
     if scope == "activations":
         return held
     extra = m.step.extra(c.policies) if m.step is not None else None
-    return float("inf") if extra is None else max(held + extra + head_extra, _recompute_floor(m, c))
+    if extra is None:
+        return float("inf")
+    return max(held + extra + head_extra, _recompute_floor(m, c), m.step.optimizer)
 
 
 def _head_extra(c: Combination) -> int:

@@ -102,6 +102,13 @@ def batch_length(batch: Mapping[str, Any], model: Any = None) -> int:
     return _rows_and_length(batch, model)[1]
 
 
+def target_tokens(batch: Mapping[str, Any], model: Any) -> int:
+    """An encoder-decoder's target tokens (its decoder's input ids, else its labels), which `batch_tokens` leaves
+    out; 0 for any other model, or a batch without targets."""
+    target = batch.get("decoder_input_ids", batch.get("labels"))
+    return target.numel() if _seq2seq(model) and isinstance(target, torch.Tensor) else 0
+
+
 def virtual_tokens(model: Any) -> int:
     """The virtual tokens PEFT's prompt learning (prompt tuning, p-tuning, ...) adds before every row inside the
     model: a step of 16 x 4 ids with 32 of them runs 16 x 36 (counted without them, such a step held 4.5x its
@@ -219,6 +226,7 @@ class _Steps:
             with self.peak() as optimizer:
                 report = memory_report(self.state, self.batch, self.loss_fn)
                 if optimizer is not None:
+                    self.peak.optimizer_steps()
                     optimizer.step()
             if (extra := self.peak.extra(report)) is not None:
                 plans = list(self.state.checkpoint_map)
@@ -429,10 +437,11 @@ def _measurements(
         alone=None if found.alone is None else tuple(found.alone[i] for i in everything),
         base_seconds=base,
         tokens=batch_tokens(steps.batch, steps.model),
-        step=StepMemory(found.extras, steps.peak.fixed) if found.extras else None,
+        step=StepMemory(found.extras, steps.peak.fixed, steps.peak.optimizer_peak) if found.extras else None,
         time=prices,
         length=batch_length(steps.batch, steps.model),
         square_per_row=not _seq2seq(steps.model),
+        target_tokens=target_tokens(steps.batch, steps.model) or None,
     )
 
 

@@ -24,12 +24,15 @@ NO_OPTIMIZER_NOTE = "step peak: weights, gradients and activations; no optimizer
 class StepPeak:
     """With an optimizer: a context for one measured step under a live count that also takes the optimizer's step, its
     state made first (as in every step after the first), then puts the parameters and the optimizer's state back (an
-    MoE router's choices depend on the weights). `extra(report)`: the peak beyond the held activations."""
+    MoE router's choices depend on the weights). `extra(report)`: the peak beyond the held activations until the
+    optimizer steps; `optimizer_peak`: the optimizer step's own (`optimizer_steps`)."""
 
     def __init__(self, model: nn.Module, batch: Mapping[str, Any], optimizer: Any, device: torch.device):
         self.model, self.batch, self.optimizer, self.device = model, batch, optimizer, device
         self.tracker: Any = None
         self.fixed = 0  # bytes alive through any step on the device: weights, buffers, the optimizer's state
+        self.optimizer_peak = 0  # the most any measured optimizer step peaked at (0: none measured)
+        self._backward_peak: int | None = None  # the step's peak before its optimizer stepped
 
     @contextlib.contextmanager
     def __call__(self) -> Iterator[Any]:
@@ -72,10 +75,21 @@ class StepPeak:
         known = [*self.model.parameters(), *self.model.buffers(), *state]
         return LiveStorages(peak_on=self.device, known=known).current
 
+    def optimizer_steps(self) -> None:
+        """Called before the optimizer's step: the peak so far is backward's, and the step's own (weights, gradients,
+        state and its temporaries, the activations freed) is kept apart. A map's peak is the larger of the two, and
+        only backward's grows with the tokens: taken as one, a profile whose short steps peaked in the optimizer
+        priced steps of 2x its tokens flat (1.18-1.30x under on a full fine-tune)."""
+        if self.tracker is not None:
+            self._backward_peak, self.tracker.peak = self.tracker.peak, self.tracker.current
+
     def extra(self, report: Any) -> int | None:
         if self.tracker is None:
             return None
         peak, self.tracker = self.tracker.peak, None
+        if (backward := self._backward_peak) is not None:
+            self.optimizer_peak, self._backward_peak = max(self.optimizer_peak, peak), None
+            peak = backward
         return peak - report.device_bytes
 
 

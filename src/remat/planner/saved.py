@@ -28,8 +28,9 @@ from .state import ModelState, attention_of
 # took the profiled size's plan, 7.9x over at 3x the side); 7: the step's bytes no token count changes (6 priced
 # fewer, longer rows' step peak with the weights in the fit: a BERT row of 256 after rows of 64 at 2.08x its
 # prediction); 8: prompt learning's virtual tokens counted in each row (7 left them out: a resumed step priced 1.76x
-# what it held)
-FORMAT = 8
+# what it held); 9: an encoder-decoder's profiled target tokens (8 priced a step's longer targets of the same kind at
+# the profile's: 1.47x under on T5)
+FORMAT = 9
 _TYPES: dict[str, Any] = {
     cls.__name__: cls for cls in (Measurements, LayerProfile, Outside, StepMemory, TimePrices, HeadProfile, ModelState)
 }
@@ -97,6 +98,8 @@ def _impossible(m: Measurements) -> str | None:
             return "a byte or token count below zero or not a number"
         if each.length is not None and not (type(each.length) is int and 0 < each.length <= each.tokens):
             return f"a row length of {each.length!r}"
+        if each.target_tokens is not None and not (type(each.target_tokens) is int and each.target_tokens > 0):
+            return f"{each.target_tokens!r} target tokens"
         if type(each.square_per_row) is not bool:
             return f"square_per_row of {each.square_per_row!r}"
         times = [each.base_seconds, *(t for p in each.layers for t in p.seconds.values())]
