@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import RecomputeCounter, add_lora, batch, decoder_layers, step_grads, tiny_model
 
-from remat import CheckpointConfig, CheckpointedModel, ConfigError, RematError
+from remat import CheckpointConfig, CheckpointedModel, ConfigError, RematError, SavedFileError
 from remat.trainer import _apply_saved_config
 
 EVERYTHING = CheckpointConfig(
@@ -296,6 +296,68 @@ def test_a_model_of_another_depth_is_refused_before_anything_changes(tmp_path):
     with pytest.raises(ValueError, match=r"planned for 4 layers.*this model has 6"):
         CheckpointedModel.from_pretrained(other, tmp_path / "save")
     assert [n for n, _ in other.named_modules()] == names, "no adapter was injected"
+
+
+def test_saved_adapter_tensors_that_find_no_place_in_the_model_are_refused_not_dropped(tmp_path):
+    """A module named otherwise in the model loaded into (another transformers release fuses or renames some: a
+    Qwen2-MoE's expert LoRA saved on 5.24, loaded on 4.57) gets no adapter from PEFT, which drops its saved tensors
+    with a warning at most: the load went through, the training lost. Refused, naming them; the model as it was."""
+    _trained_lora().save_pretrained(tmp_path / "save")
+    other = tiny_model(num_hidden_layers=4)
+    attention = other.model.layers[0].self_attn
+    attention.query = attention.q_proj  # layer 0's q_proj under another name
+    del attention.q_proj
+    names, weights = [n for n, _ in other.named_modules()], {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(SavedFileError, match=r"2 of adapter 'default''s saved tensors find no place in this model"):
+        CheckpointedModel.from_pretrained(other, tmp_path / "save")
+    assert [n for n, _ in other.named_modules()] == names, "no adapter was left injected"
+    assert all(torch.equal(v, weights[k]) for k, v in other.state_dict().items()) and len(weights) == len(
+        other.state_dict()
+    )
+
+
+def test_as_many_layers_named_otherwise_are_refused_naming_another_release_and_the_way_to_load(tmp_path):
+    """transformers renames modules between releases (a Llava saved on 4.57 has its vision layers elsewhere on 5.x):
+    the refusal said "load it into the model it was saved from", which it was. It says what may have changed and
+    the load that works (PEFT's, then the saved settings), which is followed here; the refused load changed nothing."""
+    from peft import PeftModel
+
+    saved = _trained_lora()
+    saved.save_pretrained(tmp_path / "save")
+    other = tiny_model()
+    other.model.blocks = other.model.layers  # the same layers under another name, as another release names them
+    del other.model.layers
+    names = [n for n, _ in other.named_modules()]
+    with pytest.raises(SavedFileError, match=r"another transformers release.*Nothing was loaded") as refused:
+        CheckpointedModel.from_pretrained(other, tmp_path / "save")
+    assert "CheckpointConfig.from_pretrained(folder)" in str(refused.value)
+    assert [n for n, _ in other.named_modules()] == names
+    folder = tmp_path / "save"
+    loaded = CheckpointedModel(PeftModel.from_pretrained(other, folder), CheckpointConfig.from_pretrained(folder))
+    assert loaded.checkpoint_config == saved.checkpoint_config
+
+
+def test_a_frozen_adapter_saved_with_layers_named_otherwise_loads_beside_and_drops_no_tensor(tmp_path):
+    """A frozen adapter loaded beside the one training (a reference) does not take the map saved with it, yet was
+    refused for that map's layer names (a save from another transformers release). It loads now, the map as it
+    was; loaded trainable, the map would be taken: still refused. Saved tensors PEFT finds no place for (a module
+    named otherwise) refuse the load, undone, where PEFT dropped them."""
+    saved = CheckpointedModel(add_lora(tiny_model()), EVERYTHING, layer_class="LlamaMLP")  # layers named otherwise
+    saved.save_pretrained(tmp_path / "mlp")
+    cm = CheckpointedModel(add_lora(tiny_model(seed=1)), CheckpointConfig(every_n_layers=2))
+    before = cm.checkpoint_config
+    cm.model.load_adapter(tmp_path / "mlp", adapter_name="ref", is_trainable=False)
+    assert "ref" in cm.model.peft_config and cm.checkpoint_config == before
+    reference = {n: p for n, p in cm.model.named_parameters() if ".ref." in n}
+    assert reference and not any(p.requires_grad for p in reference.values())
+    with pytest.raises(SavedFileError, match=r"planned for 4 layers"):
+        cm.model.load_adapter(tmp_path / "mlp", adapter_name="again", is_trainable=True)
+    attention = cm.model.base_model.model.model.layers[0].self_attn
+    attention.query = attention.q_proj  # layer 0's q_proj (and its LoRA) under another name
+    del attention.q_proj
+    with pytest.raises(SavedFileError, match=r"2 of adapter 'other''s saved tensors find no place"):
+        cm.model.load_adapter(tmp_path / "mlp", adapter_name="other", is_trainable=False)
+    assert "other" not in cm.model.peft_config and cm.checkpoint_config == before
 
 
 @pytest.mark.parametrize(

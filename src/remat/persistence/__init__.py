@@ -28,7 +28,7 @@ from ..errors import ConfigError, ConfigTypeError, FolderChangedError, NotSavedE
 from ..refs import InstancePatches
 from ..saving.folder import CONFIG_NAME, is_staging, recover, save_folder
 from .pair_format import Expected, PairOwner, is_peft_model, original_method, read_model_pair, save_model_pair
-from .peft_loading import check_peft_load, load_adapters, undone_on_failure
+from .peft_loading import check_peft_load, load_adapters, refuse_dropped, undone_on_failure
 
 logger = logging.getLogger("remat")
 
@@ -323,7 +323,11 @@ class _LoadAdapterWithConfig:
             if not kwargs.get("subfolder"):
                 self.main_loaded_from.add(os.path.abspath(folder))
             return result
-        with read_model_pair(folder, Expected.for_owner(self.owner)) as loaded:
+        adapter = args[0] if args else kwargs.get("adapter_name")
+        trainable = args[1] if len(args) > 1 else kwargs.get("is_trainable", False)
+        restores = bool(trainable) or adapter in getattr(model, "peft_config", {})  # a resume, the best model
+        expected = dataclasses.replace(Expected.for_owner(self.owner), map_taken=restores)
+        with read_model_pair(folder, expected) as loaded:
             wanted = os.path.normpath(kwargs.get("subfolder") or "")
             wanted = "" if wanted == "." else wanted
             if loaded.saved.adapters is not None and wanted not in {a.folder for a in loaded.adapters}:
@@ -331,9 +335,6 @@ class _LoadAdapterWithConfig:
                     f"{loaded.saved.file} names no adapter in {os.path.join(folder, wanted)}; load one of "
                     f"{sorted(a.name for a in loaded.adapters)} from the folder they were saved in. Nothing was loaded"
                 )
-            adapter = args[0] if args else kwargs.get("adapter_name")
-            trainable = args[1] if len(args) > 1 else kwargs.get("is_trainable", False)
-            restores = bool(trainable) or adapter in getattr(model, "peft_config", {})  # a resume, the best model
             if isinstance(adapter, str) and (chosen := [a for a in loaded.adapters if a.folder == wanted]):
                 # into an adapter whose weights have other names or shapes PEFT would load nothing, and say so only
                 # in the keys it returns (Trainer's resume then trained the untrained adapter); its other settings
@@ -342,6 +343,8 @@ class _LoadAdapterWithConfig:
                 check_peft_load(model, one, bool(trainable), settings=False)
             with undone_on_failure(model):
                 result = load(loaded.snapshot.folder, *args, **kwargs)
+                if isinstance(adapter, str) and chosen:
+                    refuse_dropped(model, adapter, loaded.snapshot.path(chosen[0].file()))
                 loaded.snapshot.unchanged()  # PEFT read the files checked (a `FolderChangedError` is undone)
         if wanted == "":
             self.main_loaded_from.add(os.path.abspath(folder))

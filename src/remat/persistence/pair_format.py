@@ -199,6 +199,7 @@ class Expected:
     layers: list[str]
     architecture: dict[str, Any]
     adapters_to_come: bool
+    map_taken: bool = True  # False: a frozen adapter loaded beside those training, its saved map not applied
 
     @classmethod
     def of(cls, model: Any, names: list[str]) -> Expected:
@@ -217,15 +218,25 @@ class Expected:
                 f"{file} was saved from {_describe(theirs)}, but this model is {_describe(mine)} ({', '.join(differs)} "
                 "differ); load it into the architecture it was saved from. Nothing was loaded"
             )
+        if not self.map_taken:  # its layers and indices are the save's business (another release names them so)
+            return
         num_layers, fix = len(self.layers), "load it into the model it was saved from"
         if saved.layers is not None:
             base_layers = [n for n in saved.layers if not n.startswith(ADAPTER_LAYER)]
             if self.adapters_to_come and self.layers == base_layers:
                 num_layers = len(saved.layers)  # the adapter's own layers come with PEFT's load
             elif not any(_same_layers(self.layers, reading) for reading in _saved_readings(saved.layers)):
+                release = (
+                    ""  # as many layers, named otherwise: transformers renames modules between releases (Llava's)
+                    if len(saved.layers) != len(self.layers)
+                    else ". If it is this model saved under another transformers release, which named its layers "
+                    "otherwise, load the adapters with PEFT and the saved settings with remat: "
+                    "CheckpointedModel(PeftModel.from_pretrained(model, folder), "
+                    "CheckpointConfig.from_pretrained(folder))"
+                )
                 raise SavedFileError(
                     f"{file} was planned for {len(saved.layers)} layers ({_summary(saved.layers)}), but this model "
-                    f"has {len(self.layers)} ({_summary(self.layers)}); {fix}"
+                    f"has {len(self.layers)} ({_summary(self.layers)}); {fix}{release}. Nothing was loaded"
                 )
         fields = {"layer_policies": sorted(config.layer_policies)}
         if isinstance(config.swap_layers, tuple):

@@ -80,6 +80,8 @@ def load_adapters(model: nn.Module, loaded: Loaded, is_trainable: bool, kwargs: 
         original_method(model, "load_adapter")(
             loaded.snapshot.path(adapter.folder), adapter_name=adapter.name, is_trainable=trainable(adapter), **kwargs
         )
+    for adapter in loaded.adapters:
+        refuse_dropped(model, adapter.name, loaded.snapshot.path(adapter.file()))
     active = loaded.saved.active_adapters
     if active is None and len(loaded.adapters) > 1:  # several adapters, saved before remat recorded which was active
         logger.warning(
@@ -99,6 +101,18 @@ def load_adapters(model: nn.Module, loaded: Loaded, is_trainable: bool, kwargs: 
             for param in adapter_parameters(model, adapter.name):
                 param.requires_grad_(trainable(adapter))
     return model
+
+
+def refuse_dropped(model: Any, name: str, path: str) -> None:
+    """Refuse a load (undone by `undone_on_failure`) whose saved tensors in `path` found no place in adapter `name`:
+    PEFT drops them with a warning at most (a Qwen2-MoE's expert LoRA saved on transformers 5.24, loaded on 4.57)."""
+    expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
+    if lost := sorted(set(tensor_shapes(path).items()) - set(expected.items())):
+        raise SavedFileError(
+            f"{path}: {len(lost)} of adapter {name!r}'s saved tensors find no place in this model (e.g. {lost[:2]}), "
+            "which PEFT would drop: the model is not the one they were saved from (another transformers release may "
+            "name or fuse its modules otherwise). Nothing was loaded"
+        )
 
 
 def _activate(model: Any, names: list[str]) -> None:
