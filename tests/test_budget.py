@@ -835,6 +835,18 @@ def test_an_encoder_decoders_longer_targets_of_the_kind_profiled_are_priced_at_t
     assert len(_measured(caplog)) == 1
 
 
+def test_an_encoder_decoder_step_measured_anew_is_priced_at_its_own_profiles_ratio(caplog):
+    """A model change measures a profile on the step that finds it: that step's targets were converted at the ratio
+    of the profile just replaced (16 -> 22 after 16 -> 12: 59 tokens, bucket 64, for the batch just measured at 32),
+    and a budget that fits it refused it."""
+    cm = CheckpointedModel(_t5(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    cm(**_seq2seq(16, 12)).loss.backward()
+    cm.model.shared.weight.requires_grad_(False)  # the model changes: the next step measures again
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**_seq2seq(16, 22)).loss.backward()
+    assert len(_measured(caplog)) == 1 and cm.budget_receipts[-1].bucket_tokens == 32
+
+
 def test_a_step_under_another_autocast_is_measured_again_and_holds_within_the_budget(caplog):
     """Autocast keeps low-precision copies of the weights for backward: a profile measured in fp32 under-priced a
     bf16 autocast step (1.13x its budget). A step under another autocast is another kind."""

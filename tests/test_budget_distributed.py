@@ -1,5 +1,6 @@
 """A budget under DDP (two gloo processes): every rank plans the bucket of the longest rank's step, and a
-step too long for one rank is refused by every rank before its forward (none is left waiting)."""
+step too long for one rank is refused by every rank before its forward (none is left waiting); an encoder-decoder's
+targets, counted at each rank's own profile's ratio, are agreed as counted."""
 
 import json
 import socket
@@ -38,3 +39,4 @@ def test_ranks_agree_on_the_bucket_and_refuse_a_step_too_long_for_one_of_them(tm
     assert [step[0] for step in ranks[0][:2]] == expected == [step[0] for step in ranks[1][:2]], ranks
     assert ranks[0][2][0] == ranks[1][2][0] == "refused", ranks
     assert "a step of 1024 tokens fits no map" in ranks[0][2][1]
+    assert ranks[0][3] == ranks[1][3] == [bucket_of(59), "ran"], ranks  # targets at the largest rank's count

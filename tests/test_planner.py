@@ -537,9 +537,10 @@ def test_a_full_fine_tunes_step_peak_at_twice_the_tokens_is_not_priced_at_its_op
     """A full fine-tune's short steps peak in the optimizer's step (AdamW's temporaries over every weight), which no
     token count changes: taken as one peak with backward's, the fit through the two lengths found the step's extras
     shrinking, and plans for 2x the tokens were priced nearly flat, up to 1.11x under the measured peak (1.30x on a
-    Llama with eager attention and 512 words). The optimizer's step is measured apart and bounds the peak from below;
-    what is left (1.07x here): backward's own peak moves from where the gradients fill up to where the activations
-    peak, which two short lengths cannot see (README: profile on the longest batch)."""
+    Llama with eager attention and 512 words). The optimizer's step is measured apart and bounds the peak from below
+    (alone: 1.07x under); backward's own peak moves from where the gradients fill up (which does not grow) to where
+    the activations peak, so beyond the profile's tokens what the extras hold beyond the fixed bytes grows at least
+    in proportion (exact here, to 0.5%)."""
     from independent_memory import step_peak_bytes
 
     cm = CheckpointedModel(tiny_model(num_hidden_layers=4, attention_dropout=0.0))
@@ -553,7 +554,7 @@ def test_a_full_fine_tunes_step_peak_at_twice_the_tokens_is_not_priced_at_its_op
     for plan in plans:
         cm.enable(plan)
         measured = step_peak_bytes(cm, batch(size=2, seq=32), optimizer)
-        assert measured <= 1.09 * plan.predicted_peak_bytes, (plan.layer_policies, measured, plan.predicted_peak_bytes)
+        assert measured <= 1.005 * plan.predicted_peak_bytes, (plan.layer_policies, measured, plan.predicted_peak_bytes)
 
 
 def test_a_profile_logs_no_map_change_of_its_own_steps(remat_logs):

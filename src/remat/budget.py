@@ -247,7 +247,6 @@ class BudgetState:
                 why += f"profiled: {_kind_text(self.kind)})"
         if why := why or self._outgrown(config):
             self._measure(controller, batch, tokens, why=why, kind=kind)
-        source, tokens = tokens, self._with_targets(tokens, targets)
         # every step: a cached plan is only as good as its profile (the full check when the quick key moves, and
         # for every bucket planned anew)
         if _model_key(controller, self.params) != self.fresh_key or self._bucket(tokens, length) not in self.plans:
@@ -259,6 +258,9 @@ class BudgetState:
                     )
             self.params = list(controller.model.parameters())
             self.fresh_key = _model_key(controller, self.params)
+        source = tokens  # (the profile planned from is settled: measured anew above, or one measured before)
+        if targets:  # each rank's profile has its own ratio: every rank plans the largest (as `agreed_size`)
+            tokens = agreed_size(controller.model, self._with_targets(tokens, targets))[0]
         bucket = self._bucket(tokens, length)
         if bucket not in self.plans:
             self.plans[bucket] = self._choose(config, bucket)

@@ -2,7 +2,8 @@
 
 argv: rank world_size port out_file. The ranks' sequence lengths differ at every step (rank 0 short, rank 1
 long); the last step is too long for the budget on rank 1 only. Writes, per step, the bucket of the plan the
-rank ran (from its receipts) or "refused", as JSON.
+rank ran (from its receipts) or "refused", as JSON. Then a T5 whose ranks profiled targets of other ratios (of one
+kind): a step's targets count at each rank's own ratio, and every rank plans the largest (the last entry).
 """
 
 import json
@@ -37,6 +38,12 @@ def main() -> None:
             ran.append(["refused", str(err)[:120]])
             continue
         ran.append([controller_bucket(cm), "ran"])
+    from test_budget import _seq2seq, _t5
+
+    t5 = CheckpointedModel(_t5(), CheckpointConfig(budget="64MiB", budget_scope="activations"))
+    t5(**_seq2seq(16, (12, 16)[rank])).loss.backward()  # profiles: 24 and 32 target tokens for 32 of the source
+    t5(**_seq2seq(16, (22, 20)[rank])).loss.backward()  # 44 targets agreed: 59 tokens at rank 0's ratio, 44 at 1's
+    ran.append([controller_bucket(t5), "ran"])
     with open(out, "w") as handle:
         json.dump(ran, handle)
     dist.barrier()

@@ -230,9 +230,9 @@ class Expected:
                     ""  # as many layers, named otherwise: transformers renames modules between releases (Llava's)
                     if len(saved.layers) != len(self.layers)
                     else ". If it is this model saved under another transformers release, which named its layers "
-                    "otherwise, load the adapters with PEFT and the saved settings with remat: "
-                    "CheckpointedModel(PeftModel.from_pretrained(model, folder), "
-                    "CheckpointConfig.from_pretrained(folder))"
+                    "otherwise, PEFT may still place the adapters (it converts renamed keys): load them with "
+                    "PeftModel.from_pretrained(model, folder), check that it warns of no missing or unexpected keys, "
+                    "then wrap it with the saved settings: CheckpointConfig.from_pretrained(folder)"
                 )
                 raise SavedFileError(
                     f"{file} was planned for {len(saved.layers)} layers ({_summary(saved.layers)}), but this model "

@@ -104,14 +104,23 @@ def load_adapters(model: nn.Module, loaded: Loaded, is_trainable: bool, kwargs: 
 
 
 def refuse_dropped(model: Any, name: str, path: str) -> None:
-    """Refuse a load (undone by `undone_on_failure`) whose saved tensors in `path` found no place in adapter `name`:
-    PEFT drops them with a warning at most (a Qwen2-MoE's expert LoRA saved on transformers 5.24, loaded on 4.57)."""
-    expected = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model, adapter_name=name).items()}
-    if lost := sorted(set(tensor_shapes(path).items()) - set(expected.items())):
+    """Refuse a load (undone by `undone_on_failure`) where PEFT, with a warning at most, dropped saved tensors in
+    `path` that found no place in adapter `name` (a Qwen2-MoE's expert LoRA saved on transformers 5.24, loaded on
+    4.57), or left some of the adapter's own tensors as initialised, nothing saved for them (a shallower model's)."""
+    shapes = lambda embeddings: {  # embedding layers saved whole (`save_embedding_layers`) count where saved
+        k: tuple(v.shape)
+        for k, v in get_peft_model_state_dict(model, adapter_name=name, save_embedding_layers=embeddings).items()
+    }
+    saved, placed, own = tensor_shapes(path).items(), set(shapes(True).items()), set(shapes(False).items())
+    lost, unsaved = sorted(set(saved) - placed), sorted(own - set(saved))
+    if lost or unsaved:
+        what = f"{len(lost)} of its saved tensors find no place in this model (e.g. {lost[:2]}), which PEFT drops"
+        if unsaved:
+            what = f"{len(unsaved)} of the adapter's tensors here have no saved weights (e.g. {unsaved[:2]})"
         raise SavedFileError(
-            f"{path}: {len(lost)} of adapter {name!r}'s saved tensors find no place in this model (e.g. {lost[:2]}), "
-            "which PEFT would drop: the model is not the one they were saved from (another transformers release may "
-            "name or fuse its modules otherwise). Nothing was loaded"
+            f"{path}: adapter {name!r} does not fit this model: {what}. It is not the model the adapter was saved "
+            "from (another depth; or another transformers release, which may name or fuse its modules otherwise). "
+            "Nothing was loaded"
         )
 
 

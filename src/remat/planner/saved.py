@@ -93,6 +93,7 @@ def _impossible(m: Measurements) -> str | None:
     a NaN time changes which map is fastest)."""
     for each in (m, m.shorter) if m.shorter is not None else (m,):
         counts = [*each.outside, each.tokens, *(p.input_bytes for p in each.layers)]
+        counts += [each.step.optimizer] if each.step is not None else []
         counts += [b for p in each.layers for pair in p.held.values() for b in pair]
         if any(not math.isfinite(c) or c < 0 for c in counts):
             return "a byte or token count below zero or not a number"
