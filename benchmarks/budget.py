@@ -84,10 +84,10 @@ def main() -> None:
     def planned_before(self, tokens, length):
         return self.profile is not None and self._bucket(tokens, length) in self.plans
 
-    def choice(self, controller, batch, tokens, length):
+    def choice(self, controller, batch, tokens, length, targets):
         cached = planned_before(self, tokens, length)
         begun = time.perf_counter()
-        planned = inner_choice(self, controller, batch, tokens, length)
+        planned = inner_choice(self, controller, batch, tokens, length, targets)
         if cached:
             choose_times.append(time.perf_counter() - begun)
         return planned

@@ -847,6 +847,20 @@ def test_an_encoder_decoder_step_measured_anew_is_priced_at_its_own_profiles_rat
     assert len(_measured(caplog)) == 1 and cm.budget_receipts[-1].bucket_tokens == 32
 
 
+def test_an_encoder_decoders_longer_targets_after_a_model_change_measure_again(caplog):
+    """The check that a profile still describes the model runs for every bucket planned anew: the bucket the step's
+    targets make it, not its source's (planned already), which let a step after a parameter was added plan from the
+    stale profile (a StaleProfileError reached the user)."""
+    model = _t5()
+    cm = CheckpointedModel(model, CheckpointConfig(budget="1GiB"))
+    cm(**_seq2seq(16, 12)).loss.backward()
+    model.encoder.block[0].layer[1].extra = torch.nn.Parameter(torch.zeros(64, 64))  # added outside PEFT
+    with caplog.at_level(logging.INFO, logger="remat"):
+        cm(**_seq2seq(16, 22)).loss.backward()
+    said = _measured(caplog)
+    assert len(said) == 1 and "the model changed since its profile" in said[0], said
+
+
 def test_a_step_under_another_autocast_is_measured_again_and_holds_within_the_budget(caplog):
     """Autocast keeps low-precision copies of the weights for backward: a profile measured in fp32 under-priced a
     bf16 autocast step (1.13x its budget). A step under another autocast is another kind."""

@@ -249,7 +249,8 @@ class BudgetState:
             self._measure(controller, batch, tokens, why=why, kind=kind)
         # every step: a cached plan is only as good as its profile (the full check when the quick key moves, and
         # for every bucket planned anew)
-        if _model_key(controller, self.params) != self.fresh_key or self._bucket(tokens, length) not in self.plans:
+        unplanned = self._bucket(self._with_targets(tokens, targets), length) not in self.plans
+        if _model_key(controller, self.params) != self.fresh_key or unplanned:
             if changes := self.profile.changes()[1]:
                 self.profiles.clear()  # every other kind's profile is of the model before that change too
                 if not self._back_to_earlier(config, changes):

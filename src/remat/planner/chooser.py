@@ -39,6 +39,7 @@ class StepMemory:
     extras: Mapping[tuple[str, bool], int]
     fixed: int = 0  # of each extra, what no token count changes: weights, buffers, optimizer state (0: not known)
     optimizer: int = 0  # the optimizer's step's own peak, after backward (0: no optimizer, or not measured apart)
+    gradients: int = 0  # the trained weights' gradients, which no token count changes either (0: not known)
 
     def extra(self, policies: Sequence[str]) -> int | None:
         """For a map: its key's measurement, else the largest measured (None: nothing measured)."""
@@ -226,24 +227,26 @@ class Measurements:
         alone = self.alone and tuple(map(pair, self.alone, (short and short.alone) or [None] * len(self.alone)))
         step = self.step
         if step and short and short.step:
-            before, fixed = short.step.extras, step.fixed
+            before, fixed, gradients = short.step.extras, step.fixed, step.gradients
 
             def extra(now: int, shorter: int) -> int:
                 """Fitted through the origin, the weights' bytes made the extras look sublinear, so the straight line
                 priced fewer, longer rows of the same tokens as the profile's (BERT: 1.66x over the budget at 4x the
                 length): for longer rows, fitted without them too, the larger of the two. For more tokens than
-                profiled, at least the profile's own extra with what it holds beyond `fixed` grown in proportion: a
-                full fine-tune's short steps peak where the gradients fill up, which does not grow, and the two
-                lengths' line priced 2x the tokens up to 1.26x under (T5; Llama 1.11x); so, 2x and 4x to 0.01%."""
+                profiled, at least the profile's own extra with what it holds beyond the bytes no token count
+                changes (`fixed`, gradients) grown in proportion: a full fine-tune's short steps peak where the
+                gradients fill up, and the two lengths' line priced 2x the tokens flat (T5 1.26x under, Llama 1.11x;
+                now 1.06x, 1.09x: the peak moves to where the activations peak, which short steps do not show)."""
                 fitted = grow(now, shorter)
                 if longer and 0 < fixed <= min(now, shorter):
                     fitted = max(fitted, fixed + grow(now - fixed, shorter - fixed))
                 if tokens <= self.tokens:
                     return fitted
-                return max(fitted, now, fixed + round((now - fixed) * ratio) if 0 < fixed <= now else 0)
+                constant = fixed + gradients
+                return max(fitted, now, constant + round((now - constant) * ratio) if 0 < constant <= now else 0)
 
             extras = {k: extra(v, before[k]) if k in before else v for k, v in step.extras.items()}
-            step = StepMemory(extras, fixed, grow(step.optimizer, short.step.optimizer))
+            step = StepMemory(extras, fixed, grow(step.optimizer, short.step.optimizer), gradients)
         outside = Outside(*map(grow, self.outside, short.outside if short else (None, None)))
         base_seconds, time = self.base_seconds * ratio, self.time and self.time.scaled(ratio)
         head = self.head and self.head.scaled(ratio)

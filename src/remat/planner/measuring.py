@@ -429,6 +429,7 @@ def _measurements(
         )
         for i in everything
     )
+    peak = steps.peak
     return Measurements(
         layers=profiles,
         names=tuple(p.name for p in steps.state.checkpoint_map),
@@ -437,7 +438,7 @@ def _measurements(
         alone=None if found.alone is None else tuple(found.alone[i] for i in everything),
         base_seconds=base,
         tokens=batch_tokens(steps.batch, steps.model),
-        step=StepMemory(found.extras, steps.peak.fixed, steps.peak.optimizer_peak) if found.extras else None,
+        step=StepMemory(found.extras, peak.fixed, peak.optimizer_peak, peak.gradients) if found.extras else None,
         time=prices,
         length=batch_length(steps.batch, steps.model),
         square_per_row=not _seq2seq(steps.model),

@@ -31,6 +31,7 @@ class StepPeak:
         self.model, self.batch, self.optimizer, self.device = model, batch, optimizer, device
         self.tracker: Any = None
         self.fixed = 0  # bytes alive through any step on the device: weights, buffers, the optimizer's state
+        self.gradients = 0  # the trainable weights' gradients' bytes on the device, which no token count changes
         self.optimizer_peak = 0  # the most any measured optimizer step peaked at (0: none measured)
         self._backward_peak: int | None = None  # the step's peak before its optimizer stepped
 
@@ -71,7 +72,9 @@ class StepPeak:
         return [t for t in known if isinstance(t, torch.Tensor)]
 
     def _fixed(self, state: list[torch.Tensor]) -> int:
-        """The bytes on the device that no batch changes (the batch and gradients left out)."""
+        """The bytes on the device that no batch changes (the batch and gradients left out; `gradients` counted)."""
+        trained = [p for p in self.model.parameters() if p.requires_grad and p.device.type == self.device.type]
+        self.gradients = sum(p.numel() * p.element_size() for p in trained)
         known = [*self.model.parameters(), *self.model.buffers(), *state]
         return LiveStorages(peak_on=self.device, known=known).current
 
