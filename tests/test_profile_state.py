@@ -6,6 +6,8 @@ setting of the wrapper's current config that is not the per-layer policy choice,
 never undoes block swap (checked by where the swapped weights live, not by a flag). Every bad
 number given to the planner or a config is a ValueError."""
 
+import gc
+
 import pytest
 import torch
 from conftest import add_lora, batch, decoder_layers, tiny_model
@@ -217,3 +219,24 @@ def test_embeddings_resized_since_the_profile_are_refused_naming_the_frozen_weig
     cm.model.resize_token_embeddings(vocab + 2000)
     with pytest.raises(StaleProfileError, match=r"frozen parameters changed in name or shape \(resized embeddings"):
         profile.plan("1GiB")
+
+
+def _bytes(profile):
+    m = profile.measurements
+    return m.outside, m.alone, [(layer.input_bytes, layer.held) for layer in m.layers]
+
+
+def test_a_profile_in_a_process_that_froze_nothing_freezes_only_while_it_measures_and_measures_the_same():
+    """The suite freezes what each test starts with (conftest.py), so remat's profile keeps that freeze; here, with
+    nothing frozen, it collects and freezes for its own steps and leaves nothing frozen, with the same bytes."""
+    data = batch(size=2, seq=8)
+    gc.unfreeze()
+    try:
+        assert gc.get_freeze_count() == 0
+        unfrozen = CheckpointedModel(add_lora(tiny_model(), dropout=0.0)).profile(data, repeats=1, progress=False)
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.collect()
+        gc.freeze()
+    frozen = CheckpointedModel(add_lora(tiny_model(), dropout=0.0)).profile(data, repeats=1, progress=False)
+    assert _bytes(unfrozen) == _bytes(frozen)
