@@ -551,7 +551,7 @@ def test_a_full_fine_tunes_step_peak_at_twice_the_tokens_is_not_priced_at_its_op
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     plans = profile.frontier(scope="step", tokens=64)
-    assert plans and profile.measurements.step.optimizer > 0
+    assert plans
     for plan in plans:
         cm.enable(plan)
         measured = step_peak_bytes(cm, batch(size=2, seq=32), optimizer)
@@ -563,8 +563,7 @@ def test_a_full_fine_tune_whose_weights_are_most_of_a_step_is_not_refused_a_long
     (a version of the fix above), a step of 2 x 64 after one of 2 x 16 was priced 1.47x what it held with nothing
     checkpointed and refused under a budget 1.25x that (hidden 256, vocabulary 96, SGD)."""
     import transformers
-
-    from remat.testing import measure_step_peak
+    from independent_memory import step_peak_bytes
 
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -573,7 +572,7 @@ def test_a_full_fine_tune_whose_weights_are_most_of_a_step_is_not_refused_a_long
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").train()
     long = batch(size=2, seq=64)
-    budget = int(measure_step_peak(model, long, torch.optim.SGD(model.parameters(), lr=1e-3)) * 1.25)
+    budget = int(step_peak_bytes(model, long, torch.optim.SGD(model.parameters(), lr=1e-3)) * 1.25)
     cm = CheckpointedModel(model, CheckpointConfig(budget=budget, budget_scope="step"))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     cm.set_optimizer(optimizer)
@@ -581,7 +580,7 @@ def test_a_full_fine_tune_whose_weights_are_most_of_a_step_is_not_refused_a_long
         cm(**data).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    assert measure_step_peak(cm, long, optimizer) <= budget
+    assert step_peak_bytes(cm, long, optimizer) <= budget
 
 
 def test_a_profile_logs_no_map_change_of_its_own_steps(remat_logs):

@@ -346,6 +346,14 @@ def test_a_frozen_adapter_saved_with_layers_named_otherwise_loads_beside_and_dro
     assert "ref" in cm.model.peft_config and cm.checkpoint_config == before
     reference = {n: p for n, p in cm.model.named_parameters() if ".ref." in n}
     assert reference and not any(p.requires_grad for p in reference.values())
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    loaded, saved_weights = (
+        get_peft_model_state_dict(cm.model, adapter_name="ref"),
+        load_file(tmp_path / "mlp" / "adapter_model.safetensors"),
+    )
+    assert loaded.keys() == saved_weights.keys() and all(torch.equal(loaded[k], saved_weights[k]) for k in loaded)
     with pytest.raises(SavedFileError, match=r"planned for 4 layers"):
         cm.model.load_adapter(tmp_path / "mlp", adapter_name="again", is_trainable=True)
     attention = cm.model.base_model.model.model.layers[0].self_attn

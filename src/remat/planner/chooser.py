@@ -236,7 +236,7 @@ class Measurements:
                 profiled, at least the profile's own extra with what it holds beyond the bytes no token count
                 changes (`fixed`, gradients) grown in proportion: a full fine-tune's short steps peak where the
                 gradients fill up, and the two lengths' line priced 2x the tokens flat (T5 1.26x under, Llama 1.11x;
-                now 1.06x, 1.09x: the peak moves to where the activations peak, which short steps do not show)."""
+                now 1.08x, 1.09x: the peak moves to where the activations peak, which short steps do not show)."""
                 fitted = grow(now, shorter)
                 if longer and 0 < fixed <= min(now, shorter):
                     fitted = max(fitted, fixed + grow(now - fixed, shorter - fixed))
