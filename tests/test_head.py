@@ -319,6 +319,26 @@ def test_a_profile_of_the_chunked_head_predicts_the_step_peak_memtracker_measure
         optimizer.state.clear()
 
 
+def test_an_explicit_profile_on_a_batch_with_every_label_ignored_prices_steps_that_count_them():
+    """cm.profile(batch) with head="chunked" counts every label as a budget's profile does: the chunked head holds per
+    counted token, and a first batch whose labels were all ignored (a padded micro-batch) priced it at nothing; every
+    plan was then about 2x under MemTracker's peak of a step of the same length with its labels counted."""
+    from independent_memory import step_peak_bytes
+
+    cm = CheckpointedModel(
+        add_lora(tiny_model(num_hidden_layers=4, vocab_size=1024, attention_dropout=0.0), dropout=0.0),
+        CheckpointConfig(head="chunked"),
+    )
+    first = batch(size=2, seq=32)
+    first["labels"][:] = -100
+    no_state = torch.optim.SGD([p for p in cm.parameters() if p.requires_grad], lr=0.0)
+    frontier = cm.profile(first, optimizer=no_state, repeats=1, progress=False).frontier(scope="step")
+    counted = batch(size=2, seq=32, seed=1)
+    for planned in frontier:
+        cm.enable(planned)
+        assert step_peak_bytes(cm, counted, no_state) <= planned.predicted_peak_bytes, planned
+
+
 def test_the_planner_chooses_the_head_and_the_largest_chunk_that_fits_with_the_layers():
     """Profiled with head="chunked" and no head_chunk_tokens, the profile measures the head plain and
     at two chunk sizes; plans then choose the head with the layers: plain where it fits (fastest),

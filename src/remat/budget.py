@@ -25,7 +25,6 @@ import torch
 from .compat.accelerator import peak_allocated, reset_peak
 from .compat.dispatch import compute_device
 from .errors import ConfigError, StateError
-from .head import IGNORE_INDEX
 from .memory_errors import BudgetExceededError
 from .plan import head_label
 from .refs import Ref
@@ -453,11 +452,11 @@ class BudgetState:
             self.profiles[self.kind] = self._kind_state()
         # one timed step per map: seconds scale every price by one rate, so a budget's choices (by bytes, then
         # by those prices) are the counts' whatever the noise; only the printed seconds are less sure
-        measured = _every_label_counted(batch) if config.head == "chunked" else batch
         # without labels, logits for every token, as the longest completion's would be: `logits_to_keep` (a GRPO-style
         # loop's completion length) changes from step to step within a bucket; a short one priced a longer 2x under
+        measured = batch
         if loss_fn is not None:  # (with labels the model's loss needs the logits it keeps)
-            measured = {k: v for k, v in measured.items() if k not in ("logits_to_keep", "num_logits_to_keep")}
+            measured = {k: v for k, v in batch.items() if k not in ("logits_to_keep", "num_logits_to_keep")}
         self.profile = profile_model(controller, measured, ProfileOptions(loss_fn, optimizer, True, 1))
         self.without_optimizer = optimizer is WITHOUT_OPTIMIZER
         if optimizer is WITHOUT_OPTIMIZER:  # every plan's printout says what its peak holds
@@ -622,16 +621,6 @@ def _end(model: Any, getter: str) -> tuple[int, Any] | None:
     except (AttributeError, NotImplementedError):
         return None
     return id(module), getattr(getattr(module, "weight", None), "shape", None)
-
-
-def _every_label_counted(batch: dict[str, Any]) -> dict[str, Any]:
-    """The batch with every ignored label replaced by a counted one, for measuring: the chunked head holds and computes
-    per counted token, so a first step with few (a completion-only mask) or none priced it for every later step at
-    that fraction (a step with every label counted then went 1.24x over). Each token counted is the most any step of
-    its length holds; the plain head holds the same either way."""
-    ignored = batch.get("ignore_index", IGNORE_INDEX)
-    counted = lambda labels: torch.where(labels == ignored, 0, labels) if isinstance(labels, torch.Tensor) else labels
-    return {**batch, **{k: counted(batch[k]) for k in ("labels", "shift_labels") if k in batch}}
 
 
 def logits_loss(outputs: Any, batch: Mapping[str, Any]) -> torch.Tensor:

@@ -404,7 +404,8 @@ class CheckpointedModel(nn.Module):
         """Measure on `batch` once, for `.plan(budget, scope=..., tokens=...)` at any budget; `optimizer`
         adds the whole step's peak (`scope="step"`). `loss_fn(outputs, batch)` gives the loss where the batch has
         no labels; `repeats`: timed steps per timed map (more steady prices, longer); `progress` shows a progress bar.
-        Everything is left as it was (`remat.planner`)."""
+        With head="chunked" every label counts (ignored ones too: the most a step of its length holds). Everything is
+        left as it was (`remat.planner`)."""
         from .planner import ProfileOptions, profile_model
 
         self._controller.check_layers("profile()")

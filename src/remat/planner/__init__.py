@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..compat.transformers_compat import native_every_n
+from ..head import every_label_counted
 from .chooser import LayerChoice, Measurements
 from .measuring import Controlled, ProfileOptions, check_measurable, measure
 from .profile import PlannedConfig, Profile
@@ -19,8 +20,8 @@ from .state import ModelState
 def profile_model(state: Controlled, batch: Mapping[str, Any], options: ProfileOptions) -> Profile:
     """Measure the controller's model on `batch` (`remat.planner.measuring`), refusing first what cannot be."""
     check_measurable(state, batch, options.loss_fn)  # (a dict of the model's inputs first)
-    batch = dict(batch)
     config = state.config
+    batch = every_label_counted(batch) if config.head == "chunked" else dict(batch)
     measured = ModelState.of(state.model, config, len(state.checkpoint_map))
     started = time.perf_counter()
     measurements, notes = measure(state, batch, options)
