@@ -1093,6 +1093,27 @@ def test_a_first_step_with_every_label_ignored_prices_the_chunked_head_for_steps
     assert step_peak_bytes(cm, counted, no_state) <= budget
 
 
+def test_a_chunked_head_profiled_on_a_long_first_step_fits_it_and_every_shorter_step_under_the_budget():
+    """The chunked head's options were priced as differences from the profiled head's step and kept so at any tokens,
+    and the recomputes' floor took no smaller chunk's saving: a first step of 256 tokens was refused under 1.8 MB
+    though a map fits it in 1.74 MB (MemTracker), and the next step, of 128 tokens, ran chunked(126) at 3.0 MB, 1.67x
+    the budget. Each step now runs, at or under the budget."""
+    from independent_memory import step_peak_bytes
+
+    budget = 1_800_000
+    cm = CheckpointedModel(
+        add_lora(tiny_model(num_hidden_layers=4, vocab_size=1024, attention_dropout=0.0), dropout=0.0),
+        CheckpointConfig(budget=budget, head="chunked"),
+    )
+    no_state = torch.optim.SGD([p for p in cm.parameters() if p.requires_grad], lr=0.0)
+    cm.set_optimizer(no_state)
+    for seq in (64, 32, 16):
+        data = batch(size=4, seq=seq, seed=seq)
+        cm(**data).loss.backward()
+        cm.zero_grad(set_to_none=True)
+        assert step_peak_bytes(cm, data, no_state) <= budget, (seq, cm.checkpoint_map.head.label)
+
+
 def test_a_budgets_training_forwards_run_without_the_kv_cache_whatever_the_map(caplog):
     """With the model's `use_cache=True` (from_config's and from_pretrained's default) a packed row without an attention
     mask attends across its sequences unless transformers sees a checkpointed layer (it turns the cache off then):
