@@ -272,11 +272,13 @@ class Measurements:
                     fitted = max(fitted, fixed + grow(now - fixed, shorter - fixed))
                 if tokens <= self.tokens:
                     return fitted
-                constant = fixed + gradients
-                return max(fitted, now, constant + round((now - constant) * ratio) if 0 < constant <= now else 0)
+                return max(fitted, _in_proportion(now, fixed + gradients, ratio))
 
             extras = {k: extra(v, before[k]) if k in before else v for k, v in step.extras.items()}
             step = StepMemory(extras, fixed, grow(step.optimizer, short.step.optimizer), gradients)
+        elif step and tokens > self.tokens:  # one length measured (images, audio): kept flat, 1.46x under at 4x pixels
+            grown = {k: _in_proportion(v, step.fixed + step.gradients, ratio) for k, v in step.extras.items()}
+            step = replace(step, extras=grown)
         outside = Outside(*map(grow, self.outside, short.outside if short else (None, None)))
         base_seconds, time = self.base_seconds * ratio, self.time and self.time.scaled(ratio)
         # a moment hidden under the head's at the profile's tokens (a layer's recompute) grows as a layer's whole
@@ -292,6 +294,13 @@ class Measurements:
         return Measurements(
             layers, self.names, self.options, outside, alone, base_seconds, tokens, step, time, head=head
         )
+
+
+def _in_proportion(now: int, constant: int, ratio: float) -> int:
+    """A step's extra at `ratio` (> 1) times the tokens: what it holds beyond `constant` (weights, buffers, optimizer
+    state, gradients: no token count changes them) grown in proportion, never less than now (`constant` 0: not
+    known, kept as it is)."""
+    return max(now, constant + round((now - constant) * ratio)) if 0 < constant <= now else now
 
 
 def _fit(x1: int, y1: int, x2: int, y2: int, x: int, square: float | None = None) -> int:
