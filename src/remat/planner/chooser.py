@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 from ..arguments import parse_count
@@ -79,6 +79,8 @@ class HeadProfile:
     chunk_seconds: float
     # the extras of (plain, *points) measured with the last layer "none" (None: not measured)
     extras_none: tuple[int, ...] | None = None
+    # priced for more tokens, or longer rows, than measured (never saved: a saved profile is as measured)
+    grown: bool = field(default=False, metadata={"saved": False})
 
     def choices(self) -> list[HeadChoice]:
         own = self._seconds(self.profiled)
@@ -106,46 +108,23 @@ class HeadProfile:
     def _seconds(self, chunk: int | None) -> float:
         return 0.0 if chunk is None else self.recompute_seconds + self.chunk_seconds * math.ceil(self.counted / chunk)
 
-    def scaled(self, ratio: float, extra: Growth | None, extra_none: Growth | None) -> HeadProfile:
+    def scaled(self, ratio: float, shrunk: int, shrunk_none: int, grown: bool) -> HeadProfile:
         """For `ratio` times the tokens: the counted tokens, a plain head's logits and the recompute grow. A chunk's
-        extra is a difference from the profiled head's step, whose extra (`extra`; with the last layer "none",
-        `extra_none`) grows with the tokens where a chunk's own buffers do not: kept as a difference, a chunk's step
-        was priced 2.5x over at 8x the tokens, and 4.6x under at half. A chunk's whole extra now grows as the profiled
-        head's does beyond what no token count changes, and never shrinks (fewer tokens keep the chunk's buffers)."""
+        extra is a difference from the profiled head's step. Where that step's extra shrank (by `shrunk`; with the
+        last layer "none", `shrunk_none`), a chunk keeps its whole (its buffers do not shrink; kept as a difference,
+        plans for half the tokens were 1.8-4.6x under). Where it grew (`grown`: more tokens, or longer rows), the
+        difference stays and the recomputes' floor takes no chunk's saving: a chunk's whole grown as the profiled
+        step's or the layers' activations fell short of eager attention's scores at longer rows (1.45x under)."""
         nones = self.extras_none
         return replace(
             self,
             counted=max(1, round(self.counted * ratio)),
             plain=(round(self.plain[0] * ratio), round(self.plain[1] * ratio)),
-            points=tuple((size, outside, _regrown(diff, extra)) for size, outside, diff in self.points),
+            points=tuple((size, outside, diff + shrunk) for size, outside, diff in self.points),
             recompute_seconds=self.recompute_seconds * ratio,
-            extras_none=nones and (round(nones[0] * ratio), *(_regrown(diff, extra_none) for diff in nones[1:])),
+            extras_none=nones and (round(nones[0] * ratio), *(diff + shrunk_none for diff in nones[1:])),
+            grown=grown,
         )
-
-
-class Growth(NamedTuple):
-    """How a step's extra grew from the profile's tokens to a plan's: `before`, `after`, `constant` (the part no
-    token count changes: weights, buffers, optimizer state), and `least`, what the layers' activations grew by
-    (at least the tokens' ratio)."""
-
-    before: int
-    after: int
-    constant: int
-    least: float
-
-
-def _regrown(diff: int, growth: Growth | None) -> int:
-    """A head option's extra, a difference from `growth.before`, as a difference from `growth.after`. The option's
-    whole extra grows beyond the constant as the profiled head's did, and at least with the tokens: a moment that
-    peaked below another at the profile's tokens (a full fine-tune's backward, holding part of the gradients and the
-    activations, under its end, holding all the gradients) grows with the activations alone, and priced above the
-    gradients too it read 1.08x under at 2x. Fewer tokens keep the whole (a chunk's buffers do not shrink)."""
-    if growth is None or growth.before <= 0 or growth.after <= growth.before:
-        return diff if growth is None else diff + growth.before - growth.after
-    before, after, constant, least = growth
-    whole = before + diff
-    constant = constant if 0 < constant < before and constant <= whole else 0
-    return round(constant + (whole - constant) * max(least, (after - constant) / (before - constant))) - after
 
 
 @dataclass(frozen=True)
@@ -281,16 +260,13 @@ class Measurements:
             step = replace(step, extras=grown)
         outside = Outside(*map(grow, self.outside, short.outside if short else (None, None)))
         base_seconds, time = self.base_seconds * ratio, self.time and self.time.scaled(ratio)
-        # a moment hidden under the head's at the profile's tokens (a layer's recompute) grows as a layer's whole
-        # activations do: with the square of longer rows (1.03x under at 2x the length, by the tokens alone)
-        kept = lambda found: sum(p.held["none"][0] for p in found if "none" in p.held)
-        least = max(ratio, kept(layers) / kept(self.layers) if kept(self.layers) else ratio)
-        growth = lambda key: (
-            Growth(self.step.extras[key], step.extras[key], step.fixed, least)
-            if self.step and step and key in step.extras
-            else None
+        shrunk = lambda key: (
+            max(0, self.step.extras[key] - step.extras[key])
+            if self.step and step and key in step.extras and key in self.step.extras
+            else 0
         )
-        head = self.head and self.head.scaled(ratio, growth(("recompute", True)), growth(("none", True)))
+        grown = tokens > self.tokens or longer
+        head = self.head and self.head.scaled(ratio, shrunk(("recompute", True)), shrunk(("none", True)), grown)
         return Measurements(
             layers, self.names, self.options, outside, alone, base_seconds, tokens, step, time, head=head
         )
@@ -451,6 +427,7 @@ def _recompute_floor(m: Measurements, c: Combination) -> int:
     kept = zip(m.layers[:last], policies[:last], inputs, strict=False)
     excess = sum(max(0, p.held[name][0] - held) for p, name, held in kept)
     head = 0 if c.head is None else c.head.outside + c.head.extra  # measured with every layer recomputed, as P_R
+    head = max(0, head) if m.head is not None and m.head.grown else head  # (a smaller chunk's saving: as measured)
     return m.outside.checkpointing + sum(inputs) + m.step.extras[key] + excess + head
 
 

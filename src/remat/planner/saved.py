@@ -44,7 +44,8 @@ def machine() -> dict[str, Any]:
 
 def _encode(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        saved = (f for f in dataclasses.fields(value) if f.metadata.get("saved", True))
+        fields = {f.name: _encode(getattr(value, f.name)) for f in saved}
         return {"type": type(value).__name__, "fields": fields}
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a NamedTuple
         fields = {k: _encode(v) for k, v in zip(value._fields, value, strict=True)}
