@@ -256,8 +256,9 @@ class Measurements:
             extras = {k: extra(v, before[k]) if k in before else v for k, v in step.extras.items()}
             step = StepMemory(extras, fixed, grow(step.optimizer, short.step.optimizer), gradients)
         elif step and tokens > self.tokens:  # one length measured (images, audio): kept flat, 1.46x under at 4x pixels
-            grown = {k: _in_proportion(v, step.fixed + step.gradients, ratio) for k, v in step.extras.items()}
-            step = replace(step, extras=grown)
+            step = replace(
+                step, extras={k: _in_proportion(v, step.fixed + step.gradients, ratio) for k, v in step.extras.items()}
+            )
         outside = Outside(*map(grow, self.outside, short.outside if short else (None, None)))
         base_seconds, time = self.base_seconds * ratio, self.time and self.time.scaled(ratio)
         shrunk = lambda key: (
