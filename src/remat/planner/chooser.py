@@ -261,11 +261,8 @@ class Measurements:
             )
         outside = Outside(*map(grow, self.outside, short.outside if short else (None, None)))
         base_seconds, time = self.base_seconds * ratio, self.time and self.time.scaled(ratio)
-        shrunk = lambda key: (
-            max(0, self.step.extras[key] - step.extras[key])
-            if self.step and step and key in step.extras and key in self.step.extras
-            else 0
-        )
+        # (the scaled extras have the measured ones' keys)
+        shrunk = lambda key: max(0, self.step.extras[key] - step.extras[key]) if step and key in step.extras else 0
         grown = tokens > self.tokens or longer
         head = self.head and self.head.scaled(ratio, shrunk(("recompute", True)), shrunk(("none", True)), grown)
         return Measurements(
@@ -428,7 +425,7 @@ def _recompute_floor(m: Measurements, c: Combination) -> int:
     kept = zip(m.layers[:last], policies[:last], inputs, strict=False)
     excess = sum(max(0, p.held[name][0] - held) for p, name, held in kept)
     head = 0 if c.head is None else c.head.outside + c.head.extra  # measured with every layer recomputed, as P_R
-    head = max(0, head) if m.head is not None and m.head.grown else head  # (a smaller chunk's saving: as measured)
+    head = max(0, head) if m.head and m.head.grown else head  # (a smaller chunk's saving holds where measured)
     return m.outside.checkpointing + sum(inputs) + m.step.extras[key] + excess + head
 
 
